@@ -1,0 +1,117 @@
+"""Architecture adapters: where each family keeps its attention tensors, as data.
+
+An adapter names module paths with a ``{layer}`` placeholder (and ``{head}`` for per-head modules);
+``.weight`` / ``.bias`` are appended when tensors are looked up, and a bias that a checkpoint does not
+have is simply not there. Adding a family is adding one entry to :data:`ADAPTERS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gqakit.errors import GqakitError, did_you_mean
+
+_ATTN = "model.layers.{layer}.self_attn"
+
+
+@dataclass(frozen=True)
+class ArchAdapter:
+    """Where one family keeps its attention tensors, and what its attention does with them.
+
+    Attributes:
+        model_type: ``config.model_type`` this adapter serves.
+        q, k, v, o: module paths of the query, key, value and output projections. ``k``/``v`` are
+            None when the family fuses them into ``qkv``.
+        qkv: module path of a fused projection whose rows are ``q | k | v`` (phi3).
+        k_norm_flat: a norm over all KV heads' channels at once, weight ``[kv_heads * head_dim]``
+            (olmo2), which must be regrouped like a bias.
+        q_norm_flat: the query-side counterpart, ``[heads * head_dim]`` (olmo2); only head
+            permutations touch it.
+        k_norm_per_head / q_norm_per_head: one norm module per head, ``{head}`` in the path (stablelm
+            with ``qk_layernorm``).
+        keys_normalized_per_head: keys pass through a per-head norm after projection (qwen3, gemma3,
+            olmo2, stablelm): a linear key merge is then not exact.
+        rotary: keys get rotary embeddings; ``partial_rotary`` names how the config states the
+            rotary fraction when it is not all of head_dim.
+    """
+
+    model_type: str
+    q: str | None = f"{_ATTN}.q_proj"
+    k: str | None = f"{_ATTN}.k_proj"
+    v: str | None = f"{_ATTN}.v_proj"
+    o: str = f"{_ATTN}.o_proj"
+    qkv: str | None = None
+    k_norm_flat: str | None = None
+    q_norm_flat: str | None = None
+    k_norm_per_head: str | None = None
+    q_norm_per_head: str | None = None
+    keys_normalized_per_head: bool = False
+    rotary: bool = True
+    partial_rotary: bool = False
+
+    def layer(self, template: str | None, layer: int, **kw: int) -> str | None:
+        return None if template is None else template.format(layer=layer, **kw)
+
+
+def _adapter(model_type: str, **kw: object) -> ArchAdapter:
+    return ArchAdapter(model_type=model_type, **kw)  # type: ignore[arg-type]
+
+
+ADAPTERS: dict[str, ArchAdapter] = {
+    a.model_type: a
+    for a in (
+        _adapter("llama"),
+        _adapter("mistral"),
+        _adapter("qwen2"),  # q/k/v biases: picked up as .bias tensors
+        _adapter("qwen3", keys_normalized_per_head=True),  # q_norm/k_norm over head_dim, shared by heads
+        _adapter("gemma"),
+        _adapter("gemma2"),
+        _adapter("gemma3_text", keys_normalized_per_head=True),
+        _adapter("phi3", q=None, k=None, v=None, qkv=f"{_ATTN}.qkv_proj"),
+        _adapter("phi", o=f"{_ATTN}.dense", partial_rotary=True),
+        _adapter("olmo"),
+        _adapter(
+            "olmo2",
+            k_norm_flat=f"{_ATTN}.k_norm",
+            q_norm_flat=f"{_ATTN}.q_norm",
+            keys_normalized_per_head=True,
+        ),
+        _adapter("granite"),
+        _adapter("starcoder2"),
+        _adapter(
+            "stablelm",
+            k_norm_per_head=f"{_ATTN}.k_layernorm.norms.{{head}}",
+            q_norm_per_head=f"{_ATTN}.q_layernorm.norms.{{head}}",
+            keys_normalized_per_head=True,
+            partial_rotary=True,
+        ),
+    )
+}
+
+# Families whose transformers attention has one K/V head per query head and no num_key_value_heads:
+# a checkpoint with fewer K/V heads would not load in them, so converting would produce nothing usable.
+UNSUPPORTED: dict[str, str] = {
+    "gpt2": "GPT-2 attention has a fused c_attn with one K/V head per query head",
+    "gpt_neox": "GPT-NeoX attention has a fused query_key_value with one K/V head per query head",
+    "opt": "OPT attention has one K/V head per query head",
+    "bloom": "BLOOM attention has a fused query_key_value with one K/V head per query head",
+    "gptj": "GPT-J attention has one K/V head per query head",
+    "falcon": "Falcon's transformers attention ties K/V heads to its own multi_query and "
+    "new_decoder_architecture flags, not to num_key_value_heads",
+    "t5": "T5 is an encoder-decoder whose attention has one K/V head per query head",
+    "bert": "BERT is an encoder whose attention has one K/V head per query head",
+}
+
+
+def get_adapter(model_type: str) -> ArchAdapter:
+    """Return the adapter for ``model_type`` or raise a :class:`GqakitError` that says what to do."""
+    if model_type in ADAPTERS:
+        return ADAPTERS[model_type]
+    supported = ", ".join(sorted(ADAPTERS))
+    if model_type in UNSUPPORTED:
+        raise GqakitError(
+            f"model_type {model_type!r} cannot run with fewer K/V heads in transformers: "
+            f"{UNSUPPORTED[model_type]}. Supported families: {supported}."
+        )
+    hint = did_you_mean(model_type, list(ADAPTERS))
+    raise GqakitError(f"model_type {model_type!r} is not supported.{hint} Supported families: {supported}.")

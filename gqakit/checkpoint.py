@@ -1,0 +1,343 @@
+"""Checkpoint I/O shared by convert, uptrain and eval.
+
+Finding a checkpoint (a local directory, a ``.gguf`` file or a hub id), reading its tensors one at a
+time from safetensors or legacy ``.bin`` shards, writing an output directory atomically, and copying
+the files that are not weights. Nothing here knows about attention: that lives in ``gqakit.convert``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from gqakit.errors import GqakitError
+from gqakit.safetensors_io import DTYPE_NAMES, SafetensorsFile
+
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# Files we regenerate or that hold weights; everything else in SRC (tokenizer, generation config,
+# chat template, licence) is copied verbatim.
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+_NOT_COPIED_NAMES = {SAFE_INDEX, BIN_INDEX, "config.json", "gqakit.json", "README.md"}
+
+
+@dataclass
+class Shard:
+    """One weight file of a checkpoint and the tensor names it holds, in file order."""
+
+    file: str
+    names: list[str]
+
+
+@dataclass
+class Checkpoint:
+    """A local Hugging Face checkpoint directory, indexed but not loaded.
+
+    Attributes:
+        path: the directory.
+        config: ``config.json`` as a dict.
+        format: ``"safetensors"`` or ``"bin"``.
+        shards: weight files in order; one entry for an unsharded checkpoint.
+        index_file: the shard index, when the checkpoint is sharded.
+        origin: what the user named (a directory, a ``.gguf`` file or a hub id), for provenance.
+    """
+
+    path: Path
+    config: dict[str, Any]
+    format: str
+    shards: list[Shard]
+    index_file: Path | None = None
+    origin: str = ""
+    _infos: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict, repr=False)
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", ""))
+
+    def tensor_infos(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Name -> (safetensors dtype name, shape) for every tensor, read from headers only."""
+        if not self._infos:
+            with self.reader() as reader:
+                for shard in self.shards:
+                    for name in shard.names:
+                        self._infos[name] = reader.info(name)
+        return self._infos
+
+    def reader(self) -> TensorReader:
+        return TensorReader(self)
+
+
+class TensorReader:
+    """Reads tensors of a :class:`Checkpoint` by name, opening each shard once and lazily."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self._where = {n: s.file for s in ckpt.shards for n in s.names}
+        self._safe: dict[str, SafetensorsFile] = {}
+        self._bin: dict[str, dict[str, torch.Tensor]] = {}
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._safe.values():
+            f.close()
+        self._safe.clear()
+        self._bin.clear()
+
+    def shard_of(self, name: str) -> str:
+        return self._where[name]
+
+    def safetensors_file(self, shard_file: str) -> SafetensorsFile:
+        if shard_file not in self._safe:
+            self._safe[shard_file] = SafetensorsFile(self.ckpt.path / shard_file)
+        return self._safe[shard_file]
+
+    def _bin_dict(self, shard_file: str) -> dict[str, torch.Tensor]:
+        if shard_file not in self._bin:
+            path = self.ckpt.path / shard_file
+            try:
+                # mmap keeps the shard on disk; weights_only refuses pickled code.
+                self._bin[shard_file] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:  # torch raises many types for a bad pickle
+                raise GqakitError(f"{path} could not be read as a PyTorch checkpoint: {e}") from None
+        return self._bin[shard_file]
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        shard = self._where[name]
+        if self.ckpt.format == "safetensors":
+            t = self.safetensors_file(shard).tensors[name]
+            return t.dtype, t.shape
+        v = self._bin_dict(shard)[name]
+        return DTYPE_NAMES[v.dtype], tuple(v.shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        shard = self._where[name]
+        if self.ckpt.format == "safetensors":
+            return self.safetensors_file(shard).read(name)
+        return self._bin_dict(shard)[name].clone()
+
+    def copy_raw(self, name: str, out: BinaryIO) -> None:
+        """Copy a safetensors tensor's bytes straight into ``out``, without decoding them."""
+        self.safetensors_file(self._where[name]).copy_raw(name, out)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """Read ``config.json`` of a checkpoint directory, with a clear error when it is missing or bad."""
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise GqakitError(f"{path} has no config.json: point at a Hugging Face model directory.")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise GqakitError(f"{cfg} is not valid JSON: {e}") from None
+
+
+def _index_shards(path: Path, index_name: str) -> list[Shard]:
+    index_file = path / index_name
+    try:
+        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise GqakitError(f"{index_file} is not a valid shard index ({e!r}).") from None
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    missing = [f for f in by_file if not (path / f).is_file()]
+    if missing:
+        raise GqakitError(
+            f"{index_file} names shard(s) that are not in {path}: {', '.join(sorted(missing))}. "
+            "The download is incomplete; fetch the missing files."
+        )
+    return [Shard(f, names) for f, names in sorted(by_file.items())]
+
+
+def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
+    """Index a local checkpoint directory: config, weight format and shards (headers only)."""
+    path = Path(path)
+    config = read_config(path)
+    if (path / SAFE_INDEX).is_file():
+        fmt, shards, index = "safetensors", _index_shards(path, SAFE_INDEX), path / SAFE_INDEX
+    elif (path / "model.safetensors").is_file():
+        fmt, shards, index = "safetensors", [Shard("model.safetensors", [])], None
+    elif (path / BIN_INDEX).is_file():
+        fmt, shards, index = "bin", _index_shards(path, BIN_INDEX), path / BIN_INDEX
+    elif (path / "pytorch_model.bin").is_file():
+        fmt, shards, index = "bin", [Shard("pytorch_model.bin", [])], None
+    else:
+        raise GqakitError(
+            f"{path} has a config.json but no weights (model.safetensors, {SAFE_INDEX}, "
+            "pytorch_model.bin or its index)."
+        )
+    ckpt = Checkpoint(path, config, fmt, shards, index, origin or str(path))
+    reader = ckpt.reader()
+    with reader:
+        if fmt == "safetensors":
+            for shard in shards:
+                found = reader.safetensors_file(shard.file).tensors  # validates the header now
+                if index is None:
+                    shard.names = list(found)
+                else:
+                    absent = [n for n in shard.names if n not in found]
+                    if absent:
+                        raise GqakitError(
+                            f"{path / shard.file} lacks {len(absent)} tensor(s) that the index puts there "
+                            f"(first: {absent[0]!r}). The shard is corrupt or from another model."
+                        )
+                    shard.names = [n for n in found if n in set(shard.names)]
+        elif index is None:
+            shards[0].names = list(reader._bin_dict(shards[0].file))
+    return ckpt
+
+
+def dequantize_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None = None) -> None:
+    """Dequantize a ``.gguf`` model into an ordinary safetensors checkpoint with its tokenizer.
+
+    transformers dequantizes GGUF on load but marks the model as quantized, which makes
+    ``save_pretrained`` refuse; the weights are plain tensors by then, so we drop that state.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:
+        raise GqakitError(f"{gguf_path} could not be loaded as a GGUF model by transformers: {e}") from None
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+
+
+def _looks_like_hub_id(src: str) -> bool:
+    parts = src.split("/")
+    return len(parts) == 2 and all(parts) and not src.startswith((".", "~")) and os.sep == "/"
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"],
+        )
+    except Exception as e:
+        raise GqakitError(
+            f"{repo_id!r} is not a local path, and fetching it from the Hugging Face Hub failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). If you are offline, "
+            "download the model elsewhere and pass its local directory."
+        ) from None
+    return Path(local)
+
+
+@contextmanager
+def resolve_checkpoint(src: str | Path) -> Iterator[Checkpoint]:
+    """Yield a :class:`Checkpoint` for a directory, a ``.gguf`` file or a hub id.
+
+    A ``.gguf`` file is dequantized into a temporary directory that lives as long as the context.
+    """
+    text = str(src)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        with tempfile.TemporaryDirectory(prefix="gqakit-gguf-") as tmp:
+            dequantize_gguf(path, Path(tmp))
+            yield open_checkpoint_dir(Path(tmp), origin=str(path.resolve()))
+        return
+    if path.is_dir():
+        yield open_checkpoint_dir(path.resolve(), origin=str(path.resolve()))
+        return
+    if path.exists():
+        raise GqakitError(f"{path} is a file; give a model directory or a .gguf file.")
+    if _looks_like_hub_id(text):
+        local = _download_from_hub(text)
+        yield open_checkpoint_dir(local, origin=text)
+        return
+    raise GqakitError(f"{text} does not exist. Give a model directory, a .gguf file or a hub id (org/name).")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def copy_non_weight_files(src: Path, dst: Path) -> list[str]:
+    """Copy tokenizer, generation config and other small files; return their names."""
+    copied = []
+    for item in sorted(src.iterdir()):
+        if (
+            item.is_file()
+            and item.name not in _NOT_COPIED_NAMES
+            and not item.name.endswith(_NOT_COPIED_SUFFIXES)
+        ):
+            shutil.copy2(item, dst / item.name)
+            copied.append(item.name)
+    return copied
+
+
+def check_output_dir(dst: Path, force: bool, src: Path | None = None) -> Path:
+    """Refuse a DST inside SRC, or a non-empty DST without ``force``; return DST resolved."""
+    dst = Path(dst).expanduser().resolve()
+    if src is not None:
+        src = Path(src).resolve()
+        if dst == src or src in dst.parents:
+            raise GqakitError(f"Output {dst} is inside the source {src}: choose a directory outside it.")
+    if dst.exists() and not dst.is_dir():
+        raise GqakitError(f"Output {dst} exists and is a file: choose a directory path.")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise GqakitError(
+            f"Output {dst} exists and is not empty: pass --force to replace it, or choose another path."
+        )
+    return dst
+
+
+@contextmanager
+def atomic_output_dir(dst: Path, force: bool = False, src: Path | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling of ``dst`` to write into; rename it to ``dst`` only on success.
+
+    On any exception (bad input, Ctrl-C, a full disk) the temporary directory is removed and ``dst``
+    is left as it was. With ``force``, an existing ``dst`` is replaced only once the new one is complete.
+    """
+    dst = check_output_dir(dst, force, src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new directory
+    try:
+        yield tmp
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+            os.rename(dst, old / "x")
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

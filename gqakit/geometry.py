@@ -1,0 +1,69 @@
+"""Attention geometry read from a Hugging Face ``config.json``, and what it implies for the KV cache.
+
+::
+
+    MHA (H = 4, G = 4)      GQA (H = 4, G = 2)      MQA (H = 4, G = 1)
+    q0 q1 q2 q3             q0 q1 q2 q3             q0 q1 q2 q3
+    |  |  |  |              \\  /  \\  /               \\  \\  /  /
+    k0 k1 k2 k3               k0    k1                   k0
+
+Hugging Face's ``repeat_kv`` gives query head ``j`` the KV head ``j // (H / G)``, so a group is a run of
+consecutive query heads. A KV cache stores keys and values for every layer, KV head and token:
+``2 * layers * G * head_dim * bytes`` per token, so G sets the cache size directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gqakit.errors import GqakitError
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """The shape facts of a decoder's attention, as its config states them.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        num_layers: decoder layers.
+        hidden_size: model width.
+        num_heads: query heads H.
+        num_kv_heads: key/value heads G (H for MHA, 1 for MQA).
+        head_dim: channels per head (not always hidden_size / H: gemma).
+    """
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AttentionGeometry:
+        """Read the geometry from a config dict, applying transformers' own defaults."""
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            layers = int(config["num_hidden_layers"])
+        except KeyError as e:
+            raise GqakitError(
+                f"config.json has no {e.args[0]!r}: is this a decoder-only causal LM?"
+            ) from None
+        kv = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        return cls(str(config.get("model_type")), layers, hidden, heads, int(kv), int(head_dim))
+
+    @property
+    def queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def valid_groups(self) -> list[int]:
+        """The G that mean-pooling can reach from here: the divisors of the current KV heads."""
+        return [g for g in range(1, self.num_kv_heads + 1) if self.num_kv_heads % g == 0]
+
+    def kv_bytes_per_token(self, groups: int | None = None, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes one token costs over all layers, for ``groups`` KV heads (default: current)."""
+        g = self.num_kv_heads if groups is None else groups
+        return 2 * self.num_layers * g * self.head_dim * dtype_bytes

@@ -1,0 +1,258 @@
+"""Streaming safetensors: read one tensor at a time, write one tensor at a time.
+
+The format is an 8-byte little-endian header length, a JSON header mapping each tensor name to its
+dtype, shape and byte range, then the raw bytes. Because the header states every offset up front, we
+can (a) validate a file without reading its data, (b) copy an unchanged tensor byte-for-byte from one
+file to another without ever decoding it, and (c) write an output shard tensor by tensor, so peak
+memory is one tensor rather than one shard (``safetensors.torch.save_file`` holds a copy of the whole
+shard as ``bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from gqakit.errors import GqakitError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+_MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
+_COPY_CHUNK = 64 * 1024 * 1024
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name."""
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: dtype name, shape and absolute byte range in its file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class SafetensorsFile:
+    """A validated safetensors file whose tensors are read on demand.
+
+    Opening parses and checks the header only: every dtype is known, every byte range matches its
+    shape and lies inside the file. A truncated or corrupt file raises :class:`GqakitError`.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.tensors, self.metadata = _read_header(self.path)
+        self._fh: BinaryIO | None = None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def _handle(self) -> BinaryIO:
+        if self._fh is None:
+            self._fh = open(self.path, "rb")  # noqa: SIM115 - kept open across reads, closed in close()
+        return self._fh
+
+    def read(self, name: str) -> torch.Tensor:
+        """Read one tensor into memory (a fresh, writable CPU tensor)."""
+        info = self.tensors[name]
+        fh = self._handle()
+        fh.seek(info.start)
+        buf = bytearray(info.nbytes)
+        got = fh.readinto(buf)
+        if got != info.nbytes:
+            raise GqakitError(f"{self.path}: tensor {name!r} is truncated ({got} of {info.nbytes} bytes).")
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=DTYPES[info.dtype])
+        return torch.frombuffer(buf, dtype=torch.uint8).view(DTYPES[info.dtype]).reshape(info.shape)
+
+    def copy_raw(self, name: str, out: BinaryIO) -> None:
+        """Copy one tensor's bytes into ``out`` without decoding them."""
+        info = self.tensors[name]
+        _copy_range(self._handle(), info.start, info.nbytes, out)
+
+
+def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    size = path.stat().st_size
+    bad = f"{path} is not a valid safetensors file"
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise GqakitError(f"{bad}: it is {size} bytes long (truncated or empty). Re-download it.")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise GqakitError(f"{bad}: its header claims {n} bytes but the file has {size}. Re-download it.")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise GqakitError(f"{bad}: its header is not JSON ({e}). Re-download it.") from None
+    if not isinstance(header, dict):
+        raise GqakitError(f"{bad}: its header is not a JSON object. Re-download it.")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise GqakitError(f"{bad}: the header entry for {name!r} is malformed. Re-download it.") from None
+        if dtype not in DTYPES:
+            raise GqakitError(f"{bad}: tensor {name!r} has unsupported dtype {dtype!r}.")
+        info = TensorInfo(dtype, shape, data_start + begin, data_start + end)
+        if info.nbytes != info.numel * dtype_size(dtype) or info.end > size:
+            raise GqakitError(
+                f"{bad}: tensor {name!r} needs bytes up to {info.end} but the file has {size} "
+                "(truncated download?). Re-download it."
+            )
+        tensors[name] = info
+    return tensors, metadata
+
+
+def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO) -> None:
+    """Copy bytes between files, inside the kernel where the platform allows it."""
+    out.flush()
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < length:
+                n = os.copy_file_range(src.fileno(), out.fileno(), length - done, offset + done)
+                if n == 0:
+                    break
+                done += n
+        except OSError:
+            pass  # e.g. across filesystems on old kernels: the read/write loop below finishes the job
+        out.seek(0, os.SEEK_END)  # copy_file_range moved the descriptor; resync the buffered object
+    src.seek(offset + done)
+    while done < length:
+        chunk = src.read(min(_COPY_CHUNK, length - done))
+        if not chunk:
+            raise GqakitError(f"{getattr(src, 'name', 'input')}: unexpected end of file while copying.")
+        out.write(chunk)
+        done += len(chunk)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the writer needs to lay out one output tensor before any data exists."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_size(self.dtype)
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class SafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in the order the specs were given.
+
+    The header is written first (all offsets are known from the specs), then each call to
+    :meth:`write_tensor` or :meth:`copy_from` appends the next tensor's bytes.
+    """
+
+    def __init__(self, path: str | Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.specs = specs
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        for spec in specs:
+            header[spec.name] = {
+                "dtype": spec.dtype,
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as the reference writer does
+        self._fh = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._fh.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def _expect(self, name: str) -> TensorSpec:
+        if self._next >= len(self.specs) or self.specs[self._next].name != name:
+            want = self.specs[self._next].name if self._next < len(self.specs) else "nothing"
+            raise RuntimeError(f"writer expected {want!r}, got {name!r}")
+        self._next += 1
+        return self.specs[self._next - 1]
+
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self._expect(name)
+        if tuple(tensor.shape) != spec.shape or DTYPE_NAMES[tensor.dtype] != spec.dtype:
+            raise RuntimeError(
+                f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {spec.shape} {spec.dtype}"
+            )
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self._fh.write(memoryview(data))
+
+    def copy_from(self, name: str, write_into: Callable[[BinaryIO], object]) -> None:
+        """Let ``write_into`` append the next tensor's raw bytes (already in the planned layout)."""
+        spec = self._expect(name)
+        before = self._fh.tell()
+        write_into(self._fh)
+        if self._fh.tell() - before != spec.nbytes:
+            raise RuntimeError(f"{name}: copied {self._fh.tell() - before} bytes, planned {spec.nbytes}")
+
+    def close(self) -> None:
+        if self._next != len(self.specs) and not self._fh.closed:
+            self._fh.close()
+            raise RuntimeError(f"{self.path}: {len(self.specs) - self._next} tensors were never written")
+        self._fh.close()
+
+
+def save_state_dict(
+    tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write an in-memory state dict (tests, small models) with the streaming writer."""
+    specs = [TensorSpec(k, DTYPE_NAMES[v.dtype], tuple(v.shape)) for k, v in tensors.items()]
+    writer = SafetensorsWriter(path, specs, metadata)
+    for k, v in tensors.items():
+        writer.write_tensor(k, v)
+    writer.close()
