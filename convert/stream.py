@@ -20,7 +20,7 @@ from gqakit.safetensors_io import SafetensorsWriter, TensorSpec
 
 
 def output_shard_name(input_name: str) -> str:
-    """``pytorch_model-00001-of-00002.bin`` -> ``model-00001-of-00002.safetensors``; others keep their name."""
+    """``pytorch_model-00001-of-00002.bin`` -> ``model-00001-of-00002.safetensors``; others unchanged."""
     if input_name.endswith(".bin"):
         return input_name.replace("pytorch_model", "model", 1)[: -len(".bin")] + ".safetensors"
     return input_name

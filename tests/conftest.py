@@ -1,0 +1,31 @@
+"""Shared test setup: offline hubs, tiny checkpoints, and the gpu skip."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Everything tested runs offline: no test may reach a model or dataset hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    """A saved 2-layer llama with 4 query heads and 4 K/V heads, with its tokenizer."""
+    from gqakit.testing import save_tiny_model
+
+    return save_tiny_model(tmp_path / "tiny-llama", "llama", heads=4, kv_heads=4)
