@@ -18,6 +18,7 @@ from gqakit.checkpoint import (
     sha256_file,
     write_json,
 )
+from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.plan import OutputTensor, RegroupSpec, plan_regroup
 from gqakit.convert.pooling import METHODS
 from gqakit.convert.registry import get_adapter
@@ -25,6 +26,11 @@ from gqakit.convert.stream import write_plan
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 from gqakit.safetensors_io import DTYPES
+
+# Every --method of convert: the pooling methods, and the activation-aware merge (gqakit.convert.merge).
+CONVERT_METHODS: tuple[str, ...] = (*METHODS, "calibrated")
+# Methods that --grouping similarity can combine with (random ignores the weights, so grouping is moot).
+SIMILARITY_METHODS: tuple[str, ...] = ("mean", "first", "calibrated")
 
 # CLI dtype names -> safetensors dtype names (None: keep each tensor's own).
 DTYPE_CHOICES: dict[str, str | None] = {"keep": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -37,10 +43,17 @@ class ConvertOptions:
 
     Attributes:
         groups: K/V heads in the output (G). 1 is MQA.
-        method: ``mean`` (the paper's), ``first`` or ``random``.
+        method: ``mean`` (the paper's), ``first``, ``random``, or ``calibrated`` (activation-aware
+            merge with q/o compensation; needs ``calib_data``).
         dtype: ``keep``, ``bfloat16``, ``float16`` or ``float32`` for every floating tensor.
         seed: seed for ``random``.
         force: replace a non-empty output directory.
+        calib_data: calibration text (``.txt``/``.jsonl``/``.parquet``) for ``calibrated`` and
+            ``similarity``.
+        calib_tokens: calibration tokens to run through the model.
+        grouping: ``contiguous`` (what ``repeat_kv`` implies) or ``similarity`` (groups chosen by the
+            merge's reconstruction error on the calibration data, heads reordered to match).
+        device: where calibration runs: ``auto``, ``cpu``, ``cuda``...
     """
 
     groups: int
@@ -48,15 +61,55 @@ class ConvertOptions:
     dtype: str = "keep"
     seed: int = 0
     force: bool = False
+    calib_data: str | None = None
+    calib_tokens: int = 4096
+    grouping: str = "contiguous"
+    device: str = "auto"
+
+    @property
+    def merged(self) -> bool:
+        """True when this conversion goes through the merge path (calibration and/or head grouping)."""
+        return self.method == "calibrated" or self.grouping == "similarity"
 
     def validate(self) -> None:
         problems = []
         if self.groups <= 0:
             problems.append(f"--groups must be a positive number of K/V heads, got {self.groups}.")
-        if self.method not in METHODS:
-            problems.append(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}.")
+        if self.method not in CONVERT_METHODS:
+            problems.append(
+                f"--method {self.method!r} is unknown; choose one of {', '.join(CONVERT_METHODS)}."
+            )
         if self.dtype not in DTYPE_CHOICES:
             problems.append(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
+        if self.grouping not in GROUPINGS:
+            problems.append(f"--grouping {self.grouping!r} is unknown; choose one of {', '.join(GROUPINGS)}.")
+        if self.calib_tokens <= 0:
+            problems.append(f"--calib-tokens must be a positive number of tokens, got {self.calib_tokens}.")
+        needs = [
+            w
+            for w, on in (
+                ("--method calibrated", self.method == "calibrated"),
+                ("--grouping similarity", self.grouping == "similarity"),
+            )
+            if on
+        ]
+        if needs and not self.calib_data:
+            problems.append(
+                f"{' and '.join(needs)} need calibration text: pass --calib-data FILE (.txt, .jsonl or "
+                ".parquet), e.g. the train split of `gqakit assets fetch wiki-en`."
+            )
+        if self.calib_data and not needs:
+            problems.append(
+                f"--calib-data is only used by --method calibrated or --grouping similarity; add one of "
+                f"them, or drop --calib-data for --method {self.method}."
+            )
+        if self.calib_data and not Path(self.calib_data).expanduser().is_file():
+            problems.append(f"--calib-data {self.calib_data} does not exist or is not a file.")
+        if self.grouping == "similarity" and self.method not in SIMILARITY_METHODS and self.method in METHODS:
+            problems.append(
+                f"--grouping similarity cannot be combined with --method {self.method}; use one of "
+                f"{', '.join(SIMILARITY_METHODS)}."
+            )
         if problems:
             raise GqakitError(" ".join(problems))
 
@@ -121,8 +174,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
             std=float(ckpt.config.get("initializer_range", 0.02)),
             out_dtype=DTYPE_CHOICES[options.dtype],
         )
-        plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
-        record = {
+        record: dict[str, Any] = {
             "command": "convert",
             "groups": options.groups,
             "method": options.method,
@@ -130,9 +182,34 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
         }
         if options.method == "random":
             record["seed"] = options.seed
+        if options.merged:
+            plan, merge_record = plan_with_merges(ckpt, adapter, geom, spec, options)
+            record.update(merge_record)
+        else:
+            plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
         return write_converted(
             ckpt, dst, plan, geom, options.groups, spec.out_dtype, options.force, record, start
         )
+
+
+def plan_with_merges(
+    ckpt: Checkpoint,
+    adapter,
+    geom: AttentionGeometry,
+    spec: RegroupSpec,
+    options: ConvertOptions,
+    stats=None,
+) -> tuple[list[OutputTensor], dict[str, Any]]:
+    """Calibrate (unless ``stats`` is given), fit the merges, and plan; return the plan and its record."""
+    from gqakit.convert.calibrate import calibrate, fit_layer_merges, merge_report, plan_merged
+
+    if stats is None and options.calib_data:
+        stats = calibrate(ckpt, adapter, geom, options.calib_data, options.calib_tokens, options.device)
+    merges, key_merge = fit_layer_merges(
+        ckpt, adapter, geom, stats, options.groups, options.method, options.grouping
+    )
+    plan = plan_merged(ckpt.tensor_infos(), adapter, geom, spec, merges)
+    return plan, merge_report(options.method, options.grouping, key_merge, stats, merges).to_record()
 
 
 def expand_checkpoint(
@@ -183,6 +260,8 @@ def write_converted(
             "version": __version__,
             **record,
             "source": ckpt.origin,
+            # a .gguf source is hashed itself: the config we read was derived from it
+            "source_file_sha256": sha256_file(Path(ckpt.origin)) if Path(ckpt.origin).is_file() else None,
             "source_config_sha256": sha256_file(ckpt.path / "config.json"),
             "source_index_sha256": sha256_file(ckpt.index_file) if ckpt.index_file else None,
             "model_type": ckpt.model_type,
@@ -316,6 +395,7 @@ def inspect_checkpoint(src: str | Path) -> Inspection:
 
 
 __all__ = [
+    "CONVERT_METHODS",
     "DTYPE_CHOICES",
     "DTYPES",
     "ConvertOptions",
@@ -325,5 +405,6 @@ __all__ = [
     "convert_checkpoint",
     "expand_checkpoint",
     "inspect_checkpoint",
+    "plan_with_merges",
     "write_converted",
 ]

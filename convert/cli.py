@@ -1,17 +1,20 @@
-"""Click commands for convert, expand and inspect: parse, call one typed function, print."""
+"""Click commands for convert, expand, inspect and probe: parse, call one typed function, print."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
 from gqakit.convert.api import (
+    CONVERT_METHODS,
     DTYPE_CHOICES,
     ConvertOptions,
     convert_checkpoint,
     expand_checkpoint,
     inspect_checkpoint,
 )
-from gqakit.convert.pooling import METHODS
+from gqakit.convert.grouping import GROUPINGS
 
 
 @click.command("convert")
@@ -20,10 +23,14 @@ from gqakit.convert.pooling import METHODS
 @click.option("--groups", "-g", type=int, required=True, help="K/V heads in the output (1 = MQA).")
 @click.option(
     "--method",
-    type=click.Choice(METHODS),
+    type=click.Choice(CONVERT_METHODS),
     default="mean",
     show_default=True,
-    help="mean: average each group (the paper); first: keep its first head; random: fresh init.",
+    help="mean: average each group (the paper); first: keep its first head; random: fresh init; "
+    "calibrated: merge each group to fit its outputs on --calib-data and fold the difference into "
+    "q_proj (keys, per RoPE frequency) and o_proj (values). Families that normalize keys per head "
+    "(qwen3, gemma3, olmo2, stablelm/phi with qk_layernorm) fall back to mean for keys; values stay "
+    "calibrated; gqakit.json records this as key_merge.",
 )
 @click.option(
     "--dtype",
@@ -33,13 +40,43 @@ from gqakit.convert.pooling import METHODS
     help="Output dtype of floating tensors (pooling runs in float32).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --method random.")
+@click.option(
+    "--calib-data",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Calibration text (.txt, .jsonl, .parquet) for --method calibrated and --grouping similarity.",
+)
+@click.option("--calib-tokens", type=int, default=4096, show_default=True, help="Calibration tokens to run.")
+@click.option(
+    "--grouping",
+    type=click.Choice(GROUPINGS),
+    default="contiguous",
+    show_default=True,
+    help="contiguous: heads g*r..g*r+r-1 share a group (what repeat_kv implies); similarity: choose "
+    "equal-sized groups by the merge's error on --calib-data and reorder whole heads to match.",
+)
+@click.option("--device", default="auto", show_default=True, help="Where calibration runs (auto, cpu, cuda).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty.")
-def convert_cmd(src: str, dst: str, groups: int, method: str, dtype: str, seed: int, force: bool) -> None:
+def convert_cmd(
+    src: str,
+    dst: str,
+    groups: int,
+    method: str,
+    dtype: str,
+    seed: int,
+    calib_data: str | None,
+    calib_tokens: int,
+    grouping: str,
+    device: str,
+    force: bool,
+) -> None:
     """Convert SRC (directory, .gguf file or hub id) to GROUPS K/V heads in DST."""
-    res = convert_checkpoint(src, dst, ConvertOptions(groups, method, dtype, seed, force))
+    options = ConvertOptions(groups, method, dtype, seed, force, calib_data, calib_tokens, grouping, device)
+    res = convert_checkpoint(src, dst, options)
+    extra = f", {grouping} grouping" if grouping != "contiguous" else ""
     click.echo(
         f"{res.model_type}: {res.num_heads} query heads, K/V heads {res.from_kv_heads} -> {res.to_kv_heads} "
-        f"({method}); {len(res.files)} shard(s) in {res.dst} ({res.elapsed_s:.1f}s)"
+        f"({method}{extra}); {len(res.files)} shard(s) in {res.dst} ({res.elapsed_s:.1f}s)"
     )
 
 
@@ -63,3 +100,96 @@ def inspect_cmd(src: str, as_json: bool) -> None:
     """Show SRC's attention geometry and the KV-cache bytes per token of each valid G."""
     info = inspect_checkpoint(src)
     click.echo(info.to_json() if as_json else info.to_text())
+
+
+def _csv(kind: type, value: str, name: str) -> tuple:
+    try:
+        return tuple(kind(v.strip()) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not a comma-separated list of {kind.__name__}", param_hint=name
+        ) from None
+
+
+@click.command("probe")
+@click.argument("src")
+@click.option("--groups", "-g", required=True, help="Comma-separated G values to try, e.g. 1,3.")
+@click.option(
+    "--methods",
+    default="mean,first,calibrated",
+    show_default=True,
+    help=f"Comma-separated methods ({', '.join(CONVERT_METHODS)}).",
+)
+@click.option(
+    "--grouping",
+    default="contiguous",
+    show_default=True,
+    help="Comma-separated groupings (contiguous, similarity).",
+)
+@click.option(
+    "--calib-data",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Calibration text, for calibrated and similarity.",
+)
+@click.option("--eval-data", type=click.Path(dir_okay=False), required=True, help="Held-out text.")
+@click.option("--calib-tokens", type=int, default=4096, show_default=True)
+@click.option(
+    "--eval-tokens", type=int, default=16384, show_default=True, help="Held-out tokens for perplexity."
+)
+@click.option(
+    "--error-tokens",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Held-out tokens for the per-layer attention-output errors.",
+)
+@click.option("--seq-len", type=int, default=256, show_default=True, help="Perplexity window.")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--text-field", default="text", show_default=True, help="Column of .jsonl/.parquet data.")
+@click.option("--device", default="auto", show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="probe",
+    show_default=True,
+    help="Directory for probe.json, probe.md and probe.png.",
+)
+def probe_cmd(
+    src: str,
+    groups: str,
+    methods: str,
+    grouping: str,
+    calib_data: str | None,
+    eval_data: str,
+    calib_tokens: int,
+    eval_tokens: int,
+    error_tokens: int,
+    seq_len: int,
+    batch_size: int,
+    text_field: str,
+    device: str,
+    out_dir: str,
+) -> None:
+    """Zero-training quality of SRC for each G x method x grouping: held-out perplexity and per-layer
+    attention-output error, as a table, a JSON file and a plot. Pick G before spending compute."""
+    from gqakit.convert.probe import ProbeOptions, probe_checkpoint
+
+    options = ProbeOptions(
+        groups=_csv(int, groups, "--groups"),
+        eval_data=eval_data,
+        methods=_csv(str, methods, "--methods"),
+        groupings=_csv(str, grouping, "--grouping"),
+        calib_data=calib_data,
+        calib_tokens=calib_tokens,
+        eval_tokens=eval_tokens,
+        error_tokens=error_tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        text_field=text_field,
+        device=device,
+    )
+    result = probe_checkpoint(src, out_dir, options)
+    click.echo(result.to_table())
+    click.echo(f"wrote {Path(out_dir) / 'probe.json'}, probe.md, probe.png")

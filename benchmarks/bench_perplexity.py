@@ -1,0 +1,108 @@
+"""Perplexity throughput: gqakit's evaluator vs lm-eval's rolling loglikelihood, same model and text.
+
+    python benchmarks/bench_perplexity.py
+    python benchmarks/bench_perplexity.py --device cuda --dtype bfloat16 --tokens 200000
+
+A random-weight llama (4 layers, hidden 256, 4 heads, SmolLM2's vocabulary of 49152, so the output
+layer and log-softmax cost what they cost in a real small model) scores the shipped
+``gqakit_ppl.txt``, repeated to ``--tokens`` tokens, with disjoint windows of ``--seq-len``. gqakit
+runs ``perplexity(..., batch_size=B)``; lm-eval runs ``HFLM(pretrained=model).loglikelihood_rolling``
+on the same text with ``max_length = seq_len`` at batch 1 (its default) and at the same batch B. The
+runs are interleaved, the order rotating every round, and the table reports the median tokens/s of each
+and the ratios. Both compute the same windows, so the total log-likelihoods must agree (checked).
+Target (issue 3): gqakit >= 1.5x lm-eval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from gqakit.eval.data import load_texts
+from gqakit.eval.lm_eval_bridge import TASKS_DIR
+from gqakit.eval.perplexity import perplexity
+from gqakit.testing import tiny_model, tiny_tokenizer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--tokens", type=int, default=16384, help="text tokens to score")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    tok = tiny_tokenizer()
+    tok.model_max_length = 10**9
+    model = tiny_model(
+        "llama",
+        heads=4,
+        layers=4,
+        hidden=256,
+        vocab_size=49152,
+        max_position_embeddings=max(args.seq_len, 256),
+        dtype=getattr(torch, args.dtype),
+    ).to(args.device)
+    base = load_texts(TASKS_DIR / "gqakit_ppl.txt")[0]
+    per_copy = len(tok(base, add_special_tokens=False)["input_ids"])
+    text = "\n\n".join([base] * math.ceil(args.tokens / per_copy))
+    n_tokens = len(tok(text, add_special_tokens=False)["input_ids"])
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}, {args.dtype}; "
+        f"{n_tokens} tokens, seq_len {args.seq_len}, batch {args.batch_size}, {args.rounds} rounds, "
+        f"load avg {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+
+    def ours() -> tuple[float, float]:
+        res = perplexity(model, tok, [text], seq_len=args.seq_len, batch_size=args.batch_size, progress=False)
+        return res.elapsed_s, -res.nll_sum
+
+    def lm_eval(batch: int):
+        def run() -> tuple[float, float]:
+            lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch, max_length=args.seq_len)
+            req = Instance(request_type="loglikelihood_rolling", doc={}, arguments=(text,), idx=0)
+            start = time.perf_counter()
+            ll = lm.loglikelihood_rolling([req], disable_tqdm=True)[0]
+            return time.perf_counter() - start, ll
+
+        return run
+
+    runners = {
+        f"gqakit (batch {args.batch_size})": ours,
+        "lm-eval (batch 1)": lm_eval(1),
+        f"lm-eval (batch {args.batch_size})": lm_eval(args.batch_size),
+    }
+    ours()  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    lls: dict[str, float] = {}
+    names = list(runners)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            with torch.inference_mode():
+                elapsed, ll = runners[name]()
+            times[name].append(elapsed)
+            lls[name] = ll
+            print(f"round {r} {name:20s} {n_tokens / elapsed:9.1f} tok/s  loglik {ll:.3f}", flush=True)
+    ref = lls[names[0]]
+    for name, ll in lls.items():
+        assert abs(ll - ref) <= 1e-4 * abs(ref), f"{name}: log-likelihood {ll} != gqakit's {ref}"
+    tps = {k: n_tokens / statistics.median(v) for k, v in times.items()}
+    print("\n| evaluator | tokens/s (median) | gqakit speedup |")
+    print("|---|---:|---:|")
+    for name in names:
+        print(f"| {name} | {tps[name]:.1f} | {tps[names[0]] / tps[name]:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Activation-aware merging of K/V heads, as pure tensor math. No I/O, no model objects.
+
+Everything here works on one group of ``r`` K or V heads of ``d`` channels in *head space*: their weight
+rows stacked as ``w`` of shape ``[r, d, m]``, where ``m = hidden + 1`` and the last column holds the bias
+(zeros when the projection has none): the *affine column*, so ``x W^T + b = [x, 1] [W | b]^T``. The
+calibration statistic is ``gram = [X, 1]^T [X, 1]`` (``[m, m]``), the second moment of the projection's
+input over the calibration tokens; every output energy is a quadratic form in it, so no activation is
+ever kept.
+
+A merge of a group is a :class:`Merge`: one *compress* matrix ``A`` (``[d, r*d]``) that makes the shared
+head's rows from the group's rows, ``W_s = A [W_1; ...; W_r]``, and per member a *decompress* matrix
+``D_i`` (``[d, d]``) with ``W_i ~ D_i W_s``. Each query head ``j`` served by member ``i`` then absorbs
+``D_i``:
+
+* keys: ``q_j . k_i = q_j^T D_i k_s = (D_i^T q_j) . k_s``, so q_proj rows (and bias) of head ``j`` become
+  ``D_i^T W_q_j``;
+* values: ``(A v_i) W_o_j^T = (A v_s) (W_o_j D_i)^T``, so o_proj columns of head ``j`` become ``W_o_j D_i``.
+
+Mean pooling is the merge ``A = [I ... I] / r``, ``D_i = I``; first-head is ``A = [I 0 ... 0]``, ``D_i = I``.
+
+Rotary keys. HF's ``rotate_half`` pairs channel ``f`` with ``f + R/2`` (``R`` the rotary channels of a
+head, all of ``d`` unless the family uses partial rotary: phi, stablelm) and rotates each pair by an
+angle that depends on ``f`` and the position only. Read as a complex number ``z_f = x_f + i x_{f+R/2}``,
+rotation is multiplication by ``e^{i theta}``. A decompress matrix that is a *complex scale per
+frequency* commutes with it, so the compensation folded into q_proj is exact at every position. The key
+merge therefore fits, for every frequency, the best rank-1 complex approximation of the group's complex
+key outputs; the channels past ``R`` (partial rotary) and keys of non-rotary families are merged like
+values, with the compensation folded into q_proj.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+MERGE_METHODS: tuple[str, ...] = ("mean", "first", "calibrated")
+
+
+@dataclass(frozen=True)
+class Merge:
+    """How ``r`` heads of ``d`` channels become one.
+
+    Attributes:
+        compress: ``[d, r*d]``; the shared head's rows are ``compress @ [W_1; ...; W_r]``.
+        decompress: ``[r, d, d]``; member ``i`` is reconstructed as ``decompress[i] @ W_shared``.
+    """
+
+    compress: torch.Tensor
+    decompress: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.decompress.shape[0]
+
+
+def augment(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[rows, hidden]`` weight (+ ``[rows]`` bias) -> ``[rows, hidden + 1]``, the bias as last column."""
+    w = weight.double()
+    b = bias.double() if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    return torch.cat([w, b[:, None]], dim=1)
+
+
+def mean_merge(r: int, d: int) -> Merge:
+    """The paper's mean pooling as a merge."""
+    eye = torch.eye(d, dtype=torch.float64)
+    return Merge(torch.cat([eye] * r, dim=1) / r, eye.expand(r, d, d).clone())
+
+
+def first_merge(r: int, d: int) -> Merge:
+    """Keep the group's first head."""
+    eye = torch.eye(d, dtype=torch.float64)
+    compress = torch.zeros(d, r * d, dtype=torch.float64)
+    compress[:, :d] = eye
+    return Merge(compress, eye.expand(r, d, d).clone())
+
+
+def energy(w: torch.Tensor, gram: torch.Tensor) -> float:
+    """Total output energy ``sum_n ||[x_n, 1] W^T||^2`` of the rows ``w`` (``[..., m]``)."""
+    rows = w.reshape(-1, w.shape[-1]).double()
+    return float(torch.einsum("im,mn,in->", rows, gram.double(), rows))
+
+
+def merge_error(w: torch.Tensor, gram: torch.Tensor, merge: Merge) -> float:
+    """Energy the merge loses, ``sum_i ||X (W_i - D_i A W)^T||^2``, for ``w`` of shape ``[r, d, m]``."""
+    r, d, m = w.shape
+    w = w.double()
+    shared = merge.compress @ w.reshape(r * d, m)
+    recon = torch.einsum("ide,em->idm", merge.decompress, shared)
+    return max(energy(w - recon, gram), 0.0)
+
+
+def _top_subspace(w: torch.Tensor, gram: torch.Tensor, k: int) -> Merge:
+    """Best rank-``k`` merge of ``r`` heads of ``k`` channels (``w``: ``[r, k, m]``), by output energy.
+
+    Takes the top ``k`` right singular vectors ``P`` of the side-by-side outputs ``X [W_1; ...; W_r]^T``
+    (the top eigenvectors of their ``rk x rk`` Gram matrix): ``W_s = s P^T W``, ``D_i = P_i / s``, exact
+    whenever the outputs span at most ``k`` dimensions. ``s`` scales the shared head to the members'
+    average energy (identical heads merge into that head itself), which keeps weights at their usual size.
+    """
+    r, _, m = w.shape
+    flat = w.reshape(r * k, m).double()
+    cov = flat @ gram.double() @ flat.T
+    evals, evecs = torch.linalg.eigh((cov + cov.T) / 2)
+    p = evecs[:, -k:]
+    kept = float(evals[-k:].clamp(min=0).sum())
+    total = float(cov.trace())
+    s = math.sqrt(total / (r * kept)) if kept > 0 else 1.0
+    return Merge(s * p.T, p.reshape(r, k, k) / s)
+
+
+def fit_value_merge(w: torch.Tensor, gram: torch.Tensor) -> Merge:
+    """Calibrated merge of value heads ``w`` (``[r, d, m]``); the decompression folds into o_proj."""
+    return _top_subspace(w, gram, w.shape[1])
+
+
+def fit_key_merge(w: torch.Tensor, gram: torch.Tensor, rotary_dim: int) -> Merge:
+    """Calibrated merge of key heads ``w`` (``[r, d, m]``) whose first ``rotary_dim`` channels get RoPE.
+
+    Rotary channels: per frequency ``f``, the group's complex key outputs ``k_i = X z_i^T`` with
+    ``z_i = W_i[f] + i W_i[f + R/2]`` are stacked (``N x r``); their top right singular vector ``v``
+    gives the shared channel ``sum_i v_i z_i`` and member ``i`` is ``conj(v_i)`` times it. The remaining
+    channels (partial rotary, or all of them without rotary) merge like values.
+    """
+    r, d, m = w.shape
+    w = w.double()
+    gram = gram.double()
+    if rotary_dim % 2 or not 0 <= rotary_dim <= d:
+        raise ValueError(f"rotary_dim must be even and within head_dim {d}, got {rotary_dim}")
+    compress = torch.zeros(d, r * d, dtype=torch.float64)
+    decompress = torch.zeros(r, d, d, dtype=torch.float64)
+    half = rotary_dim // 2
+    if half:
+        z = torch.complex(w[:, :half], w[:, half:rotary_dim])  # [r, half, m]
+        zg = torch.einsum("rfm,mn->rfn", z, gram.to(z.dtype))
+        cov = torch.einsum("rfn,sfn->frs", z.conj(), zg)  # K_f^H K_f, Hermitian [half, r, r]
+        evals, evecs = torch.linalg.eigh((cov + cov.mH) / 2)
+        v = evecs[..., -1]  # [half, r], unit norm
+        top = evals[..., -1].clamp(min=0)
+        total = cov.diagonal(dim1=-2, dim2=-1).real.sum(-1)
+        s = torch.where(top > 0, (total / (r * top.clamp(min=1e-300))).sqrt(), torch.ones_like(top))
+        f = torch.arange(half)
+        for i in range(r):
+            re, im = v[:, i].real, v[:, i].imag  # [half]
+            col_a, col_b = i * d + f, i * d + f + half
+            # shared z_f = s * sum_i v_i z_i: real row f and imaginary row f + half
+            compress[f, col_a] = s * re
+            compress[f, col_b] = -s * im
+            compress[f + half, col_a] = s * im
+            compress[f + half, col_b] = s * re
+            # member i = (conj(v_i) / s) * shared, as a real 2 x 2 per frequency
+            a, b = re / s, im / s
+            decompress[i, f, f] = a
+            decompress[i, f, f + half] = b
+            decompress[i, f + half, f] = -b
+            decompress[i, f + half, f + half] = a
+    if rotary_dim < d:
+        rest = _top_subspace(w[:, rotary_dim:], gram, d - rotary_dim)
+        p = d - rotary_dim
+        for i in range(r):
+            compress[rotary_dim:, i * d + rotary_dim : (i + 1) * d] = rest.compress[:, i * p : (i + 1) * p]
+        decompress[:, rotary_dim:, rotary_dim:] = rest.decompress
+    return Merge(compress, decompress)
+
+
+def fit_merge(kind: str, method: str, w: torch.Tensor, gram: torch.Tensor, rotary_dim: int = 0) -> Merge:
+    """The merge of ``method`` (``mean``, ``first``, ``calibrated``) for key or value heads ``w``."""
+    r, d, _ = w.shape
+    if method == "mean":
+        return mean_merge(r, d)
+    if method == "first":
+        return first_merge(r, d)
+    if method != "calibrated":
+        raise ValueError(f"unknown merge method {method!r}; choose one of {', '.join(MERGE_METHODS)}")
+    return fit_key_merge(w, gram, rotary_dim) if kind == "key" else fit_value_merge(w, gram)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Applying merges to checkpoint tensors. Groups are contiguous here: a head permutation (see
+# gqakit.convert.grouping) has already put each group's heads next to each other.
+
+
+def merge_rows(t: torch.Tensor, merges: list[Merge], d: int) -> torch.Tensor:
+    """K or V rows ``[kv * d, ...]`` (weight, bias, or a flat per-channel norm) -> ``[G * d, ...]``."""
+    rest = tuple(t.shape[1:])
+    out, start = [], 0
+    for mg in merges:
+        rows = t[start : start + mg.size * d].double().reshape(mg.size * d, -1)
+        out.append((mg.compress @ rows).reshape(d, *rest))
+        start += mg.size * d
+    if start != t.shape[0]:
+        raise ValueError(f"merges cover {start} rows, tensor has {t.shape[0]}")
+    return torch.cat(out).to(t.dtype)
+
+
+def _per_query(merges: list[Merge], n_rep: int) -> list[torch.Tensor]:
+    """The decompress matrix of each query head, in (contiguous) query-head order."""
+    return [mg.decompress[i] for mg in merges for i in range(mg.size) for _ in range(n_rep)]
+
+
+def compensate_q_rows(t: torch.Tensor, key_merges: list[Merge], d: int, n_rep: int) -> torch.Tensor:
+    """q_proj rows ``[H * d, ...]`` (weight or bias): query head ``j`` of member ``i`` -> ``D_i^T q_j``."""
+    rest = tuple(t.shape[1:])
+    mats = _per_query(key_merges, n_rep)
+    heads = t.double().reshape(len(mats), d, -1)
+    out = torch.stack([m.T @ h for m, h in zip(mats, heads, strict=True)])
+    return out.reshape(len(mats) * d, *rest).to(t.dtype)
+
+
+def compensate_o_cols(w: torch.Tensor, value_merges: list[Merge], d: int, n_rep: int) -> torch.Tensor:
+    """o_proj weight ``[hidden, H * d]``: columns of query head ``j`` of member ``i`` -> ``W_o_j D_i``."""
+    mats = _per_query(value_merges, n_rep)
+    cols = w.double().reshape(w.shape[0], len(mats), d)
+    out = torch.stack([cols[:, j] @ m for j, m in enumerate(mats)], dim=1)
+    return out.reshape(w.shape[0], -1).to(w.dtype)
+
+
+def is_identity(merges: list[Merge]) -> bool:
+    """True when no member needs a compensation (mean, first)."""
+    return all(
+        torch.equal(mg.decompress, torch.eye(mg.decompress.shape[-1]).expand_as(mg.decompress).double())
+        for mg in merges
+    )

@@ -1,0 +1,387 @@
+"""``gqakit probe``: zero-training quality of each G x method x grouping, before any compute is spent.
+
+For every combination the probe converts the source into a temporary directory (the same code path as
+``gqakit convert``), loads it, and measures
+
+* held-out perplexity (``gqakit.eval.perplexity``), next to the original's;
+* per-layer attention-output reconstruction error: the original model runs over held-out text, and a
+  forward hook on each layer's attention feeds the *same* inputs to the converted layer's attention,
+  accumulating ``||out' - out||^2 / ||out||^2``. Errors do not compound across layers, so each number
+  says what that layer's merge costs.
+
+Calibration statistics are captured once and shared by every combination. Results go to
+``OUT/probe.json``, ``OUT/probe.md`` (the table) and ``OUT/probe.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gqakit.checkpoint import resolve_checkpoint
+from gqakit.convert.api import (
+    CONVERT_METHODS,
+    SIMILARITY_METHODS,
+    ConvertOptions,
+    check_groups,
+    plan_with_merges,
+    write_converted,
+)
+from gqakit.convert.grouping import GROUPINGS
+from gqakit.convert.plan import RegroupSpec, plan_regroup
+from gqakit.convert.registry import ArchAdapter, get_adapter
+from gqakit.errors import GqakitError
+from gqakit.geometry import AttentionGeometry
+
+log = logging.getLogger(__name__)
+
+ERROR_FLOOR = 1e-6  # the plot's lower limit: exact merges give 0 (or float noise)
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """Options of ``gqakit probe``.
+
+    Attributes:
+        groups: the G values to try.
+        methods: conversion methods to try (``mean``, ``first``, ``random``, ``calibrated``).
+        groupings: ``contiguous`` and/or ``similarity``.
+        eval_data: held-out text for perplexity and attention errors.
+        calib_data: calibration text (needed for ``calibrated`` and ``similarity``).
+        calib_tokens: calibration tokens.
+        eval_tokens: held-out tokens scored for perplexity.
+        error_tokens: held-out tokens for the attention-output errors.
+        seq_len: perplexity window (tokens); also the length of error sequences.
+        batch_size: windows per forward pass.
+        text_field: column of ``.jsonl`` / ``.parquet`` data.
+        device: ``auto``, ``cpu``, ``cuda``...
+    """
+
+    groups: tuple[int, ...]
+    eval_data: str
+    methods: tuple[str, ...] = ("mean", "first", "calibrated")
+    groupings: tuple[str, ...] = ("contiguous",)
+    calib_data: str | None = None
+    calib_tokens: int = 4096
+    eval_tokens: int = 16384
+    error_tokens: int = 2048
+    seq_len: int = 256
+    batch_size: int = 8
+    text_field: str = "text"
+    device: str = "auto"
+
+    def validate(self) -> None:
+        problems = []
+        if not self.groups:
+            problems.append("--groups needs at least one value, e.g. --groups 1,2.")
+        bad = [m for m in self.methods if m not in CONVERT_METHODS]
+        if bad or not self.methods:
+            problems.append(
+                f"--methods {','.join(bad) or '(none)'}: choose from {', '.join(CONVERT_METHODS)}."
+            )
+        bad = [g for g in self.groupings if g not in GROUPINGS]
+        if bad or not self.groupings:
+            problems.append(f"--grouping {','.join(bad) or '(none)'}: choose from {', '.join(GROUPINGS)}.")
+        needs = ("calibrated" in self.methods) or ("similarity" in self.groupings)
+        if needs and not self.calib_data:
+            problems.append("--methods calibrated and --grouping similarity need --calib-data FILE.")
+        if self.calib_data and not Path(self.calib_data).expanduser().is_file():
+            problems.append(f"--calib-data {self.calib_data} does not exist or is not a file.")
+        if not Path(self.eval_data).expanduser().is_file():
+            problems.append(f"--eval-data {self.eval_data} does not exist or is not a file.")
+        for name, v in (
+            ("--calib-tokens", self.calib_tokens),
+            ("--eval-tokens", self.eval_tokens),
+            ("--error-tokens", self.error_tokens),
+            ("--seq-len", self.seq_len),
+            ("--batch-size", self.batch_size),
+        ):
+            if v <= 0:
+                problems.append(f"{name} must be positive, got {v}.")
+        if problems:
+            raise GqakitError(" ".join(problems))
+
+    def combinations(self) -> list[tuple[int, str, str]]:
+        """(G, method, grouping) in table order; similarity is skipped for methods it cannot combine with."""
+        return [
+            (g, m, grp)
+            for g in self.groups
+            for grp in self.groupings
+            for m in self.methods
+            if grp == "contiguous" or m in SIMILARITY_METHODS
+        ]
+
+
+@dataclass
+class ProbeRow:
+    """One measured combination (G = None: the original)."""
+
+    groups: int | None
+    method: str
+    grouping: str
+    ppl: float
+    ppl_ratio: float
+    attn_error: list[float] = field(default_factory=list)
+    key_error: float | None = None
+    value_error: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def mean_attn_error(self) -> float | None:
+        return sum(self.attn_error) / len(self.attn_error) if self.attn_error else None
+
+
+@dataclass
+class ProbeResult:
+    source: str
+    num_heads: int
+    num_kv_heads: int
+    rows: list[ProbeRow]
+    settings: dict[str, Any]
+    out_dir: Path | None = None
+
+    def to_table(self) -> str:
+        head = (
+            "| G | method | grouping | perplexity | x original | attn-out error (mean) | key err "
+            "| value err |"
+        )
+        lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+
+        def f(x: float | None) -> str:
+            return "" if x is None else f"{x:.4f}"
+
+        for r in self.rows:
+            g = "orig" if r.groups is None else str(r.groups)
+            lines.append(
+                f"| {g} | {r.method} | {r.grouping} | {r.ppl:,.2f} | {r.ppl_ratio:,.2f} | "
+                f"{f(r.mean_attn_error)} | {f(r.key_error)} | {f(r.value_error)} |"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "settings": self.settings,
+            "rows": [{**asdict(r), "mean_attn_error": r.mean_attn_error} for r in self.rows],
+        }
+
+
+def _attn_module(adapter: ArchAdapter, layer: int) -> str:
+    return adapter.layer(adapter.o, layer).rsplit(".", 1)[0]  # type: ignore[union-attr]
+
+
+@torch.no_grad()
+def attention_errors(original, converted, adapter: ArchAdapter, num_layers: int, sequences) -> list[float]:
+    """Per layer, ``sum ||attn'(x) - attn(x)||^2 / sum ||attn(x)||^2`` with ``x`` the original's layer inputs.
+
+    One layer's outputs at a time: each hook compares and keeps two running sums.
+    """
+    num = [0.0] * num_layers
+    den = [0.0] * num_layers
+
+    def hook(layer: int, module, args, kwargs, output) -> None:
+        other = converted.get_submodule(_attn_module(adapter, layer))
+        ref = output[0] if isinstance(output, tuple) else output
+        got = other(*args, **kwargs)
+        got = got[0] if isinstance(got, tuple) else got
+        num[layer] += float((got.float() - ref.float()).pow(2).sum())
+        den[layer] += float(ref.float().pow(2).sum())
+
+    handles = [
+        original.get_submodule(_attn_module(adapter, layer)).register_forward_hook(
+            partial(hook, layer), with_kwargs=True
+        )
+        for layer in range(num_layers)
+    ]
+    device = next(original.parameters()).device
+    try:
+        for ids in sequences:
+            original.base_model(input_ids=ids[None].to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [n / d if d > 0 else 0.0 for n, d in zip(num, den, strict=True)]
+
+
+def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: ProbeOptions) -> ProbeResult:
+    """Measure every combination of ``options`` on ``src``; write the table, JSON and plot to ``out_dir``."""
+    from gqakit.convert.calibrate import (
+        calibrate,
+        calibration_ids,
+        fit_layer_merges,
+        load_model_for_calibration,
+    )
+    from gqakit.eval.data import load_texts
+    from gqakit.eval.perplexity import perplexity
+    from gqakit.models import load_tokenizer
+
+    options.validate()
+    with resolve_checkpoint(src) as ckpt:
+        adapter = get_adapter(ckpt.model_type)
+        geom = AttentionGeometry.from_config(ckpt.config)
+        for g in options.groups:
+            check_groups(geom, g)
+        tokenizer = load_tokenizer(ckpt.path)
+        try:
+            eval_texts = load_texts(Path(options.eval_data).expanduser(), options.text_field)
+        except GqakitError as e:
+            raise GqakitError(str(e.message).replace("--ppl-data", "--eval-data")) from None
+        error_ids = calibration_ids(
+            tokenizer, eval_texts, options.error_tokens, options.seq_len, source="--eval-data"
+        )
+        original = load_model_for_calibration(ckpt.path, options.device)
+
+        def ppl(model) -> float:
+            res = perplexity(
+                model,
+                tokenizer,
+                eval_texts,
+                seq_len=options.seq_len,
+                batch_size=options.batch_size,
+                max_tokens=options.eval_tokens,
+                progress=False,
+            )
+            return float(res.ppl)
+
+        t0 = time.perf_counter()
+        base_ppl = ppl(original)
+        rows = [ProbeRow(None, "original", "", base_ppl, 1.0, seconds=time.perf_counter() - t0)]
+        log.info("original: perplexity %.2f", base_ppl)
+        stats = None
+        if options.calib_data:
+            stats = calibrate(ckpt, adapter, geom, options.calib_data, options.calib_tokens, model=original)
+        for g, method, grouping in options.combinations():
+            t0 = time.perf_counter()
+            conv_opts = ConvertOptions(
+                groups=g,
+                method=method,
+                grouping=grouping,
+                calib_data=options.calib_data,
+                calib_tokens=options.calib_tokens,
+                device=options.device,
+            )
+            spec = RegroupSpec(
+                target=g,
+                method=method if method != "calibrated" else "mean",
+                std=float(ckpt.config.get("initializer_range", 0.02)),
+            )
+            record: dict[str, Any] = {"command": "probe", "groups": g, "method": method, "dtype": "keep"}
+            if conv_opts.merged:
+                plan, merge_record = plan_with_merges(ckpt, adapter, geom, spec, conv_opts, stats=stats)
+                record.update(merge_record)
+            else:
+                plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
+                if (
+                    stats is not None and method in SIMILARITY_METHODS
+                ):  # the same error measure, for the table
+                    merges, _ = fit_layer_merges(ckpt, adapter, geom, stats, g, method, grouping)
+                    record["reconstruction_error"] = [
+                        {"key": m.key_error, "value": m.value_error} for m in merges
+                    ]
+            with tempfile.TemporaryDirectory(prefix="gqakit-probe-") as tmp:
+                write_converted(ckpt, Path(tmp) / "m", plan, geom, g, None, False, record, t0)
+                converted = load_model_for_calibration(Path(tmp) / "m", options.device)
+            errs = attention_errors(original, converted, adapter, geom.num_layers, error_ids)
+            p = ppl(converted)
+            del converted
+            recon = record.get("reconstruction_error") or []
+            key_err = sum(e["key"] for e in recon) / len(recon) if recon else None
+            val_err = sum(e["value"] for e in recon) / len(recon) if recon else None
+            rows.append(
+                ProbeRow(
+                    g, method, grouping, p, p / base_ppl, errs, key_err, val_err, time.perf_counter() - t0
+                )
+            )
+            log.info("G=%d %s %s: perplexity %.2f", g, method, grouping, p)
+        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(options).items()}
+        result = ProbeResult(ckpt.origin, geom.num_heads, geom.num_kv_heads, rows, settings)
+    if out_dir is not None:
+        write_probe(result, Path(out_dir))
+    return result
+
+
+def write_probe(result: ProbeResult, out_dir: Path) -> None:
+    """``probe.json``, ``probe.md`` and ``probe.png`` in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "probe.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    (out_dir / "probe.md").write_text(
+        f"# gqakit probe: {result.source}\n\n{result.num_heads} query heads, "
+        f"{result.num_kv_heads} K/V heads; perplexity on {result.settings['eval_tokens']} held-out tokens "
+        f"in {result.settings['seq_len']}-token "
+        f"windows; attention-output error on {result.settings['error_tokens']} tokens.\n\n"
+        f"{result.to_table()}\n"
+    )
+    _plot(result, out_dir / "probe.png")
+    result.out_dir = out_dir
+
+
+def _plot(result: ProbeResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.rows if r.groups is not None]
+    colors = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:gray", "calibrated": "tab:green"}
+    styles = ["-", "--", ":", "-."]
+    g_values = sorted({r.groups for r in rows})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    labels = [f"G={r.groups} {r.method}" + (" sim" if r.grouping == "similarity" else "") for r in rows]
+    ax1.bar(
+        range(len(rows)),
+        [r.ppl for r in rows],
+        color=[colors.get(r.method, "tab:purple") for r in rows],
+        hatch=None,
+        edgecolor=["black" if r.grouping == "similarity" else "none" for r in rows],
+    )
+    ax1.axhline(result.rows[0].ppl, color="black", ls="--", lw=1, label=f"original {result.rows[0].ppl:.1f}")
+    values = [r.ppl for r in rows] + [result.rows[0].ppl]
+    if max(values) / min(values) > 10:
+        ax1.set_yscale("log")
+    ax1.set_xticks(range(len(rows)), labels, fontsize=8, rotation=45, ha="right")
+    ax1.set_ylabel("held-out perplexity")
+    ax1.set_title("zero-shot perplexity (outlined: similarity grouping)")
+    ax1.legend(fontsize=8)
+    for i, r in enumerate(rows):
+        ax1.text(
+            i,
+            r.ppl,
+            f"{r.ppl:,.0f}" if r.ppl >= 100 else f"{r.ppl:.1f}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    for r, label in zip(rows, labels, strict=True):
+        floored = [max(e, ERROR_FLOOR) for e in r.attn_error]  # exact merges (0) stay on a log axis
+        ax2.plot(
+            range(len(floored)),
+            floored,
+            color=colors.get(r.method, "tab:purple"),
+            ls=styles[g_values.index(r.groups) % len(styles)],
+            marker="o" if r.grouping == "similarity" else ".",
+            label=label,
+        )
+    ax2.set_yscale("log")
+    ax2.set_xlabel("layer")
+    ax2.xaxis.get_major_locator().set_params(integer=True)
+    ax2.set_ylabel(f"relative attention-output error (floor {ERROR_FLOOR:g})")
+    ax2.set_title("per-layer attention-output reconstruction error")
+    ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(
+        f"gqakit probe: {Path(result.source).name}, {result.num_heads} query heads, "
+        f"{result.num_kv_heads} K/V heads",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

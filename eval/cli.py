@@ -1,0 +1,132 @@
+"""``gqakit eval``: parse the options, call :func:`gqakit.eval.api.evaluate`, write the report."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+
+from gqakit.models import DTYPES
+
+
+@click.command("eval")
+@click.argument("model")
+@click.option("--baseline", help="Checkpoint to compare MODEL with (directory or hub id).")
+@click.option(
+    "--ppl-data",
+    help="Text for perplexity: .txt (one document), .jsonl/.parquet (one per row) or a hub dataset name.",
+)
+@click.option("--text-field", default="text", show_default=True, help="Text column of a table or dataset.")
+@click.option("--split", default="test", show_default=True, help="Split of a hub dataset.")
+@click.option("--data-config", help="Configuration of a hub dataset (e.g. wikitext-2-raw-v1).")
+@click.option(
+    "--seq-len",
+    type=int,
+    default=512,
+    show_default=True,
+    help="Tokens per perplexity window (also lm-eval's max_length).",
+)
+@click.option("--stride", type=int, help="Tokens scored per window after the first [default: seq-len].")
+@click.option(
+    "--batch-size",
+    type=int,
+    default=8,
+    show_default=True,
+    help="Perplexity windows per forward pass (also lm-eval's batch size).",
+)
+@click.option("--max-tokens", type=int, help="Score at most this many tokens of --ppl-data.")
+@click.option("--bench", is_flag=True, help="Measure decode speed and KV-cache memory over the grid.")
+@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Decode batch sizes.")
+@click.option(
+    "--contexts",
+    help="Decode prompt lengths [default: 256,1024,4096, less any beyond the model's positions].",
+)
+@click.option("--new-tokens", type=int, default=32, show_default=True, help="Tokens generated per point.")
+@click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs before each point.")
+@click.option("--static-cache", is_flag=True, help="Decode with a static KV cache.")
+@click.option(
+    "--compile", "compile_", is_flag=True, help="torch.compile the decode step (implies --static-cache)."
+)
+@click.option("--tasks", help="lm-eval tasks, comma-separated (offline: gqakit_ppl, gqakit_mc).")
+@click.option("--lm-eval-args", default="", help='More lm-eval options, e.g. "--num_fewshot 5 --limit 100".')
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1...")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="report",
+    show_default=True,
+    help="Directory for report.md, results.json and the plots.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+def eval_cmd(
+    model: str,
+    baseline: str | None,
+    ppl_data: str | None,
+    text_field: str,
+    split: str,
+    data_config: str | None,
+    seq_len: int,
+    stride: int | None,
+    batch_size: int,
+    max_tokens: int | None,
+    bench: bool,
+    batch_sizes: str,
+    contexts: str | None,
+    new_tokens: int,
+    warmup: int,
+    static_cache: bool,
+    compile_: bool,
+    tasks: str | None,
+    lm_eval_args: str,
+    device: str,
+    dtype: str,
+    out_dir: str,
+    seed: int,
+    no_progress: bool,
+) -> None:
+    """Measure MODEL (and --baseline): perplexity, lm-eval tasks, decode speed and KV memory.
+
+    \b
+    gqakit eval ./smollm2-mqa --baseline ./smollm2 --ppl-data wiki.test.txt --bench --out report/
+    gqakit eval ./llama2-gqa8 --baseline ./Llama-2-7b-hf --tasks hellaswag,arc_easy --device cuda
+    """
+    from gqakit.eval.api import EvalOptions, evaluate
+    from gqakit.eval.report import write_report
+
+    options = EvalOptions(
+        ppl_data=ppl_data,
+        text_field=text_field,
+        split=split,
+        data_config=data_config,
+        seq_len=seq_len,
+        stride=stride,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        bench=bench,
+        batch_sizes=batch_sizes,
+        contexts=contexts,
+        new_tokens=new_tokens,
+        warmup=warmup,
+        static_cache=static_cache,
+        compile=compile_,
+        tasks=tasks or (),
+        lm_eval_args=lm_eval_args,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        progress=not no_progress,
+        command_line=" ".join(shlex.quote(a) for a in ["gqakit", *sys.argv[1:]]),
+    )
+    results = evaluate(model, baseline, options)
+    report = write_report(results, out_dir)
+    text = report.read_text()
+    # The headline table: from the first table row to the first blank line after it.
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    click.echo("\n".join(lines[start:end]))
+    click.echo(f"\nWrote {report}, {report.parent / 'results.json'} and the plots.")

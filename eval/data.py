@@ -1,0 +1,121 @@
+"""Evaluation text: local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files, or a hub dataset.
+
+One rule for every source, so a number means the same thing whichever file it came from:
+
+* a ``.txt`` file is **one document**, its text exactly as stored (UTF-8), so its byte count is the
+  file's byte count;
+* a ``.jsonl`` / ``.json`` / ``.parquet`` file or a hub dataset gives **one document per row** (the
+  ``text_field`` column); rows whose text is empty or only whitespace are dropped (wikitext's raw
+  splits have thousands of them).
+
+:func:`gqakit.eval.perplexity.perplexity` then joins the documents with :data:`DOC_SEPARATOR`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gqakit.errors import GqakitError, did_you_mean
+
+# How documents are joined into one stream for perplexity: a paragraph break, as the text itself would
+# write it. Plain text (not a special token) so that every tokenizer sees the same bytes and bits per
+# byte compare across tokenizers; the separator's bytes are counted like any other text.
+DOC_SEPARATOR = "\n\n"
+
+_TABLE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_texts(
+    source: str | Path,
+    text_field: str = "text",
+    split: str = "test",
+    config: str | None = None,
+) -> list[str]:
+    """Read evaluation documents from a local file or a hub dataset.
+
+    Args:
+        source: a ``.txt`` file (one document: the whole file), a ``.jsonl`` / ``.json`` /
+            ``.parquet`` file (one document per row), or a hub dataset name (online only).
+        text_field: the column holding the text, for tables and hub datasets.
+        split: the split of a hub dataset (local files have one split).
+        config: the configuration of a hub dataset (``wikitext-2-raw-v1``...).
+
+    Returns:
+        The non-empty documents, in file order.
+
+    Raises:
+        GqakitError: the file is missing or empty, the text field is absent, or the dataset cannot be
+            loaded.
+    """
+    path = Path(str(source)).expanduser()
+    suffix = path.suffix.lower()
+    if path.is_dir():
+        raise GqakitError(f"--ppl-data {source} is a directory; point at a .txt, .jsonl or .parquet file.")
+    if suffix == ".txt" or (path.is_file() and suffix not in _TABLE_BUILDERS):
+        texts = [_read_txt(path)]
+    elif suffix in _TABLE_BUILDERS:
+        if not path.is_file():
+            raise GqakitError(f"--ppl-data {source} does not exist.")
+        texts = _load_table(
+            _TABLE_BUILDERS[suffix],
+            {"data_files": {"data": str(path.resolve())}},
+            "data",
+            text_field,
+            str(source),
+        )
+    elif _looks_local(str(source)):
+        raise GqakitError(f"--ppl-data {source} does not exist.")
+    else:
+        kwargs = {"name": config} if config else {}
+        texts = _load_table(str(source), kwargs, split, text_field, str(source))
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise GqakitError(f"--ppl-data {source} holds no text (every document is empty).")
+    return texts
+
+
+def _looks_local(source: str) -> bool:
+    """A path-like string (``./x``, ``/x``, ``~/x``, ``a/b/c``, ``x.txt``) rather than ``owner/name``."""
+    return (
+        source.startswith((".", "/", "~"))
+        or source.count("/") > 1
+        or Path(source).suffix.lower() in {".txt", *_TABLE_BUILDERS}
+    )
+
+
+def _read_txt(path: Path) -> str:
+    if not path.is_file():
+        raise GqakitError(f"--ppl-data {path} does not exist.")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise GqakitError(f"--ppl-data {path} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
+
+
+def _load_table(path: str, kwargs: dict, split: str, text_field: str, shown: str) -> list[str]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(path, split=split, **kwargs)
+    except ValueError as e:
+        if "split" in str(e).lower():
+            raise GqakitError(f"--ppl-data {shown} has no split {split!r}: {e}") from None
+        raise GqakitError(f"--ppl-data {shown} could not be read: {e}") from None
+    except Exception as e:  # datasets raises many types (DatasetGenerationError, FileNotFoundError...)
+        hint = ""
+        if not _looks_local(shown):
+            hint = " Hub datasets need a network connection (HF_DATASETS_OFFLINE is set in tests)."
+        raise GqakitError(
+            f"--ppl-data {shown} could not be loaded ({type(e).__name__}: {e}).{hint}"
+        ) from None
+    if len(ds) == 0:
+        raise GqakitError(f"--ppl-data {shown} is empty.")
+    if text_field not in ds.column_names:
+        raise GqakitError(
+            f"--ppl-data {shown} has no field {text_field!r}; its fields are {', '.join(ds.column_names)}."
+            f"{did_you_mean(text_field, ds.column_names)} Pass --text-field NAME."
+        )
+    texts = ds[text_field]
+    if not all(isinstance(t, str) or t is None for t in texts):
+        raise GqakitError(f"--ppl-data {shown}: field {text_field!r} is not text.")
+    return [t or "" for t in texts]

@@ -1,0 +1,376 @@
+"""Decode speed and KV-cache memory over a grid of (batch, context), and the bound bytes moved predict.
+
+For every point the model gets ``batch`` random prompts of ``context`` tokens and generates exactly
+``new_tokens`` more with greedy decoding (``min_new_tokens`` equals ``max_new_tokens``, so EOS cannot
+stop it early). A logits processor timestamps each step (after synchronizing the device), so:
+
+* prefill time is from the ``generate`` call to the first step's logits (prompt forward pass, plus
+  the cache allocation of a static cache);
+* decode latency is the median time between two consecutive steps (one forward pass of one token per
+  sequence plus generate's own bookkeeping); decode tokens/s is ``batch / median latency``;
+* KV bytes are measured on the cache object ``generate`` returns (every key and value tensor) and
+  printed beside the prediction ``2 * layers * batch * kv_heads * tokens * head_dim * bytes``. A
+  cache holds ``context + new_tokens - 1`` tokens at the end (the last token is never fed back); a
+  static cache is allocated for exactly that many.
+
+Why fewer KV heads decode faster: each decode step reads every weight once and the whole KV cache
+once, and at small batch that memory traffic, not arithmetic, sets the pace. So the speedup of a
+candidate over a baseline is bounded by the ratio of bytes moved per step::
+
+    bytes(model) = weight bytes read per step + 2 * layers * batch * G * tokens * head_dim * bytes
+
+(:func:`bytes_moved_per_step`; the input embedding counts only when it doubles as the output layer,
+since a lookup reads ``batch`` rows, not the table).
+
+A point that runs out of memory is recorded with ``status="oom"`` and the grid goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from gqakit.errors import GqakitError
+from gqakit.geometry import AttentionGeometry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodePoint:
+    """One (batch, context) point of the decode grid.
+
+    Attributes:
+        batch: sequences decoded together.
+        context: prompt tokens per sequence.
+        new_tokens: tokens generated per sequence.
+        status: ``"ok"`` or ``"oom"``.
+        prefill_s: seconds from the call to the first logits.
+        decode_ms: median per-step latency, milliseconds.
+        tokens_per_s: decoded tokens per second over the batch (``batch * 1000 / decode_ms``).
+        kv_bytes: bytes of every K and V tensor in the cache object after generating.
+        kv_bytes_predicted: ``2 * layers * batch * kv_heads * kv_tokens * head_dim * dtype bytes``.
+        kv_tokens: tokens the cache holds (or is allocated for, with a static cache).
+        bytes_per_step: weight bytes + KV bytes at the mean decode position; see the module docstring.
+        static_cache: a static cache was used.
+        compiled: the forward pass was compiled.
+        error: the error message of an OOM point.
+    """
+
+    batch: int
+    context: int
+    new_tokens: int
+    status: str = "ok"
+    prefill_s: float | None = None
+    decode_ms: float | None = None
+    tokens_per_s: float | None = None
+    kv_bytes: int | None = None
+    kv_bytes_predicted: int = 0
+    kv_tokens: int = 0
+    bytes_per_step: int = 0
+    static_cache: bool = False
+    compiled: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def dtype_bytes(dtype: torch.dtype | str | int) -> int:
+    """Bytes per element of ``dtype`` (a torch dtype, its name like ``"bfloat16"``, or a byte count)."""
+    if isinstance(dtype, int):
+        return dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise GqakitError(f"Unknown dtype {dtype!r}.")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _geometry(config) -> AttentionGeometry:
+    as_dict = config if isinstance(config, dict) else config.to_dict()
+    # Multimodal wrappers keep the decoder's numbers in text_config.
+    if "num_attention_heads" not in as_dict and isinstance(as_dict.get("text_config"), dict):
+        as_dict = as_dict["text_config"]
+    return AttentionGeometry.from_config(as_dict)
+
+
+def predicted_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype | str | int) -> int:
+    """KV-cache bytes for ``batch`` sequences of ``tokens``: 2 (K and V) * layers * batch * G * tokens *
+    head_dim * bytes per element. ``config`` is a transformers config or a ``config.json`` dict."""
+    g = _geometry(config)
+    return 2 * g.num_layers * batch * g.num_kv_heads * tokens * g.head_dim * dtype_bytes(dtype)
+
+
+def measured_kv_bytes(cache) -> int:
+    """Bytes of every key and value tensor a cache object holds (transformers ``Cache`` or legacy tuples)."""
+    tensors: list[torch.Tensor] = []
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            tensors += [
+                t
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                if isinstance(t, torch.Tensor)
+            ]
+    elif isinstance(cache, (tuple, list)):
+        stack = list(cache)
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                tensors.append(item)
+            elif isinstance(item, (tuple, list)):
+                stack.extend(item)
+    else:
+        raise GqakitError(f"Cannot measure a cache of type {type(cache).__name__}.")
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weight_bytes_per_step(model) -> int:
+    """Weight bytes one decode step reads: every parameter once, except an input embedding table that
+    is not also the output layer (a lookup reads only the rows of the current tokens)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb_in = model.get_input_embeddings()
+    emb_out = model.get_output_embeddings()
+    if emb_in is not None and (emb_out is None or emb_out.weight is not emb_in.weight):
+        total -= emb_in.weight.numel() * emb_in.weight.element_size()
+    return total
+
+
+def bytes_moved_per_step(model, batch: int, tokens: int) -> int:
+    """Bytes one decode step moves: :func:`weight_bytes_per_step` + the KV cache at ``tokens``."""
+    dtype = next(model.parameters()).dtype
+    return weight_bytes_per_step(model) + predicted_kv_bytes(model.config, batch, tokens, dtype)
+
+
+def speedup_bound(baseline_bytes: int, candidate_bytes: int) -> float:
+    """The decode speedup that moving fewer bytes per step allows: baseline bytes / candidate bytes."""
+    return baseline_bytes / candidate_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(e: BaseException) -> bool:
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _prompts(model, batch: int, context: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Random token ids that avoid the special tokens (so nothing in the prompt is padding or EOS)."""
+    cfg = model.config
+    specials = [getattr(cfg, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")]
+    flat = [t for s in specials for t in (s if isinstance(s, list) else [s]) if isinstance(t, int)]
+    low = max(flat, default=-1) + 1
+    vocab = model.get_input_embeddings().weight.shape[0]
+    low = low if low < vocab - 1 else 0
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (batch, context), generator=gen).to(device)
+
+
+def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: int):
+    """A cache already holding ``tokens`` random keys and values per layer (``static_len``: a static cache
+    of that many slots, else a dynamic one)."""
+    from transformers import DynamicCache, StaticCache
+
+    g = _geometry(model.config)
+    param = next(model.parameters())
+    cache = (
+        StaticCache(config=model.config, max_cache_len=static_len)
+        if static_len
+        else DynamicCache(config=model.config)
+    )
+    gen = torch.Generator().manual_seed(seed)
+    position = {"cache_position": torch.arange(tokens, device=param.device)}
+    for layer in range(g.num_layers):
+        k, v = (
+            torch.randn(batch, g.num_kv_heads, tokens, g.head_dim, generator=gen).to(
+                param.device, param.dtype
+            )
+            for _ in range(2)
+        )
+        cache.update(k, v, layer, position)
+    return cache
+
+
+def _generate_once(
+    model, prompts: torch.Tensor, new_tokens: int, static_cache: bool, compile: bool, prefill: str = "model"
+):
+    """One timed ``generate``: returns (prefill s, per-step latencies s, cache object)."""
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    device = prompts.device
+    stamps: list[float] = []
+
+    class _Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            _sync(device)
+            stamps.append(time.perf_counter())
+            return scores
+
+    cfg = model.config
+    gen_cfg = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0,
+        eos_token_id=cfg.eos_token_id,
+        disable_compile=not compile,
+        return_dict_in_generate=True,
+    )
+    if compile:
+        from transformers import CompileConfig
+
+        gen_cfg.compile_config = CompileConfig(_compile_all_devices=True)
+    kwargs = {}
+    total = prompts.shape[1] + new_tokens - 1
+    if prefill == "random":
+        # All but the last prompt token are already "in" the cache: generate() feeds only the last one.
+        kwargs["past_key_values"] = _random_cache(
+            model, prompts.shape[0], prompts.shape[1] - 1, total if static_cache else None, 0
+        )
+    elif static_cache:
+        from transformers import StaticCache
+
+        # Our own cache object, sized for this point: generate() would otherwise reuse (and keep
+        # growing) one static cache across calls, and the measured bytes would not be this point's.
+        kwargs["past_key_values"] = StaticCache(config=cfg, max_cache_len=total)
+    mask = torch.ones_like(prompts)
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=prompts,
+        attention_mask=mask,
+        generation_config=gen_cfg,
+        logits_processor=LogitsProcessorList([_Stamp()]),
+        **kwargs,
+    )
+    steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return stamps[0] - start, steps, out.past_key_values
+
+
+def parse_grid(value: str | Sequence[int], name: str) -> tuple[int, ...]:
+    """``"1,8,32"`` -> (1, 8, 32): positive, no duplicates; otherwise a GqakitError naming ``name``."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        try:
+            nums = [int(p) for p in parts]
+        except ValueError:
+            raise GqakitError(
+                f"{name} {value!r} is not a comma-separated list of whole numbers (e.g. 1,8,32)."
+            ) from None
+    else:
+        nums = [int(v) for v in value]
+    if not nums:
+        raise GqakitError(f"{name} is empty; give at least one number.")
+    bad = [n for n in nums if n <= 0]
+    if bad:
+        raise GqakitError(f"{name} {value!r} has non-positive values {bad}; every value must be >= 1.")
+    if len(set(nums)) != len(nums):
+        raise GqakitError(f"{name} {value!r} repeats a value.")
+    return tuple(nums)
+
+
+@torch.inference_mode()
+def bench_decode(
+    model,
+    *,
+    batch_sizes: Sequence[int],
+    contexts: Sequence[int],
+    new_tokens: int = 32,
+    warmup: int = 1,
+    static_cache: bool = False,
+    compile: bool = False,
+    progress: bool = True,
+    seed: int = 0,
+    prefill: str = "model",
+) -> list[DecodePoint]:
+    """Measure prefill time, decode latency and KV-cache bytes at every (batch, context).
+
+    Args:
+        model: a causal LM on the device to measure.
+        batch_sizes: batch sizes of the grid.
+        contexts: prompt lengths of the grid.
+        new_tokens: tokens generated per point (>= 2; the first is the prefill's).
+        warmup: untimed runs before each timed point, of the same shape (compiles, fills allocators).
+        static_cache: use a preallocated ``StaticCache`` instead of the growing ``DynamicCache``.
+        compile: compile the decode step with ``torch.compile`` (implies ``static_cache``).
+        progress: show a progress bar.
+        seed: seed of the random prompts.
+        prefill: ``"model"`` runs the prompt through the model and times it; ``"random"`` fills the cache
+            with random keys and values instead (``prefill_s`` is then None). A decode step costs the
+            same either way (attention reads every cached key and value whatever they hold), so
+            ``"random"`` measures long contexts on a CPU without minutes of prefill per point.
+
+    Returns:
+        One :class:`DecodePoint` per (batch, context), batch-major.
+    """
+    from tqdm.auto import tqdm
+
+    batch_sizes = parse_grid(batch_sizes, "--batch-sizes")
+    contexts = parse_grid(contexts, "--contexts")
+    if new_tokens < 2:
+        raise GqakitError(
+            f"--new-tokens must be at least 2 (a prefill token and a decode step), got {new_tokens}."
+        )
+    if warmup < 0:
+        raise GqakitError(f"warmup must be >= 0, got {warmup}.")
+    if prefill not in ("model", "random"):
+        raise GqakitError(f"prefill must be 'model' or 'random', got {prefill!r}.")
+    static_cache = static_cache or compile
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    weights = weight_bytes_per_step(model)
+    points = []
+    grid = [(b, c) for b in batch_sizes for c in contexts]
+    for b, c in tqdm(grid, desc="decode", unit="pt", disable=not progress, leave=False):
+        kv_tokens = c + new_tokens - 1  # the last generated token is never fed back
+        point = DecodePoint(
+            batch=b,
+            context=c,
+            new_tokens=new_tokens,
+            static_cache=static_cache,
+            compiled=compile,
+            kv_tokens=kv_tokens,
+            kv_bytes_predicted=predicted_kv_bytes(model.config, b, kv_tokens, dtype),
+            bytes_per_step=weights + predicted_kv_bytes(model.config, b, c + new_tokens // 2, dtype),
+        )
+        try:
+            prompts = _prompts(model, b, c, seed, device)
+            for _ in range(warmup):
+                _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
+            prefill_s, steps, cache = _generate_once(
+                model, prompts, new_tokens, static_cache, compile, prefill
+            )
+            point.prefill_s = prefill_s if prefill == "model" else None
+            latency = statistics.median(steps)
+            point.decode_ms = latency * 1e3
+            point.tokens_per_s = b / latency
+            point.kv_bytes = measured_kv_bytes(cache)
+            del cache
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            point.status, point.error = "oom", str(e).splitlines()[0][:200]
+            log.warning("decode batch=%d context=%d: out of memory; recorded as OOM", b, c)
+        finally:
+            _free(device)
+        points.append(point)
+    return points

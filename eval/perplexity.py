@@ -1,0 +1,252 @@
+"""Sliding-window perplexity and bits per byte over a corpus, batched, without gradients.
+
+The stream
+    Documents are joined with :data:`~gqakit.eval.data.DOC_SEPARATOR` (``"\\n\\n"``) into one text,
+    tokenized once without special tokens, and a prefix token is put in front of it: the tokenizer's
+    BOS, or its EOS when it has no BOS (the same rule as lm-eval's ``prefix_token_id``). Every text
+    token is scored, the first one given the prefix token alone. ``--max-tokens`` keeps the first
+    ``max_tokens`` text tokens (and the bytes they cover).
+
+The windows
+    A window is one forward pass over at most ``seq_len`` tokens; it scores its last predictions::
+
+        stream:   P t1 t2 t3 t4 t5 t6 t7 t8 t9 t10        seq_len = 4, stride = 2
+        window 0: [P  t1 t2 t3] -> scores t1 t2 t3 t4        (all of its predictions)
+        window 1:       [t2 t3 t4 t5] -> scores     t5 t6    (context t2..t4)
+        window 2:             [t4 t5 t6 t7] -> scores  t7 t8
+        window 3:                   [t6 t7 t8 t9] -> t9 t10
+
+    The first window scores all ``seq_len`` of its predictions; each later one scores the next
+    ``stride`` tokens and sees at least ``seq_len - stride + 1`` tokens of context; the last one is
+    pulled back to a full ``seq_len`` inputs so its tokens get as much context as possible. Every token
+    is scored exactly once. With ``stride == seq_len`` this is exactly lm-eval's
+    ``loglikelihood_rolling`` (its ``context_len=1`` windows) on the same text with
+    ``max_length == seq_len``. Windows all have ``seq_len`` inputs (only a stream shorter than that gives
+    one shorter window), so they batch without padding.
+
+The numbers
+    ``nll`` is the mean negative log-likelihood per scored token (nats), ``ppl = exp(nll)``,
+    ``bits_per_byte = nll_sum / (ln 2 * bytes)`` with ``bytes`` the UTF-8 bytes of the scored text.
+    Perplexity compares models that share a tokenizer; bits per byte compares any two models.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from gqakit.errors import GqakitError
+from gqakit.eval.data import DOC_SEPARATOR
+
+
+@dataclass
+class PerplexityResult:
+    """Perplexity of one model on one corpus.
+
+    Attributes:
+        ppl: perplexity, ``exp(nll)``.
+        nll: mean negative log-likelihood per token, nats.
+        bits_per_byte: ``nll_sum / (ln 2 * bytes)``; tokenizer-independent.
+        tokens: scored tokens.
+        bytes: UTF-8 bytes of the scored text.
+        seq_len: tokens per window.
+        stride: new tokens scored per window after the first.
+        nll_sum: total negative log-likelihood, nats.
+        windows: forward passes (window count).
+        documents: documents joined into the stream.
+        elapsed_s: wall time of the forward passes and scoring.
+        tokens_per_s: scored tokens per second.
+    """
+
+    ppl: float
+    nll: float
+    bits_per_byte: float
+    tokens: int
+    bytes: int
+    seq_len: int
+    stride: int
+    nll_sum: float = 0.0
+    windows: int = 0
+    documents: int = 0
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One forward pass: inputs ``stream[start:end]``, scoring its last ``scored`` predictions."""
+
+    start: int
+    end: int
+    scored: int
+
+
+def sliding_windows(n: int, seq_len: int, stride: int) -> list[Window]:
+    """The windows over a stream of ``n`` tokens (prefix included); see the module docstring.
+
+    The predictions of ``stream[start:end]`` are ``stream[start+1:end+1]``; the window scores the last
+    ``scored`` of them. Together the windows score ``stream[1:n]`` exactly once.
+    """
+    if seq_len < 1 or not 1 <= stride <= seq_len:
+        raise GqakitError(
+            f"Need seq_len >= 1 and 1 <= stride <= seq_len, got seq_len={seq_len}, stride={stride}."
+        )
+    if n < 2:
+        return []
+    windows = []
+    first = min(seq_len, n - 1)  # targets 1..first
+    windows.append(Window(0, first, first))
+    done = first
+    while done < n - 1:
+        scored = min(stride, n - 1 - done)
+        end = done + scored  # last input predicts target ``end``
+        windows.append(Window(max(0, end - seq_len), end, scored))
+        done += scored
+    return windows
+
+
+def prefix_token_id(tokenizer) -> int:
+    """BOS, else EOS: the token put before the text so its first token can be scored (lm-eval's rule)."""
+    tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if tok is None:
+        raise GqakitError("The tokenizer has neither a BOS nor an EOS token to start the text with.")
+    return int(tok)
+
+
+def encode_stream(tokenizer, texts: Sequence[str], max_tokens: int | None = None) -> tuple[list[int], int]:
+    """Join ``texts``, tokenize, put the prefix token first; return (stream, bytes of the scored text)."""
+    text = DOC_SEPARATOR.join(texts)
+    fast = getattr(tokenizer, "is_fast", False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast, verbose=False)
+    ids = list(enc["input_ids"])
+    if not ids:
+        raise GqakitError("The evaluation text tokenizes to nothing.")
+    n_bytes = len(text.encode("utf-8"))
+    if max_tokens is not None and max_tokens < len(ids):
+        ids = ids[:max_tokens]
+        # Bytes of the text the kept tokens cover: up to the end of the last kept token.
+        if fast:
+            covered = text[: enc["offset_mapping"][max_tokens - 1][1]]
+        else:
+            covered = tokenizer.decode(ids)
+        n_bytes = len(covered.encode("utf-8"))
+    return [prefix_token_id(tokenizer), *ids], n_bytes
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence a model's config says it handles, or None when it does not say."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(config, seq_len: int, what: str = "--seq-len") -> None:
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise GqakitError(
+            f"{what} {seq_len} is more than this model's {limit} positions (max_position_embeddings); "
+            f"use {what} {limit} or less."
+        )
+
+
+@torch.inference_mode()
+def perplexity(
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    seq_len: int = 512,
+    stride: int | None = None,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Token-weighted perplexity and bits per byte of ``model`` on ``texts``.
+
+    Args:
+        model: a causal LM (any ``AutoModelForCausalLM``), on the device to run on.
+        tokenizer: its tokenizer.
+        texts: documents; joined with ``"\\n\\n"`` (see the module docstring).
+        seq_len: tokens per window; at most the model's maximum positions.
+        stride: new tokens scored per window after the first; ``None`` means ``seq_len`` (disjoint
+            windows). Smaller strides give each token more context and cost more forward passes.
+        batch_size: windows per forward pass.
+        max_tokens: score only the first ``max_tokens`` tokens of the text.
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`PerplexityResult`.
+    """
+    from tqdm.auto import tqdm
+
+    stride = seq_len if stride is None else stride
+    problems = []
+    if seq_len < 1:
+        problems.append(f"--seq-len must be positive, got {seq_len}.")
+    elif not 1 <= stride <= seq_len:
+        problems.append(f"--stride must be between 1 and --seq-len {seq_len}, got {stride}.")
+    if batch_size < 1:
+        problems.append(f"--batch-size must be positive, got {batch_size}.")
+    if max_tokens is not None and max_tokens < 1:
+        problems.append(f"--max-tokens must be positive, got {max_tokens}.")
+    if problems:
+        raise GqakitError(" ".join(problems))
+    check_seq_len(model.config, seq_len)
+    if not texts:
+        raise GqakitError("No evaluation text was given.")
+
+    stream, n_bytes = encode_stream(tokenizer, texts, max_tokens)
+    device = next(model.parameters()).device
+    ids = torch.tensor(stream, dtype=torch.long)
+    windows = sliding_windows(len(stream), seq_len, stride)
+    # The first window scores every prediction; the rest score their last ``stride`` (the final one
+    # maybe fewer), so their logits can be cut to the last ``stride`` positions (``logits_to_keep``).
+    head, rest = windows[:1], windows[1:]
+    can_cut = "logits_to_keep" in inspect.signature(model.forward).parameters
+    total = torch.zeros((), dtype=torch.float64)
+    start = time.perf_counter()
+    bar = tqdm(total=len(windows), desc="perplexity", unit="win", disable=not progress, leave=False)
+    for group, keep in [(head, None), (rest, stride)]:
+        for i in range(0, len(group), batch_size):
+            batch = group[i : i + batch_size]
+            inputs = torch.stack([ids[w.start : w.end] for w in batch]).to(device)
+            targets = torch.stack([ids[w.start + 1 : w.end + 1] for w in batch]).to(device)
+            kwargs = {"logits_to_keep": keep} if keep is not None and can_cut else {}
+            logits = model(input_ids=inputs, use_cache=False, **kwargs).logits
+            targets = targets[:, -logits.shape[1] :]
+            # -log p(target) = logsumexp(logits) - logits[target]: one pass over the logits, without
+            # materialising the [batch, seq, vocab] log-softmax that cross_entropy would.
+            logits = logits.float()
+            nll = torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets[..., None]).squeeze(-1)
+            for row, w in zip(nll, batch, strict=True):
+                total += row[-w.scored :].sum().double().cpu()
+            bar.update(len(batch))
+    bar.close()
+    elapsed = time.perf_counter() - start
+    tokens = len(stream) - 1
+    nll_sum = float(total)
+    mean = nll_sum / tokens
+    return PerplexityResult(
+        ppl=math.exp(mean),
+        nll=mean,
+        bits_per_byte=nll_sum / (math.log(2) * n_bytes),
+        tokens=tokens,
+        bytes=n_bytes,
+        seq_len=seq_len,
+        stride=stride,
+        nll_sum=nll_sum,
+        windows=len(windows),
+        documents=len(texts),
+        elapsed_s=elapsed,
+        tokens_per_s=tokens / elapsed if elapsed > 0 else float("inf"),
+    )

@@ -1,0 +1,123 @@
+"""``gqakit probe``: the table, JSON and plot, and its bad-input messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from gqakit.cli import main
+from gqakit.convert.probe import ProbeOptions, probe_checkpoint
+from gqakit.errors import GqakitError
+from gqakit.testing import TINY_TEXT, save_tiny_model
+
+
+@pytest.fixture
+def texts(tmp_path):
+    calib, held_out = tmp_path / "calib.txt", tmp_path / "held_out.txt"
+    calib.write_text(TINY_TEXT * 8)
+    held_out.write_text(TINY_TEXT[::-1] * 2 + TINY_TEXT * 2)
+    return calib, held_out
+
+
+def test_probe_cli_writes_table_json_and_plot(tmp_path, texts):
+    calib, held_out = texts
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4)
+    out = tmp_path / "probe"
+    res = CliRunner().invoke(
+        main,
+        [
+            "probe",
+            str(src),
+            "--calib-data",
+            str(calib),
+            "--eval-data",
+            str(held_out),
+            "--groups",
+            "1,2",
+            "--methods",
+            "mean,first,calibrated",
+            "--grouping",
+            "contiguous,similarity",
+            "--calib-tokens",
+            "256",
+            "--eval-tokens",
+            "200",
+            "--error-tokens",
+            "128",
+            "--seq-len",
+            "64",
+            "--out",
+            str(out),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "| G | method | grouping | perplexity" in res.output
+    data = json.loads((out / "probe.json").read_text())
+    rows = data["rows"]
+    assert rows[0]["method"] == "original" and rows[0]["ppl_ratio"] == 1.0
+    # 2 G x (3 contiguous + 3 similarity) combinations, after the original
+    assert len(rows) == 1 + 2 * 6
+    for r in rows[1:]:
+        assert len(r["attn_error"]) == 2 and all(e >= 0 for e in r["attn_error"])
+        assert r["ppl"] > 0 and r["key_error"] is not None
+    cal = [r for r in rows if r["method"] == "calibrated" and r["grouping"] == "contiguous"]
+    mean = [r for r in rows if r["method"] == "mean" and r["grouping"] == "contiguous"]
+    assert all(c["value_error"] <= m["value_error"] for c, m in zip(cal, mean, strict=True))
+    assert (out / "probe.md").read_text().count("\n|") >= 14
+    png = (out / "probe.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_probe_without_calibration_runs_mean_only(tmp_path, texts):
+    _, held_out = texts
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=2)
+    result = probe_checkpoint(
+        src,
+        None,
+        ProbeOptions(
+            groups=(1,),
+            eval_data=str(held_out),
+            methods=("mean",),
+            eval_tokens=128,
+            error_tokens=64,
+            seq_len=32,
+        ),
+    )
+    assert [r.method for r in result.rows] == ["original", "mean"]
+    assert result.rows[1].key_error is None and len(result.rows[1].attn_error) == 2
+
+
+def test_probe_bad_input_reports_every_problem(tmp_path):
+    opts = ProbeOptions(
+        groups=(), eval_data=str(tmp_path / "missing.txt"), methods=("median", "calibrated"), seq_len=0
+    )
+    with pytest.raises(GqakitError) as e:
+        opts.validate()
+    msg = str(e.value.message)
+    for fragment in ("--groups needs", "--methods median", "need --calib-data", "--eval-data", "--seq-len"):
+        assert fragment in msg, msg
+
+
+def test_probe_rejects_a_group_count_that_does_not_divide(tmp_path, texts):
+    calib, held_out = texts
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4)
+    res = CliRunner().invoke(
+        main,
+        [
+            "probe",
+            str(src),
+            "--eval-data",
+            str(held_out),
+            "--groups",
+            "3",
+            "--methods",
+            "mean",
+            "--out",
+            str(tmp_path / "p"),
+        ],
+    )
+    assert res.exit_code == 2 and "does not divide" in res.output
+    res = CliRunner().invoke(main, ["probe", str(src), "--eval-data", str(held_out), "--groups", "one"])
+    assert res.exit_code == 2 and "comma-separated list of int" in res.output

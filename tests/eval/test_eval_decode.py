@@ -1,0 +1,123 @@
+"""Decode grid: measured KV bytes against the formula for G = H, H/2, 1; the bound; OOM; grids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gqakit.errors import GqakitError
+from gqakit.eval.decode import (
+    bench_decode,
+    bytes_moved_per_step,
+    parse_grid,
+    predicted_kv_bytes,
+    speedup_bound,
+    weight_bytes_per_step,
+)
+from gqakit.models import load_causal_lm
+
+
+@pytest.mark.parametrize("layout, kv_heads", [("mha", 4), ("gqa", 2), ("mqa", 1)])
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_measured_kv_bytes_equal_the_formula(tiny_models, layout, kv_heads, static_cache):
+    model = load_causal_lm(tiny_models[layout], dtype="float32", device="cpu")
+    assert model.config.num_key_value_heads == kv_heads
+    points = bench_decode(
+        model,
+        batch_sizes=[1, 3],
+        contexts=[8, 24],
+        new_tokens=4,
+        warmup=0,
+        static_cache=static_cache,
+        progress=False,
+    )
+    assert [(p.batch, p.context) for p in points] == [(1, 8), (1, 24), (3, 8), (3, 24)]
+    for p in points:
+        tokens = p.context + p.new_tokens - 1
+        # 2 (K, V) * layers * batch * G * tokens * head_dim * 4 bytes
+        formula = 2 * 2 * p.batch * kv_heads * tokens * 16 * 4
+        assert p.status == "ok"
+        assert p.kv_tokens == tokens
+        assert p.kv_bytes == p.kv_bytes_predicted == formula
+        assert p.prefill_s > 0 and p.decode_ms > 0
+        assert p.tokens_per_s == pytest.approx(p.batch * 1000 / p.decode_ms)
+
+
+def test_predicted_kv_bytes_accepts_dicts_and_dtype_names(tiny_models):
+    cfg = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
+    assert predicted_kv_bytes(cfg, 8, 2048, "bfloat16") == 2 * 30 * 8 * 3 * 2048 * 64 * 2
+    assert predicted_kv_bytes(cfg, 1, 1, torch.float32) == 2 * 30 * 3 * 64 * 4
+
+
+def test_bytes_moved_and_bound(tiny_models):
+    mha = load_causal_lm(tiny_models["mha"], dtype="float32", device="cpu")
+    mqa = load_causal_lm(tiny_models["mqa"], dtype="float32", device="cpu")
+    # Untied embeddings: the input table is a lookup, not a full read.
+    emb = mha.get_input_embeddings().weight
+    params = sum(p.numel() * 4 for p in mha.parameters())
+    assert weight_bytes_per_step(mha) == params - emb.numel() * 4
+    assert bytes_moved_per_step(mha, 2, 100) == weight_bytes_per_step(mha) + 2 * 2 * 2 * 4 * 100 * 16 * 4
+    base, cand = bytes_moved_per_step(mha, 8, 200), bytes_moved_per_step(mqa, 8, 200)
+    assert speedup_bound(base, cand) == pytest.approx(base / cand)
+    assert speedup_bound(base, cand) > 1
+
+
+def test_oom_point_is_recorded_and_the_grid_goes_on(tiny_models, monkeypatch):
+    model = load_causal_lm(tiny_models["gqa"], dtype="float32", device="cpu")
+    real = model.generate
+
+    def generate(*args, **kwargs):
+        if kwargs["input_ids"].shape[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    points = bench_decode(model, batch_sizes=[1, 2, 3], contexts=[8], new_tokens=3, warmup=0, progress=False)
+    assert [p.status for p in points] == ["ok", "oom", "ok"]
+    assert points[1].tokens_per_s is None and "out of memory" in points[1].error
+    assert points[1].kv_bytes_predicted > 0
+
+
+def test_other_errors_are_not_swallowed(tiny_models, monkeypatch):
+    model = load_causal_lm(tiny_models["gqa"], dtype="float32", device="cpu")
+    monkeypatch.setattr(model, "generate", lambda *a, **k: (_ for _ in ()).throw(ValueError("boom")))
+    with pytest.raises(ValueError, match="boom"):
+        bench_decode(model, batch_sizes=[1], contexts=[8], new_tokens=3, warmup=0, progress=False)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("1,x,3", "not a comma-separated list"),
+        ("0,8", "non-positive"),
+        ("", "not a comma-separated"),
+        ("8,8", "repeats"),
+    ],
+)
+def test_malformed_grids(value, message):
+    with pytest.raises(GqakitError, match=message):
+        parse_grid(value, "--batch-sizes")
+
+
+def test_grid_parsing():
+    assert parse_grid("1, 8,32", "--batch-sizes") == (1, 8, 32)
+    assert parse_grid([256, 1024], "--contexts") == (256, 1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static_cache, compile", [(False, False), (True, False), (True, True)])
+def test_decode_on_cuda_in_bfloat16(tiny_models, static_cache, compile):
+    model = load_causal_lm(tiny_models["gqa"], dtype="bfloat16", device="cuda")
+    points = bench_decode(
+        model,
+        batch_sizes=[2],
+        contexts=[16],
+        new_tokens=4,
+        warmup=1,
+        static_cache=static_cache,
+        compile=compile,
+        progress=False,
+    )
+    p = points[0]
+    assert p.status == "ok" and p.compiled == compile
+    assert p.kv_bytes == p.kv_bytes_predicted == 2 * 2 * 2 * 2 * (16 + 3) * 16 * 2

@@ -1,0 +1,156 @@
+"""Perplexity against a direct computation, lm-eval's rolling windows, and the bits-per-byte formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gqakit.errors import GqakitError
+from gqakit.eval.perplexity import encode_stream, perplexity, sliding_windows
+
+
+@pytest.mark.parametrize(
+    "n, seq_len, stride", [(11, 4, 2), (11, 4, 4), (3, 4, 4), (50, 8, 3), (9, 8, 1), (2, 4, 4)]
+)
+def test_windows_score_every_token_once_within_seq_len(n, seq_len, stride):
+    scored = []
+    for w in sliding_windows(n, seq_len, stride):
+        assert 0 < w.end - w.start <= seq_len
+        scored += list(range(w.start + 1, w.end + 1))[-w.scored :]
+    assert scored == list(range(1, n))
+
+
+def _token_nll(model, ids: list[int], context: list[int], target: int) -> float:
+    logits = model(input_ids=torch.tensor([context])).logits[0, -1]
+    return float(F.cross_entropy(logits.float()[None], torch.tensor([target])))
+
+
+@torch.no_grad()
+def test_disjoint_windows_equal_exp_mean_nll_of_plain_chunks(loaded_mha, known_text):
+    """stride = seq_len: chunks of seq_len inputs, each predicting the next seq_len tokens."""
+    model, tok = loaded_mha
+    seq_len = 16
+    stream, _ = encode_stream(tok, [known_text], max_tokens=3 * seq_len)
+    total = 0.0
+    for i in range(0, len(stream) - 1, seq_len):
+        chunk = torch.tensor([stream[i : i + seq_len + 1]])
+        logits = model(input_ids=chunk[:, :-1]).logits
+        total += float(F.cross_entropy(logits[0].float(), chunk[0, 1:], reduction="sum"))
+    expected = math.exp(total / (len(stream) - 1))
+    res = perplexity(
+        model, tok, [known_text], seq_len=seq_len, max_tokens=3 * seq_len, batch_size=2, progress=False
+    )
+    assert res.tokens == 3 * seq_len == len(stream) - 1
+    assert res.ppl == pytest.approx(expected, rel=1e-5)
+    assert res.nll == pytest.approx(math.log(expected), rel=1e-5)
+
+
+@torch.no_grad()
+def test_stride_one_gives_each_token_seq_len_tokens_of_context(loaded_mha, known_text):
+    """stride = 1: token t is predicted from exactly the min(t, seq_len) tokens before it."""
+    model, tok = loaded_mha
+    seq_len = 8
+    stream, _ = encode_stream(tok, [known_text], max_tokens=30)
+    nll = [
+        _token_nll(model, stream, stream[max(0, t - seq_len) : t], stream[t]) for t in range(1, len(stream))
+    ]
+    res = perplexity(
+        model, tok, [known_text], seq_len=seq_len, stride=1, max_tokens=30, batch_size=4, progress=False
+    )
+    assert res.ppl == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+
+
+@torch.no_grad()
+def test_sliding_stride_matches_a_token_by_token_reference(loaded_mha, known_text):
+    """stride < seq_len: each window's scored tokens see everything from the window start."""
+    model, tok = loaded_mha
+    seq_len, stride = 12, 5
+    stream, _ = encode_stream(tok, [known_text], max_tokens=40)
+    nll = []
+    for w in sliding_windows(len(stream), seq_len, stride):
+        for t in range(w.end + 1 - w.scored, w.end + 1):
+            nll.append(_token_nll(model, stream, stream[w.start : t], stream[t]))
+    res = perplexity(
+        model, tok, [known_text], seq_len=seq_len, stride=stride, max_tokens=40, batch_size=3, progress=False
+    )
+    assert len(nll) == res.tokens == 40
+    assert res.ppl == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+    # More context than disjoint windows: not the same number.
+    disjoint = perplexity(model, tok, [known_text], seq_len=seq_len, max_tokens=40, progress=False)
+    assert disjoint.ppl != pytest.approx(res.ppl, rel=1e-6)
+
+
+@torch.no_grad()
+def test_disjoint_windows_equal_lm_eval_rolling_windows(loaded_mha, known_text):
+    """Our stride = seq_len windows are lm-eval's loglikelihood_rolling windows (context_len=1)."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    model, tok = loaded_mha
+    seq_len = 16
+    ids = tok(known_text, add_special_tokens=False)["input_ids"]
+    total = 0.0
+    for context, target in map(
+        make_disjoint_window,
+        get_rolling_token_windows(
+            ids, tok.eos_token_id if tok.bos_token_id is None else tok.bos_token_id, seq_len, 1
+        ),
+    ):
+        inputs = torch.tensor([(context + target)[:-1]])
+        logits = model(input_ids=inputs).logits[0, -len(target) :]
+        total += float(F.cross_entropy(logits.float(), torch.tensor(target), reduction="sum"))
+    res = perplexity(model, tok, [known_text], seq_len=seq_len, batch_size=4, progress=False)
+    assert res.nll_sum == pytest.approx(total, rel=1e-5)
+
+
+def test_bits_per_byte_formula_counts_utf8_bytes(loaded_mha, known_text):
+    model, tok = loaded_mha
+    res = perplexity(model, tok, [known_text], seq_len=32, progress=False)
+    n_bytes = len(known_text.encode("utf-8"))
+    assert n_bytes > len(known_text)  # the text has multi-byte characters
+    assert res.bytes == n_bytes
+    assert res.bits_per_byte == pytest.approx(res.nll_sum / (math.log(2) * n_bytes), rel=1e-12)
+    assert res.bits_per_byte == pytest.approx(res.nll * res.tokens / n_bytes / math.log(2), rel=1e-9)
+
+
+def test_documents_are_joined_with_a_blank_line(loaded_mha, known_text):
+    model, tok = loaded_mha
+    a, b = known_text[:100], known_text[100:]
+    joined = perplexity(model, tok, [a + "\n\n" + b], seq_len=32, progress=False)
+    split = perplexity(model, tok, [a, b], seq_len=32, progress=False)
+    assert split.nll_sum == pytest.approx(joined.nll_sum, rel=1e-6)
+    assert split.bytes == joined.bytes and split.documents == 2
+
+
+def test_deterministic_and_independent_of_batch_size(loaded_mha, known_text):
+    model, tok = loaded_mha
+    runs = [
+        perplexity(model, tok, [known_text], seq_len=16, stride=8, batch_size=b, progress=False)
+        for b in (1, 1, 5)
+    ]
+    assert runs[0].nll_sum == runs[1].nll_sum
+    assert runs[2].nll_sum == pytest.approx(runs[0].nll_sum, rel=1e-5)
+
+
+def test_max_tokens_caps_tokens_and_bytes(loaded_mha, known_text):
+    model, tok = loaded_mha
+    full = perplexity(model, tok, [known_text], seq_len=16, progress=False)
+    capped = perplexity(model, tok, [known_text], seq_len=16, max_tokens=20, progress=False)
+    assert capped.tokens == 20 < full.tokens
+    assert 0 < capped.bytes < full.bytes
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seq_len": 512}, "more than this model's 256 positions"),
+        ({"seq_len": 16, "stride": 17}, "--stride must be between 1 and --seq-len 16"),
+        ({"seq_len": 16, "batch_size": 0}, "--batch-size must be positive"),
+    ],
+)
+def test_bad_arguments(loaded_mha, kwargs, message, known_text):
+    model, tok = loaded_mha
+    with pytest.raises(GqakitError, match=message):
+        perplexity(model, tok, [known_text], progress=False, **kwargs)

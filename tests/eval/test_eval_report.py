@@ -1,0 +1,114 @@
+"""evaluate_models on three layouts, and the report it writes: report.md, results.json, PNG plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gqakit.errors import GqakitError
+from gqakit.eval.api import EvalOptions, evaluate, evaluate_models
+from gqakit.eval.report import write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def three_way(tiny_models, tmp_path_factory):
+    text = tmp_path_factory.mktemp("data") / "text.txt"
+    text.write_text("The keeper climbed the stair and lit the lamp. " * 20)
+    options = EvalOptions(
+        ppl_data=str(text),
+        seq_len=32,
+        batch_size=4,
+        bench=True,
+        batch_sizes="1,2",
+        contexts="8,16",
+        new_tokens=3,
+        warmup=0,
+        tasks="gqakit_mc",
+        lm_eval_args="--limit 4",
+        device="cpu",
+        progress=False,
+        command_line="pytest",
+    )
+    models = {
+        "MHA-4": str(tiny_models["mha"]),
+        "GQA-2": str(tiny_models["gqa"]),
+        "MQA": str(tiny_models["mqa"]),
+    }
+    return evaluate_models(models, options)
+
+
+def test_results_hold_every_model_and_comparisons(three_way):
+    assert list(three_way.models) == ["MHA-4", "GQA-2", "MQA"] and three_way.baseline == "MHA-4"
+    assert [m.num_kv_heads for m in three_way.models.values()] == [4, 2, 1]
+    for m in three_way.models.values():
+        assert m.perplexity.tokens > 0 and len(m.decode) == 4
+        assert "gqakit_mc/acc" in m.task_metrics()
+    comps = three_way.comparisons()
+    assert set(comps) == {"GQA-2", "MQA"}
+    assert comps["MQA"]["kv_cache_ratio"] == 0.25
+    d = comps["MQA"]["decode"][0]
+    assert d["bound"] > 1 and d["speedup"] > 0 and d["kv_bytes_ratio"] == 0.25
+    base = three_way.models["MHA-4"].perplexity
+    assert comps["GQA-2"]["ppl_delta"] == pytest.approx(three_way.models["GQA-2"].perplexity.ppl - base.ppl)
+
+
+def test_report_files_and_plots(three_way, tmp_path):
+    report = write_report(three_way, tmp_path / "report")
+    out = report.parent
+    assert report.name == "report.md"
+    for name in ("decode_tokens_per_s.png", "kv_cache_mib.png", "perplexity.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 10_000
+    md = report.read_text()
+    assert "| **MHA-4** (baseline) | 4/4 |" in md
+    assert "| MQA | 1/4 |" in md
+    assert "bound (bytes moved)" in md and "## Decode grid" in md and "## lm-eval" in md
+    res = json.loads((out / "results.json").read_text())
+    assert res["environment"]["command_line"] == "pytest"
+    assert {"torch", "transformers", "lm_eval", "gqakit"} <= set(res["environment"]["versions"])
+    assert res["models"]["MQA"]["decode"][0]["kv_bytes"] > 0
+    assert res["models"]["GQA-2"]["perplexity"]["bits_per_byte"] > 0
+    assert res["options"]["batch_sizes"] == [1, 2]
+    assert set(res["comparisons"]) == {"GQA-2", "MQA"}
+    assert sorted(res["plots"]) == ["decode_tokens_per_s.png", "kv_cache_mib.png", "perplexity.png"]
+
+
+def test_single_model_without_bench_still_reports(tiny_models, tmp_path, known_txt):
+    res = evaluate(
+        str(tiny_models["gqa"]),
+        None,
+        EvalOptions(ppl_data=str(known_txt), seq_len=16, device="cpu", progress=False),
+    )
+    assert res.baseline is None and res.comparisons() == {}
+    report = write_report(res, tmp_path)
+    assert (tmp_path / "kv_cache_mib.png").read_bytes().startswith(PNG)
+    assert not (tmp_path / "decode_tokens_per_s.png").exists()
+    assert "| gqa | 2/4 |" in report.read_text()
+
+
+def test_options_report_every_problem_at_once():
+    with pytest.raises(GqakitError) as err:
+        EvalOptions(seq_len=0, batch_sizes="1,x", contexts="0", dtype="fp8", lm_eval_args="--bogus 1")
+    msg = err.value.message
+    for part in (
+        "--batch-sizes",
+        "--contexts",
+        "--seq-len must be positive",
+        "--dtype 'fp8'",
+        "'bogus'",
+        "Nothing to evaluate",
+    ):
+        assert part in msg
+
+
+def test_default_contexts_are_clipped_to_the_models_positions(tiny_models):
+    res = evaluate(
+        str(tiny_models["mqa"]),
+        None,
+        EvalOptions(bench=True, batch_sizes="1", new_tokens=3, warmup=0, device="cpu", progress=False),
+    )
+    # 256 positions: none of 256, 1024, 4096 leaves room for 3 new tokens, so the longest that does.
+    assert [p.context for p in res.models["mqa"].decode] == [253]

@@ -1,0 +1,156 @@
+"""End-to-end uptraining of tiny random models on CPU: learning, freezing, distillation, resume,
+the saved model, the non-finite guard and bad input. Each test takes a few seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gqakit.errors import GqakitError
+from gqakit.testing import save_tiny_model
+from gqakit.uptrain import uptrain
+from gqakit.uptrain.loop import UptrainLoop, read_history
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_loss_falls_and_the_model_saves_as_a_plain_hf_checkpoint(recipe):
+    r = recipe("budget.steps=40", "eval.every=20")
+    res = uptrain(r)
+    hist = read_history(res.output_dir)
+    losses = [h["loss"] for h in hist if "loss" in h]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.8 * losses[0], losses
+    assert res.final_val_ppl < res.initial_val_ppl
+    assert [h["step"] for h in hist if "val_ppl" in h] == [0, 20, 40]
+    assert res.steps == 40 and res.tokens == 40 * 4 * 32 and res.alpha is None
+
+    # Plain transformers loads it, with the converted geometry, its tokenizer and the provenance.
+    model = AutoModelForCausalLM.from_pretrained(res.output_dir)
+    tok = AutoTokenizer.from_pretrained(res.output_dir)
+    assert model.config.num_key_value_heads == 2 and model.config.use_cache
+    out = model.generate(**tok("Rivers carry", return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > 2
+    prov = json.loads((res.output_dir / "gqakit.json").read_text())
+    assert prov["command"] == "uptrain" and prov["steps"] == 40 and prov["tokens"] == res.tokens
+    assert prov["final_val_ppl"] == pytest.approx(res.final_val_ppl)
+    assert prov["convert"]["to_kv_heads"] == 2 and prov["recipe"]["train"]["lr"] == r.train.lr
+    assert not (res.output_dir / "checkpoints").exists()  # removed once the final model is saved
+
+
+@pytest.mark.parametrize("mode, trained", [("kv", (".k_proj.", ".v_proj.")), ("attention", (".self_attn.",))])
+def test_frozen_parameters_stay_bitwise_equal(recipe, mode, trained):
+    res = uptrain(recipe("budget.steps=5", f"train.trainable={mode}", "train.weight_decay=0.5"))
+    before, after = _weights(res.output_dir / "work" / "converted"), _weights(res.output_dir)
+    assert before.keys() == after.keys()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(any(t in k for t in trained) for k in moved), moved
+    assert all(torch.equal(before[k], after[k]) for k in before if not any(t in k for t in trained))
+
+
+def test_distill_kl_is_zero_when_student_is_the_teacher(recipe):
+    res = uptrain(
+        recipe(
+            "model.convert=null",
+            "objective.kind=distill",
+            "objective.temperature=2.0",
+            "budget.steps=3",
+            "eval.at_start=false",
+        )
+    )
+    first = next(h for h in read_history(res.output_dir) if "kl" in h)
+    assert first["step"] == 1 and first["kl"] == 0.0 and first["loss"] == 0.0
+    mixed = uptrain(
+        recipe("objective.kind=mix", "budget.steps=2", "output_dir=" + str(res.output_dir) + "-mix")
+    )
+    assert all({"lm", "kl"} <= h.keys() for h in read_history(mixed.output_dir) if "loss" in h)
+
+
+def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(recipe, tmp_path, monkeypatch):
+    common = ("budget.steps=12", "checkpoint.every=4", "train.grad_accum=2", "eval.every=6")
+    full = uptrain(recipe(*common, f"output_dir={tmp_path / 'full'}", model="tied"))
+
+    class Killed(Exception):
+        pass
+
+    log_train = UptrainLoop._log_train
+
+    def die_at_step_7(self, *a, **k):
+        log_train(self, *a, **k)
+        if self.state.step == 7:
+            raise Killed
+
+    r = recipe(*common, f"output_dir={tmp_path / 'cut'}", model="tied")
+    monkeypatch.setattr(UptrainLoop, "_log_train", die_at_step_7)
+    with pytest.raises(Killed):
+        uptrain(r)
+    monkeypatch.setattr(UptrainLoop, "_log_train", log_train)
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-00000004"]
+    with pytest.raises(GqakitError, match="not empty. Pass --resume"):
+        uptrain(r)
+    resumed = uptrain(r, resume=True)
+
+    a, b = _weights(full.output_dir), _weights(resumed.output_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.final_val_ppl == full.final_val_ppl
+    steps = [h["step"] for h in read_history(resumed.output_dir) if "loss" in h]
+    assert steps == list(range(1, 13))  # the killed run's steps 5-7 were replaced, not duplicated
+    with pytest.raises(GqakitError, match="finished run"):
+        uptrain(r, resume=True)
+
+
+def test_non_finite_steps_are_skipped_then_rolled_back(recipe, monkeypatch):
+    loss_step = UptrainLoop._loss_step
+    bad_batches = {3, 8, 9, 10}  # one lone bad step, then three in a row (micro-batches are never repeated)
+
+    def poisoned(self, batch):
+        loss, parts = loss_step(self, batch)
+        return (loss * float("nan"), parts) if self.state.batches_seen in bad_batches else (loss, parts)
+
+    monkeypatch.setattr(UptrainLoop, "_loss_step", poisoned)
+    res = uptrain(
+        recipe("budget.steps=12", "checkpoint.every=5", "guard.max_bad_steps=3", "guard.lr_factor=0.5")
+    )
+    assert res.skipped_steps == 4 and res.rollbacks == 1 and res.steps == 12
+    events = [h for h in read_history(res.output_dir) if h.get("event") == "rollback"]
+    assert events == [{"step": 5, "event": "rollback", "checkpoint": "step-00000005", "lr_scale": 0.5}]
+    assert all(torch.isfinite(t).all() for t in _weights(res.output_dir).values())
+
+
+def test_rollback_without_a_checkpoint_is_a_clear_error(recipe, monkeypatch):
+    loss_step = UptrainLoop._loss_step
+    monkeypatch.setattr(UptrainLoop, "_loss_step", lambda self, b: (loss_step(self, b)[0] * float("inf"), {}))
+    with pytest.raises(GqakitError, match="3 non-finite steps in a row at step 3 and no checkpoint"):
+        uptrain(recipe("budget.steps=5"))
+
+
+def test_bad_data_and_teacher_and_output(recipe, assets, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(GqakitError, match="is empty|holds no"):
+        uptrain(recipe(f"data.files=[{empty}]"))
+    short = tmp_path / "short.txt"
+    short.write_text("Rivers carry sand.\n")
+    with pytest.raises(GqakitError, match=r"gives \d+ tokens, fewer than one block of data.seq_len=32"):
+        uptrain(recipe(f"data.files=[{short}]", "output_dir=" + str(tmp_path / "o2")))
+    other = save_tiny_model(tmp_path / "other", "llama", heads=4, kv_heads=4, vocab_size=512)
+    with pytest.raises(GqakitError) as e:
+        uptrain(recipe(f"teacher={other}", "objective.kind=distill", f"data.files=[{tmp_path / 'nope.txt'}]"))
+    assert "vocabulary of 512 tokens" in str(e.value) and "nope.txt does not exist" in str(e.value)
+    with pytest.raises(GqakitError, match="model.convert.groups: --groups 3 does not divide the 4 K/V heads"):
+        uptrain(recipe("model.convert.groups=3"))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    with pytest.raises(GqakitError, match="not empty. Pass --resume .* --force"):
+        uptrain(recipe(f"output_dir={busy}"))
+    assert (busy / "keep.txt").exists()
+    with pytest.raises(GqakitError, match="is inside output_dir"):
+        uptrain(recipe(f"output_dir={assets['train'].parent}", "model.convert=null"), force=True)
+    assert assets["train"].is_file()

@@ -1,0 +1,220 @@
+"""Training text -> fixed-length token blocks, cached by ``datasets``.
+
+Documents come from local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files or a hub dataset. Each
+is tokenized with the model's tokenizer (its own special tokens, e.g. Llama's BOS) and ended with EOS;
+the token streams are concatenated and cut into blocks of ``seq_len`` tokens, the tail that does not
+fill a block being dropped (per 1,000 documents, as in transformers' ``run_clm``). Every step is a
+``datasets`` ``map`` over Arrow files, so a second run with the same files, tokenizer and ``seq_len``
+reads the blocks from the cache instead of tokenizing again.
+
+Validation is ``val_files``, the hub's ``val_split``, or a seeded random ``val_fraction`` of the blocks.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+from gqakit.errors import GqakitError, did_you_mean
+from gqakit.uptrain.recipe import DataConfig, expand
+
+# File suffix -> datasets builder.
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# data.txt_docs -> the text builder's sample_by.
+_SAMPLE_BY = {"line": "line", "paragraph": "paragraph", "file": "document"}
+_PACK_BATCH = 1000
+
+
+@dataclass
+class Blocks:
+    """Packed token blocks, ``input_ids`` of length ``seq_len`` each, as torch-formatted datasets.
+
+    Attributes:
+        train: training blocks.
+        val: validation blocks (at most ``data.max_val_blocks``).
+        seq_len: tokens per block.
+        source: where the text came from, for the log and provenance.
+    """
+
+    train: Any
+    val: Any
+    seq_len: int
+    source: str
+
+    @property
+    def train_tokens(self) -> int:
+        return len(self.train) * self.seq_len
+
+
+def resolve_files(patterns: list[str], key: str, problems: list[str]) -> list[str]:
+    """Expand globs; record a problem for a pattern that matches nothing or an unsupported suffix."""
+    files: list[str] = []
+    for pattern in patterns:
+        path = expand(pattern)
+        found = sorted(glob.glob(path)) if glob.has_magic(path) else ([path] if Path(path).is_file() else [])
+        if not found:
+            what = "matches no file" if glob.has_magic(path) else "does not exist"
+            problems.append(f"{key}: {pattern} {what}.")
+            continue
+        for f in found:
+            if Path(f).suffix.lower() not in BUILDERS:
+                problems.append(f"{key}: {f} has an unsupported suffix; use {', '.join(BUILDERS)} files.")
+            else:
+                files.append(str(Path(f).resolve()))
+    return files
+
+
+def _load_files(files: list[str], cfg: DataConfig, key: str):
+    import datasets
+
+    builders = {BUILDERS[Path(f).suffix.lower()] for f in files}
+    if len(builders) > 1:
+        raise GqakitError(f"{key} mixes file types ({', '.join(files)}); give files of one type.")
+    builder = builders.pop()
+    kwargs = {"sample_by": _SAMPLE_BY[cfg.txt_docs]} if builder == "text" else {}
+    try:
+        ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+    except Exception as e:  # datasets raises many types for unreadable files
+        raise GqakitError(f"{key} could not be read as {builder} ({type(e).__name__}: {e}).") from None
+    field = "text" if builder == "text" else cfg.text_field
+    return ds, field
+
+
+def _load_hub(cfg: DataConfig, split: str):
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split)
+    except Exception as e:
+        raise GqakitError(
+            f"data.hub {cfg.hub} (split {split!r}) could not be loaded ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Hub datasets need a network connection; offline, "
+            "download the text and give data.files."
+        ) from None
+    return ds, cfg.text_field
+
+
+def _tokenize_fn(tokenizer: Any, field: str, add_eos: bool):
+    eos = tokenizer.eos_token_id if add_eos else None
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        texts = [t for t in batch[field] if t and t.strip()]
+        ids = tokenizer(texts)["input_ids"] if texts else []
+        if eos is not None:
+            ids = [x if x and x[-1] == eos else [*x, eos] for x in ids]
+        return {"input_ids": ids}
+
+    return tokenize
+
+
+def _pack_fn(seq_len: int):
+    def pack(batch: dict[str, list]) -> dict[str, list]:
+        stream = list(chain.from_iterable(batch["input_ids"]))
+        n = len(stream) // seq_len * seq_len
+        return {"input_ids": [stream[i : i + seq_len] for i in range(0, n, seq_len)]}
+
+    return pack
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A hash of what the tokenizer does (vocabulary, merges, special tokens), not of where it was loaded.
+
+    ``datasets`` would hash the tokenizer object, path included, so the same tokenizer copied into a new
+    run directory would miss the cache.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    extra = repr((type(tokenizer).__name__, tokenizer.bos_token_id, tokenizer.eos_token_id))
+    return hashlib.sha256((text + extra).encode()).hexdigest()[:16]
+
+
+def pack_documents(ds: Any, field: str, tokenizer: Any, cfg: DataConfig, what: str):
+    """Tokenize the ``field`` column of ``ds`` and pack it into ``cfg.seq_len`` blocks (cached)."""
+    from datasets.fingerprint import Hasher
+
+    if field not in ds.column_names:
+        raise GqakitError(
+            f"{what} has no field {field!r}; its fields are {', '.join(ds.column_names)}."
+            f"{did_you_mean(field, ds.column_names)} Set data.text_field."
+        )
+    if len(ds) == 0:
+        raise GqakitError(f"{what} is empty: it holds no documents.")
+    tokens = ds.map(
+        _tokenize_fn(tokenizer, field, cfg.add_eos),
+        batched=True,
+        remove_columns=ds.column_names,
+        num_proc=cfg.num_proc,
+        desc=f"tokenize {what}",
+        new_fingerprint=Hasher.hash(
+            ("tokenize-v1", ds._fingerprint, tokenizer_digest(tokenizer), field, cfg.add_eos)
+        ),
+    )
+    if len(tokens) == 0:
+        raise GqakitError(f"{what} holds no text: every document is empty.")
+    blocks = tokens.map(
+        _pack_fn(cfg.seq_len),
+        batched=True,
+        batch_size=_PACK_BATCH,
+        num_proc=cfg.num_proc,
+        desc="pack",
+        new_fingerprint=Hasher.hash(("pack-v1", tokens._fingerprint, cfg.seq_len)),
+    )
+    if len(blocks) == 0:
+        total = sum(len(x) for x in tokens["input_ids"])
+        raise GqakitError(
+            f"{what} gives {total:,} tokens, fewer than one block of data.seq_len={cfg.seq_len}: add text "
+            f"or lower data.seq_len."
+        )
+    return blocks
+
+
+def build_blocks(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> Blocks:
+    """Load, tokenize and pack the training and validation text of a recipe.
+
+    Raises:
+        GqakitError: files missing or unreadable, no text field, no text, fewer tokens than one block.
+    """
+    problems: list[str] = []
+    if cfg.hub:
+        raw, field = _load_hub(cfg, cfg.split)
+        source = f"{cfg.hub}" + (f"/{cfg.hub_config}" if cfg.hub_config else "") + f" [{cfg.split}]"
+    else:
+        files = resolve_files(cfg.files, "data.files", problems)
+        val_files = resolve_files(cfg.val_files, "data.val_files", problems)
+        if problems:
+            raise GqakitError(" ".join(problems))
+        raw, field = _load_files(files, cfg, "data.files")
+        source = ", ".join(files)
+    train = pack_documents(raw, field, tokenizer, cfg, "data.files" if not cfg.hub else f"data.hub {cfg.hub}")
+
+    if cfg.hub and cfg.val_split:
+        raw_val, vfield = _load_hub(cfg, cfg.val_split)
+        val = pack_documents(raw_val, vfield, tokenizer, cfg, f"data.hub {cfg.hub} [{cfg.val_split}]")
+    elif not cfg.hub and cfg.val_files:
+        raw_val, vfield = _load_files(val_files, cfg, "data.val_files")
+        val = pack_documents(raw_val, vfield, tokenizer, cfg, "data.val_files")
+    else:
+        n_val = max(1, round(len(train) * cfg.val_fraction))
+        if len(train) - n_val < 1:
+            raise GqakitError(
+                f"The training text gives {len(train)} block(s) of {cfg.seq_len} tokens: too few to hold out "
+                f"data.val_fraction={cfg.val_fraction} for validation. Add text, lower data.seq_len, or give "
+                "data.val_files."
+            )
+        split = train.train_test_split(test_size=n_val, shuffle=True, seed=seed)
+        train, val = split["train"], split["test"]
+    if cfg.max_val_blocks is not None and len(val) > cfg.max_val_blocks:
+        val = val.select(range(cfg.max_val_blocks))
+    return Blocks(
+        train=train.with_format("torch", columns=["input_ids"]),
+        val=val.with_format("torch", columns=["input_ids"]),
+        seq_len=cfg.seq_len,
+        source=source,
+    )
+
+
+__all__ = ["BUILDERS", "Blocks", "build_blocks", "pack_documents", "resolve_files"]

@@ -1,0 +1,79 @@
+"""The budget in steps, tokens and alpha, and the learning-rate schedule: pure arithmetic, no torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gqakit.uptrain.recipe import BudgetConfig
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A training budget resolved to whole optimizer steps.
+
+    Attributes:
+        steps: optimizer steps to run.
+        tokens_per_step: ``batch_size * grad_accum * processes * seq_len``.
+        pretraining_tokens: the model's original pretraining tokens, when the recipe states them.
+    """
+
+    steps: int
+    tokens_per_step: int
+    pretraining_tokens: int | None = None
+
+    def tokens(self, step: int | None = None) -> int:
+        """Tokens trained after ``step`` steps (default: the whole budget)."""
+        return (self.steps if step is None else step) * self.tokens_per_step
+
+    def alpha(self, step: int | None = None) -> float | None:
+        """Tokens after ``step`` steps as a fraction of the pretraining tokens (None when unknown)."""
+        if not self.pretraining_tokens:
+            return None
+        return self.tokens(step) / self.pretraining_tokens
+
+    def progress(self, step: int) -> str:
+        """``step 10/500, 40,960 tokens, alpha 2.05e-08`` for log lines."""
+        alpha = self.alpha(step)
+        a = f", alpha {alpha:.3g}" if alpha is not None else ""
+        return f"step {step:,}/{self.steps:,}, {self.tokens(step):,} tokens{a}"
+
+    def describe(self, step: int | None = None) -> str:
+        """``500 steps = 2,048,000 tokens = alpha 1.02e-06 of 2e+12 pretraining tokens``."""
+        steps = self.steps if step is None else step
+        alpha = self.alpha(step)
+        a = (
+            f"alpha {alpha:.3g} of {self.pretraining_tokens:.3g} pretraining tokens"
+            if alpha is not None
+            else "alpha n/a (set budget.pretraining_tokens)"
+        )
+        return f"{steps:,} steps = {self.tokens(step):,} tokens = {a}"
+
+
+def resolve_budget(cfg: BudgetConfig, tokens_per_step: int) -> Budget:
+    """Turn ``steps`` / ``tokens`` / ``alpha`` into whole steps (rounding tokens up to a full step)."""
+    if cfg.steps is not None:
+        steps = cfg.steps
+    elif cfg.tokens is not None:
+        steps = math.ceil(cfg.tokens / tokens_per_step)
+    elif cfg.alpha is not None and cfg.pretraining_tokens:
+        steps = math.ceil(cfg.alpha * cfg.pretraining_tokens / tokens_per_step)
+    else:  # load_recipe has already refused this
+        raise ValueError("budget needs steps, tokens, or alpha with pretraining_tokens")
+    return Budget(max(1, steps), tokens_per_step, cfg.pretraining_tokens)
+
+
+def lr_multiplier(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay from 1 to ``min_ratio`` at ``total``.
+
+    ``step`` counts optimizer steps already taken, so the first update uses ``1 / (warmup + 1)``.
+    """
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+__all__ = ["Budget", "lr_multiplier", "resolve_budget"]
