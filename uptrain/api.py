@@ -144,7 +144,17 @@ def _convert_first(recipe: Recipe, out: Path) -> tuple[str, dict[str, Any]]:
     if state.is_main_process and not (dst / PROVENANCE).is_file():
         log.info("converting %s to %d K/V head(s) (%s) into %s", recipe.model.path, c.groups, c.method, dst)
         convert_checkpoint(
-            recipe.model.path, dst, ConvertOptions(c.groups, c.method, seed=c.seed, force=True)
+            recipe.model.path,
+            dst,
+            ConvertOptions(
+                c.groups,
+                c.method,
+                seed=c.seed,
+                force=True,
+                calib_data=expand(c.calib_data) if c.calib_data else None,
+                calib_tokens=c.calib_tokens,
+                grouping=c.grouping,
+            ),
         )
     state.wait_for_everyone()
     return str(dst), {"convert": json.loads((dst / PROVENANCE).read_text())}

@@ -30,7 +30,8 @@ Trainable = Literal["all", "attention", "kv"]
 ObjectiveKind = Literal["lm", "distill", "mix"]
 SaveDtype = Literal["auto", "float32", "bfloat16", "float16"]
 TxtDocs = Literal["line", "paragraph", "file"]
-CONVERT_METHODS = ("mean", "first", "random")  # gqakit.convert.pooling.METHODS, without importing torch
+CONVERT_METHODS = ("mean", "first", "random", "calibrated")  # gqakit.convert.api's, without importing torch
+GROUPINGS = ("contiguous", "similarity")
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -55,13 +56,19 @@ class ConvertConfig:
 
     Attributes:
         groups: K/V heads after conversion (1 = MQA).
-        method: ``mean`` (the paper's), ``first`` or ``random``.
+        method: ``mean`` (the paper's), ``first``, ``random`` or ``calibrated``.
         seed: seed for ``random``.
+        calib_data: calibration text for ``calibrated`` and ``similarity`` (``gqakit convert --calib-data``).
+        calib_tokens: calibration tokens.
+        grouping: ``contiguous`` or ``similarity``.
     """
 
     groups: int
     method: str = "mean"
     seed: int = 0
+    calib_data: str | None = None
+    calib_tokens: int = 4096
+    grouping: str = "contiguous"
 
 
 @dataclass
@@ -310,6 +317,12 @@ class Recipe:
                     f"model.convert.method {c.method!r} is unknown; "
                     f"choose one of {', '.join(CONVERT_METHODS)}."
                 )
+            if c.grouping not in GROUPINGS:
+                p.append(
+                    f"model.convert.grouping {c.grouping!r} is unknown; choose one of {', '.join(GROUPINGS)}."
+                )
+            if (c.method == "calibrated" or c.grouping == "similarity") and not c.calib_data:
+                p.append("model.convert.calib_data is needed for method calibrated or grouping similarity.")
         if not self.output_dir:
             p.append("output_dir is empty.")
         if bool(d.files) == bool(d.hub):

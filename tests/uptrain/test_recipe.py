@@ -141,3 +141,19 @@ def test_cli_prints_the_resolved_recipe_and_reports_problems_without_a_traceback
     assert (
         "train.lr: expected a number, got 'fast'" in bad.output and "budget.step: unknown key" in bad.output
     )
+
+
+def test_convert_block_takes_calibrated_options_and_checks_them():
+    r = load_recipe(
+        TINY_RECIPE,
+        ["model.convert={groups: 1, method: calibrated, calib_data: /data/calib.txt, grouping: similarity}"],
+    )
+    assert (r.model.convert.method, r.model.convert.calib_data, r.model.convert.grouping) == (
+        "calibrated",
+        "/data/calib.txt",
+        "similarity",
+    )
+    with pytest.raises(RecipeError) as e:
+        load_recipe(TINY_RECIPE, ["model.convert={groups: 1, method: calibrated, grouping: nearest}"])
+    assert "model.convert.grouping 'nearest' is unknown" in str(e.value)
+    assert "model.convert.calib_data is needed" in str(e.value)
