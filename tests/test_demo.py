@@ -1,0 +1,129 @@
+"""The demo's whole pipeline on a tiny random GQA model: the same code path as ``gqakit demo``, with
+the asset step replaced by a model and text files made here, and a budget of a few steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gqakit.cli import main
+from gqakit.demo import DemoAssets, DemoOptions, Variant, render_table, run_demo
+from gqakit.errors import GqakitError
+from gqakit.testing import TINY_TEXT, save_tiny_model
+
+# The shipped recipe, shrunk to the tiny model: a few optimizer steps on 32-token blocks.
+TINY_RECIPE = (
+    "data.seq_len=32",
+    "train.batch_size=2",
+    "budget.steps=3",
+    "budget.tokens=null",
+    "budget.alpha=null",
+    "eval.every=0",
+    "checkpoint.every=0",
+    "log.tensorboard=false",
+    "data.max_val_blocks=4",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory) -> DemoAssets:
+    root = tmp_path_factory.mktemp("assets")
+    model = save_tiny_model(root / "model", "llama", heads=4, kv_heads=2, layers=2, hidden=64)
+    sentences = [s.strip() + "." for s in TINY_TEXT.split(".") if s.strip()]
+    files = {}
+    for split, reps in (("train", 6), ("validation", 1), ("test", 2)):
+        files[split] = root / f"{split}.txt"
+        files[split].write_text("".join(line + "\n" for line in sentences * reps))
+    return DemoAssets(model, files["train"], files["validation"], files["test"])
+
+
+@pytest.fixture(scope="module")
+def work_dir(tmp_path_factory) -> Path:
+    """One working directory for the module: a later test reuses what an earlier one computed."""
+    return tmp_path_factory.mktemp("work")
+
+
+def tiny_options(tmp_path: Path, assets: DemoAssets, messages: list[str], **kw) -> DemoOptions:
+    settings = dict(
+        work_dir=tmp_path / "work",
+        report_dir=tmp_path / "report",
+        device="cpu",
+        seq_len=64,
+        eval_tokens=256,
+        decode_batch=2,
+        decode_context=16,
+        new_tokens=4,
+        recipe_overrides=TINY_RECIPE,
+        calib_tokens=512,
+        assets=lambda options: assets,
+        progress=False,
+        echo=messages.append,
+    )
+    return DemoOptions(**{**settings, **kw})
+
+
+def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_dir):
+    messages: list[str] = []
+    res = run_demo(tiny_options(tmp_path, tiny_assets, messages, work_dir=work_dir))
+
+    labels = [r.label for r in res.rows]
+    assert labels == [
+        "MHA-4 (expanded)",
+        "GQA-2 (mean)",
+        "MQA (mean), before uptraining",
+        "MQA (calibrated)",
+        "MQA (mean), after uptraining",
+    ]
+    # Expanding and pooling back are exact: same logits, so the same perplexity as the original.
+    assert res.checks == {"MHA-4 vs original": 0.0, "GQA-2 (mean) vs original": 0.0}
+    assert res.rows[0].ppl == pytest.approx(res.original.ppl, rel=1e-6)
+    assert res.rows[1].ppl == pytest.approx(res.original.ppl, rel=1e-6)
+    # KV cache: 2 (K, V) * 2 layers * G heads * 16 dims * 4 bytes * 2048 tokens.
+    assert [r.kv_mib for r in res.rows] == pytest.approx(
+        [2 * 2 * g * 16 * 4 * 2048 / 2**20 for g in (4, 2, 1, 1, 1)]
+    )
+    assert all(r.decode_tokens_per_s and r.decode_tokens_per_s > 0 for r in res.rows)
+    assert res.uptrain["mqa-mean"]["steps"] == 3
+
+    text = res.report.read_text()
+    assert render_table(res.rows, 2, 16, "float32") in text
+    assert "| MQA (mean), after uptraining | 1 |" in text
+    for plot in res.plots:
+        assert plot.is_file() and plot.stat().st_size > 1000
+    assert {p.name for p in res.plots} >= {"quality.png", "kv_decode.png"}
+    results = json.loads(res.results_json.read_text())
+    assert [r["label"] for r in results["rows"]] == labels
+    assert any(m.startswith("[6/6]") for m in messages) and f"Report: {res.report}" in messages
+
+    # A second run reuses every checkpoint and measurement.
+    again: list[str] = []
+    res2 = run_demo(tiny_options(tmp_path, tiny_assets, again, work_dir=work_dir))
+    assert [r.ppl for r in res2.rows] == [r.ppl for r in res.rows]
+    assert sum(": cached (" in m for m in again) == 6 and any("reusing" in m for m in again)
+
+
+def test_extra_variants_add_rows(tmp_path, tiny_assets, work_dir):
+    variants = (Variant("mqa-first", groups=1, method="first"), Variant("mqa-mean", groups=1, uptrain=True))
+    res = run_demo(tiny_options(tmp_path, tiny_assets, [], variants=variants, work_dir=work_dir))
+    assert [r.label for r in res.rows][1:] == [
+        "MQA (first)",
+        "MQA (mean), before uptraining",
+        "MQA (mean), after uptraining",
+    ]
+
+
+def test_bad_options_are_reported_together(tmp_path, tiny_assets):
+    opts = tiny_options(tmp_path, tiny_assets, [], budget_scale=0, seq_len=0)
+    with pytest.raises(GqakitError) as err:
+        run_demo(opts)
+    assert "--budget-scale" in str(err.value) and "--seq-len" in str(err.value)
+
+
+def test_demo_help_names_the_options():
+    res = CliRunner().invoke(main, ["demo", "--help"])
+    assert res.exit_code == 0
+    for flag in ("--work-dir", "--report-dir", "--budget-scale", "--device", "--wheelhouse"):
+        assert flag in res.output
