@@ -147,3 +147,21 @@ def test_inspect_reports_geometry_and_kv_bytes(tiny_llama):
     assert info.kv_bytes_per_token == {1: 128, 2: 256, 4: 512}
     assert info.parameters == sum(p.numel() for p in _load(tiny_llama).parameters())
     assert "K/V heads         4  (MHA)" in info.to_text()
+
+
+def test_per_head_key_norms_are_regrouped(tmp_path):
+    """stablelm with qk_layernorm keeps one LayerNorm per K/V head: they are pooled and renumbered."""
+    src = save_tiny_model(tmp_path / "src", "stablelm", heads=4, kv_heads=4, qk_layernorm=True)
+    convert_checkpoint(src, tmp_path / "g2", ConvertOptions(groups=2))
+    names = set(SafetensorsFile(tmp_path / "g2" / "model.safetensors").tensors)
+    assert "model.layers.0.self_attn.k_layernorm.norms.1.weight" in names
+    assert "model.layers.0.self_attn.k_layernorm.norms.2.weight" not in names
+    src_f = SafetensorsFile(src / "model.safetensors")
+    norms = [src_f.read(f"model.layers.0.self_attn.k_layernorm.norms.{h}.weight") for h in (2, 3)]
+    out = SafetensorsFile(tmp_path / "g2" / "model.safetensors")
+    pooled = out.read("model.layers.0.self_attn.k_layernorm.norms.1.weight")
+    torch.testing.assert_close(pooled, (norms[0] + norms[1]) / 2)
+    assert _load(tmp_path / "g2").config.num_key_value_heads == 2
+    # expansion copies each head's norm to every head of its group: exact
+    expand_checkpoint(tmp_path / "g2", tmp_path / "mha")
+    torch.testing.assert_close(_logits(tmp_path / "mha"), _logits(tmp_path / "g2"), rtol=1e-5, atol=1e-5)
