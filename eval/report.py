@@ -284,6 +284,17 @@ def _subtitle(results: EvalResults) -> str:
     return f"{results.environment['device_name']} · {dtypes}"
 
 
+def _save(fig, ax, path: Path) -> Path:
+    """Legend outside the axes (the labels are long), then write the PNG and free the figure."""
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def _context_axis(ax, contexts: list[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts)
@@ -323,11 +334,7 @@ def _line_plot(results: EvalResults, path: Path, attr: str, ylabel: str, title: 
     ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
     ax.set_title(f"{title}\n{_subtitle(results)}", fontsize=11)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def _kv_plot(results: EvalResults, path: Path) -> Path:
@@ -356,11 +363,7 @@ def _kv_plot(results: EvalResults, path: Path) -> Path:
     ax.set_ylabel("KV cache MiB per sequence (predicted)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"KV-cache size, batch 1 (lower is better)\n{_subtitle(results)}", fontsize=11)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def _kv_measured(results: EvalResults, path: Path) -> Path:
@@ -392,12 +395,8 @@ def _kv_measured(results: EvalResults, path: Path) -> Path:
     ax.set_yscale("log")
     ax.set_ylabel("KV cache MiB (measured on the cache object)")
     ax.set_title(f"KV-cache size after decoding (lower is better)\n{_subtitle(results)}", fontsize=11)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     ax.grid(True, which="both", axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def _quality_plot(results: EvalResults, path: Path) -> Path:

@@ -220,21 +220,14 @@ def test_all_option_problems_are_reported_at_once(tiny_llama, tmp_path):
         assert fragment in msg, msg
 
 
+def _convert_calibrated(src, tmp_path, calib, groups: int, extra: tuple[str, ...] = ()):
+    """``gqakit convert SRC tmp_path/o -g GROUPS --method calibrated --calib-data CALIB [extra]``."""
+    args = ["convert", str(src), str(tmp_path / "o"), "-g", str(groups), "--method", "calibrated"]
+    return CliRunner().invoke(main, [*args, "--calib-data", str(calib), *extra])
+
+
 def test_missing_calibration_file(tiny_llama, tmp_path):
-    res = CliRunner().invoke(
-        main,
-        [
-            "convert",
-            str(tiny_llama),
-            str(tmp_path / "o"),
-            "-g",
-            "2",
-            "--method",
-            "calibrated",
-            "--calib-data",
-            str(tmp_path / "nope.txt"),
-        ],
-    )
+    res = _convert_calibrated(tiny_llama, tmp_path, tmp_path / "nope.txt", groups=2)
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "--calib-data" in res.output and "nope.txt does not exist" in res.output
 
@@ -242,20 +235,7 @@ def test_missing_calibration_file(tiny_llama, tmp_path):
 def test_too_short_calibration_data(tiny_llama, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Rivers carry sand to the sea.")
-    res = CliRunner().invoke(
-        main,
-        [
-            "convert",
-            str(tiny_llama),
-            str(tmp_path / "o"),
-            "-g",
-            "2",
-            "--method",
-            "calibrated",
-            "--calib-data",
-            str(short),
-        ],
-    )
+    res = _convert_calibrated(tiny_llama, tmp_path, short, groups=2)
     assert res.exit_code == 2, res.output
     assert "--calib-tokens asks for 4,096" in res.output and "pass --calib-tokens" in res.output
     assert not (tmp_path / "o").exists()
@@ -267,23 +247,8 @@ def test_calib_data_without_a_use_is_rejected(tiny_llama, tmp_path, calib_txt):
 
 
 def test_cli_calibrated_convert(tiny_llama, tmp_path, calib_txt):
-    res = CliRunner().invoke(
-        main,
-        [
-            "convert",
-            str(tiny_llama),
-            str(tmp_path / "o"),
-            "-g",
-            "1",
-            "--method",
-            "calibrated",
-            "--calib-data",
-            str(calib_txt),
-            "--calib-tokens",
-            "256",
-            "--grouping",
-            "similarity",
-        ],
+    res = _convert_calibrated(
+        tiny_llama, tmp_path, calib_txt, groups=1, extra=("--calib-tokens", "256", "--grouping", "similarity")
     )
     assert res.exit_code == 0, res.output
     assert "calibrated" in res.output
