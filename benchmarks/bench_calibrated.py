@@ -97,7 +97,7 @@ def perplexities(paths: dict[str, Path], test: Path, seq_len: int, max_tokens: i
 
 
 def uptrain_from(starts: dict[str, Path], args, data: dict[str, Path]) -> dict[str, dict]:
-    """The demo's uptraining budget (recipes/smollm2-135m-mqa.yaml: 61,440 tokens of distillation from
+    """The demo's uptraining budget (recipes/smollm2-135m-mqa.yaml: 30,720 tokens of distillation from
     the original) from each converted start, then the same test perplexity."""
     import yaml
 

@@ -68,6 +68,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--static-cache", action="store_true")
     ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step (implies --static-cache; on a GPU, CUDA graphs)",
+    )
+    ap.add_argument(
         "--prefill",
         choices=["random", "model"],
         default="random",
@@ -79,6 +84,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compile:  # one compiled graph per model and shape; dynamo's default allows 8 in all
+        torch._dynamo.config.recompile_limit = 64
     batches = [int(x) for x in args.batch_sizes.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
 
@@ -90,7 +97,8 @@ def main() -> None:
     print(
         f"# torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
         f"dtype {args.dtype}, new_tokens {args.new_tokens}, rounds {args.rounds}, "
-        f"{'static' if args.static_cache else 'dynamic'} cache, {args.prefill} prefill, "
+        f"{'static' if args.static_cache or args.compile else 'dynamic'} cache"
+        f"{', compiled' if args.compile else ''}, {args.prefill} prefill, "
         f"load avg {os.getloadavg()[0]:.1f}",
         flush=True,
     )
@@ -103,6 +111,7 @@ def main() -> None:
             warmup=0,
             progress=False,
             static_cache=args.static_cache,
+            compile=args.compile,
             prefill=args.prefill,
         )
 
@@ -118,9 +127,10 @@ def main() -> None:
                         batch_sizes=[b],
                         contexts=[c],
                         new_tokens=args.new_tokens,
-                        warmup=0,
+                        warmup=1 if args.compile else 0,  # a new shape compiles: keep it out of the timing
                         progress=False,
                         static_cache=args.static_cache,
+                        compile=args.compile,
                         prefill=args.prefill,
                     )[0]
                     runs.setdefault((name, b, c), []).append(p.to_dict())

@@ -11,6 +11,7 @@
    original) each closes, and the same in perplexity.
 
     python benchmarks/bench_uptrain.py                              # throughput, tiny-ish random llama
+    python benchmarks/bench_uptrain.py --shape tinyllama-1.1b --seq-len 2048 --batch-size 8   # a GPU
     python benchmarks/bench_uptrain.py --quality --smol /tmp/assets/smol_st --text-dir WIKI_DIR
 """
 
@@ -149,24 +150,28 @@ def _run_worker(kind: str, args, out: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _make_model(root: Path) -> tuple[str, int]:
+# Random-weight llamas to train: "small" for a CPU; the others are real models' shapes, for a GPU
+# (MFU is only meaningful when the matrices are big enough to fill it).
+SHAPES = {
+    "small": dict(heads=8, kv_heads=2, layers=4, hidden=256, vocab_size=8192, intermediate_size=768),
+    "smollm2-135m": dict(
+        heads=9, kv_heads=3, layers=30, hidden=576, head_dim=64, vocab_size=49152,
+        intermediate_size=1536, tie_word_embeddings=True,
+    ),
+    "tinyllama-1.1b": dict(
+        heads=32, kv_heads=4, layers=22, hidden=2048, head_dim=64, vocab_size=32000,
+        intermediate_size=5632,
+    ),
+}  # fmt: skip
+
+
+def _make_model(root: Path, shape: str, seq_len: int) -> str:
     from gqakit.testing import save_tiny_model
 
     path = save_tiny_model(
-        root / "model",
-        "llama",
-        heads=8,
-        kv_heads=2,
-        layers=4,
-        hidden=256,
-        vocab_size=8192,
-        intermediate_size=768,
+        root / "model", "llama", max_position_embeddings=max(seq_len, 256), **SHAPES[shape]
     )
-    from safetensors import safe_open
-
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        n = sum(f.get_slice(k).get_shape()[0] * math.prod(f.get_slice(k).get_shape()[1:]) for k in f.keys())
-    return str(path), n
+    return str(path)
 
 
 def _make_text(root: Path, text_dir: str | None) -> str:
@@ -186,14 +191,12 @@ def throughput(args) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-uptrain-") as tmp:
         root = Path(tmp)
         if not args.model:
-            args.model, n_params = _make_model(root)
-        else:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            args.model = _make_model(root, args.shape, args.seq_len)
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-            with torch.device("meta"):
-                n_params = AutoModelForCausalLM.from_config(
-                    AutoConfig.from_pretrained(args.model)
-                ).num_parameters()
+        with torch.device("meta"):  # counts tied embeddings once
+            config = AutoConfig.from_pretrained(args.model)
+            n_params = AutoModelForCausalLM.from_config(config).num_parameters()
         args.train = _make_text(root, args.text_dir)
         runs: dict[str, list[dict]] = {"ours": [], "trainer": []}
         for r in range(args.repeats):
@@ -300,6 +303,7 @@ def main() -> None:
     )
     p.add_argument("--train", help=argparse.SUPPRESS)
     p.add_argument("--text-dir", help="a directory with train.txt / validation.txt (e.g. the wiki-en asset)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small", help="the random model to train")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8)

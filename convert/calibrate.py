@@ -69,7 +69,7 @@ class CalibrationStats:
 
     Attributes:
         grams: per layer, ``[X, 1]^T [X, 1]`` summed over the calibration tokens (float64).
-        record: what was measured on, for provenance: path, sha256, tokens, seq_len.
+        record: what was measured on, for provenance: path, sha256, tokens, seq_len, device.
         elapsed_s: seconds spent loading the model and running it.
     """
 
@@ -228,6 +228,7 @@ def calibrate(
     own = model is None
     if own:
         model = load_model_for_calibration(ckpt.path, device)
+    run_on = str(next(model.parameters()).device)
     try:
         grams = capture_grams(model, adapter, geom.num_layers, sequences)
     finally:
@@ -238,6 +239,7 @@ def calibrate(
         "sha256": sha256_file(Path(str(data)).expanduser()),
         "tokens": tokens,
         "seq_len": seq_len,
+        "device": run_on,
     }
     return CalibrationStats(grams, record, time.perf_counter() - start)
 

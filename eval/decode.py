@@ -154,6 +154,43 @@ def speedup_bound(baseline_bytes: int, candidate_bytes: int) -> float:
     return baseline_bytes / candidate_bytes
 
 
+PACKED_SDPA = "gqakit_packed_sdpa"
+
+
+def _packed_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' ``sdpa`` attention, but a one-token GQA step always runs on the K/V heads.
+
+    For one query token transformers packs the ``r`` query heads of a group as ``r`` query positions
+    against their shared K/V head (no copy of the cache), except under ``torch.compile``, where it falls
+    back to ``repeat_kv`` and copies the whole cache to full head count every step: the compiled GQA
+    model then moves more bytes than the MHA one. This does the packing in compiled code too.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    one_mask = attention_mask is None or attention_mask.shape[1] == 1  # one mask for every head
+    if query.shape[2] != 1 or groups == 1 or not one_mask or kwargs.get("dropout", 0.0):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    b, h, _, d = query.shape
+    packed = query.reshape(b, h // groups, groups, d)  # heads j*r .. j*r+r-1 share K/V head j
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+
+
+def use_packed_sdpa(model) -> str:
+    """Switch ``model`` to :func:`_packed_sdpa` (registered once); return its previous implementation."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, _packed_sdpa)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(PACKED_SDPA)
+    return before
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -196,15 +233,13 @@ def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: 
         if static_len
         else DynamicCache(config=model.config)
     )
-    gen = torch.Generator().manual_seed(seed)
+    # Drawn on the model's device: on a GPU, gigabytes of CPU random numbers would take longer than
+    # the decode they stand in for.
+    gen = torch.Generator(device=param.device).manual_seed(seed)
     position = {"cache_position": torch.arange(tokens, device=param.device)}
+    shape = (batch, g.num_kv_heads, tokens, g.head_dim)
     for layer in range(g.num_layers):
-        k, v = (
-            torch.randn(batch, g.num_kv_heads, tokens, g.head_dim, generator=gen).to(
-                param.device, param.dtype
-            )
-            for _ in range(2)
-        )
+        k, v = (torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype) for _ in range(2))
         cache.update(k, v, layer, position)
     return cache
 
@@ -238,7 +273,10 @@ def _generate_once(
     if compile:
         from transformers import CompileConfig
 
-        gen_cfg.compile_config = CompileConfig(_compile_all_devices=True)
+        compile_config = CompileConfig()
+        # generate() compiles on accelerators only, unless this (attribute, not argument) says otherwise.
+        compile_config._compile_all_devices = True
+        gen_cfg.compile_config = compile_config
     kwargs = {}
     total = prompts.shape[1] + new_tokens - 1
     if prefill == "random":
@@ -311,7 +349,9 @@ def bench_decode(
         new_tokens: tokens generated per point (>= 2; the first is the prefill's).
         warmup: untimed runs before each timed point, of the same shape (compiles, fills allocators).
         static_cache: use a preallocated ``StaticCache`` instead of the growing ``DynamicCache``.
-        compile: compile the decode step with ``torch.compile`` (implies ``static_cache``).
+        compile: compile the decode step with ``torch.compile`` (implies ``static_cache``); an ``sdpa``
+            model then runs one-token GQA attention on its K/V heads (:func:`_packed_sdpa`), as
+            transformers does uncompiled.
         progress: show a progress bar.
         seed: seed of the random prompts.
         prefill: ``"model"`` runs the prompt through the model and times it; ``"random"`` fills the cache
@@ -322,8 +362,6 @@ def bench_decode(
     Returns:
         One :class:`DecodePoint` per (batch, context), batch-major.
     """
-    from tqdm.auto import tqdm
-
     batch_sizes = parse_grid(batch_sizes, "--batch-sizes")
     contexts = parse_grid(contexts, "--contexts")
     if new_tokens < 2:
@@ -335,6 +373,23 @@ def bench_decode(
     if prefill not in ("model", "random"):
         raise GqakitError(f"prefill must be 'model' or 'random', got {prefill!r}.")
     static_cache = static_cache or compile
+    restore = None
+    if compile and model.config._attn_implementation == "sdpa":
+        restore = use_packed_sdpa(model)
+    try:
+        return _bench_grid(
+            model, batch_sizes, contexts, new_tokens, warmup, static_cache, compile, progress, seed, prefill
+        )
+    finally:
+        if restore is not None:
+            model.set_attn_implementation(restore)
+
+
+def _bench_grid(
+    model, batch_sizes, contexts, new_tokens, warmup, static_cache, compile, progress, seed, prefill
+) -> list[DecodePoint]:
+    from tqdm.auto import tqdm
+
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     weights = weight_bytes_per_step(model)

@@ -157,9 +157,14 @@ class UptrainLoop:
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
         from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 
         r = self.recipe
+        # The accelerator state is a process-wide singleton that refuses a second, different precision,
+        # and one process may run several recipes (a notebook, the demo, tests): start it afresh. The
+        # process group (PartialState) is kept.
+        AcceleratorState._reset_state(reset_partial_state=False)
         tensorboard = r.log.tensorboard and (
             importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
         )

@@ -254,3 +254,14 @@ def test_cli_calibrated_convert(tiny_llama, tmp_path, calib_txt):
     assert "calibrated" in res.output
     prov = json.loads((tmp_path / "o" / "gqakit.json").read_text())
     assert prov["grouping"] == "similarity" and prov["calibration"]["tokens"] == 256
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["values", "keys"])
+def test_calibration_on_cuda_is_exact_like_on_cpu(tmp_path, calib_txt, kind):
+    src = _save(_mergeable("llama", kind), tmp_path / "src")
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    res = convert_checkpoint(src, tmp_path / "cuda", ConvertOptions(device="cuda", **opts))
+    assert res.provenance["calibration"]["device"].startswith("cuda")
+    torch.testing.assert_close(_logits(tmp_path / "cuda"), _logits(src), rtol=1e-4, atol=1e-4)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from gqakit.errors import GqakitError
 from gqakit.eval.perplexity import encode_stream, perplexity, sliding_windows
+from gqakit.testing import tiny_model, tiny_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,31 @@ def test_disjoint_windows_equal_exp_mean_nll_of_plain_chunks(loaded_mha, known_t
     assert res.tokens == 3 * seq_len == len(stream) - 1
     assert res.ppl == pytest.approx(expected, rel=1e-5)
     assert res.nll == pytest.approx(math.log(expected), rel=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2 soft-caps its logits after the output layer
+def test_scores_come_from_the_models_own_logits(family, known_text):
+    """The output layer runs a chunk at a time on the decoder's hidden states where that gives the
+    model's logits, and the plain ``model(...).logits`` where the family transforms them."""
+    from gqakit.eval.perplexity import _Scorer
+
+    model, tok = tiny_model(family, heads=4, layers=2), tiny_tokenizer()
+    model.get_output_embeddings().weight.data *= 300  # logits in the tens, where gemma2's cap at 30 bites
+    stream, _ = encode_stream(tok, [known_text], max_tokens=32)
+    ids = torch.tensor([stream[:33]])
+    expected = F.cross_entropy(model(input_ids=ids[:, :-1]).logits[0], ids[0, 1:], reduction="none")
+    scorer = _Scorer(model)
+    for _ in range(2):  # the first call decides the path, the second takes it
+        torch.testing.assert_close(scorer(ids[:, :-1], ids[:, 1:], None)[0], expected, rtol=1e-5, atol=1e-4)
+    assert scorer.chunked == (family == "llama")
+    res = perplexity(model, tok, [known_text], seq_len=8, stride=4, max_tokens=32, progress=False)
+    direct = [
+        _token_nll(model, stream, stream[w.start : t], stream[t])
+        for w in sliding_windows(len(stream), 8, 4)
+        for t in range(w.end + 1 - w.scored, w.end + 1)
+    ]
+    assert res.nll == pytest.approx(sum(direct) / len(direct), rel=1e-5)
 
 
 @torch.no_grad()
@@ -154,3 +180,16 @@ def test_bad_arguments(loaded_mha, kwargs, message, known_text):
     model, tok = loaded_mha
     with pytest.raises(GqakitError, match=message):
         perplexity(model, tok, [known_text], progress=False, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bfloat16_on_cuda_matches_float32_on_cpu(loaded_mha, tiny_models, known_text):
+    from gqakit.models import load_causal_lm
+
+    model, tok = loaded_mha
+    cpu = perplexity(model, tok, [known_text], seq_len=16, stride=8, batch_size=3, progress=False)
+    gpu_model = load_causal_lm(tiny_models["mha"], dtype="bfloat16", device="cuda")
+    gpu = perplexity(gpu_model, tok, [known_text], seq_len=16, stride=8, batch_size=3, progress=False)
+    assert gpu.tokens == cpu.tokens and gpu.windows == cpu.windows
+    assert gpu.ppl == pytest.approx(cpu.ppl, rel=0.02)

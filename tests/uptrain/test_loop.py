@@ -44,6 +44,13 @@ def test_loss_falls_and_the_model_saves_as_a_plain_hf_checkpoint(recipe):
     assert not (res.output_dir / "checkpoints").exists()  # removed once the final model is saved
 
 
+def test_runs_of_different_precision_in_one_process(recipe, tmp_path):
+    # accelerate's state is a process-wide singleton; a second run must not inherit the first's.
+    uptrain(recipe("budget.steps=2", "eval.at_start=false", f"output_dir={tmp_path / 'fp32'}"))
+    res = uptrain(recipe("budget.steps=2", "train.precision=bf16", f"output_dir={tmp_path / 'bf16'}"))
+    assert json.loads((res.output_dir / "gqakit.json").read_text())["precision"] == "bf16"
+
+
 @pytest.mark.parametrize("mode, trained", [("kv", (".k_proj.", ".v_proj.")), ("attention", (".self_attn.",))])
 def test_frozen_parameters_stay_bitwise_equal(recipe, mode, trained):
     res = uptrain(recipe("budget.steps=5", f"train.trainable={mode}", "train.weight_decay=0.5"))

@@ -1,0 +1,84 @@
+"""One GPU: bf16 training, and FSDP2 through ``accelerate launch`` (one process) matching a plain run.
+
+Marked ``gpu``: the default test run deselects them, and they skip where no CUDA GPU is present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from gqakit.uptrain import uptrain
+from gqakit.uptrain.loop import read_history
+from gqakit.uptrain.recipe import RECIPES_DIR
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _losses(run_dir) -> list[float]:
+    return [h["loss"] for h in read_history(run_dir) if "loss" in h]
+
+
+def test_bf16_on_one_gpu_trains_and_saves_a_plain_checkpoint(recipe):
+    res = uptrain(recipe("train.precision=bf16", "budget.steps=30"))
+    prov = json.loads((res.output_dir / "gqakit.json").read_text())
+    assert prov["precision"] == "bf16" and prov["processes"] == 1
+    losses = _losses(res.output_dir)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert res.final_val_ppl < res.initial_val_ppl
+    model = AutoModelForCausalLM.from_pretrained(res.output_dir).cuda()
+    assert model.config.num_key_value_heads == 2
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[5, 6, 7]], device="cuda")).logits).all()
+
+
+def test_fsdp2_on_one_gpu_matches_a_plain_run(recipe, assets, tmp_path):
+    common = ["budget.steps=6", "eval.every=3", "checkpoint.every=3", "train.precision=fp32"]
+    plain = uptrain(recipe(*common, f"output_dir={tmp_path / 'plain'}"))
+    fsdp_dir = tmp_path / "fsdp"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(RECIPES_DIR / "accelerate" / "fsdp.yaml"),
+        "--num_processes",
+        "1",
+        "--main_process_port",
+        str(port),
+        "-m",
+        "gqakit.uptrain",
+        str(RECIPES_DIR / "tiny.yaml"),
+        f"model.path={assets['mha']}",
+        f"data.files=[{assets['train']}]",
+        f"output_dir={fsdp_dir}",
+        *common,
+    ]
+    proc = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prov = json.loads((fsdp_dir / "gqakit.json").read_text())
+    assert prov["distributed_type"] == "FSDP"
+    torch.testing.assert_close(
+        torch.tensor(_losses(fsdp_dir)), torch.tensor(_losses(plain.output_dir)), rtol=1e-3, atol=1e-3
+    )
+    # The final model is gathered into one ordinary checkpoint that vanilla transformers loads.
+    a = load_file(str(plain.output_dir / "model.safetensors"))
+    b = load_file(str(fsdp_dir / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-2, atol=1e-3, msg=k)
+    AutoModelForCausalLM.from_pretrained(fsdp_dir)
