@@ -114,10 +114,7 @@ def load_calibration_texts(path: str | Path, text_field: str = "text") -> list[s
             f"--calib-data {path} does not exist. Give a .txt, .jsonl or .parquet file of text in the "
             "model's domain, e.g. the train split of `gqakit assets fetch wiki-en`."
         )
-    try:
-        return load_texts(p, text_field)
-    except GqakitError as e:
-        raise GqakitError(str(e.message).replace("--ppl-data", "--calib-data")) from None
+    return load_texts(p, text_field, option="--calib-data")
 
 
 def calibration_ids(

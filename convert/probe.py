@@ -232,10 +232,9 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
         for g in options.groups:
             check_groups(geom, g)
         tokenizer = load_tokenizer(ckpt.path)
-        try:
-            eval_texts = load_texts(Path(options.eval_data).expanduser(), options.text_field)
-        except GqakitError as e:
-            raise GqakitError(str(e.message).replace("--ppl-data", "--eval-data")) from None
+        eval_texts = load_texts(
+            Path(options.eval_data).expanduser(), options.text_field, option="--eval-data"
+        )
         error_ids = calibration_ids(
             tokenizer, eval_texts, options.error_tokens, options.seq_len, source="--eval-data"
         )

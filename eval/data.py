@@ -30,6 +30,7 @@ def load_texts(
     text_field: str = "text",
     split: str = "test",
     config: str | None = None,
+    option: str = "--ppl-data",
 ) -> list[str]:
     """Read evaluation documents from a local file or a hub dataset.
 
@@ -39,6 +40,7 @@ def load_texts(
         text_field: the column holding the text, for tables and hub datasets.
         split: the split of a hub dataset (local files have one split).
         config: the configuration of a hub dataset (``wikitext-2-raw-v1``...).
+        option: the command-line option the source came from, named in error messages.
 
     Returns:
         The non-empty documents, in file order.
@@ -50,27 +52,28 @@ def load_texts(
     path = Path(str(source)).expanduser()
     suffix = path.suffix.lower()
     if path.is_dir():
-        raise GqakitError(f"--ppl-data {source} is a directory; point at a .txt, .jsonl or .parquet file.")
+        raise GqakitError(f"{option} {source} is a directory; point at a .txt, .jsonl or .parquet file.")
     if suffix == ".txt" or (path.is_file() and suffix not in _TABLE_BUILDERS):
-        texts = [_read_txt(path)]
+        texts = [_read_txt(path, option)]
     elif suffix in _TABLE_BUILDERS:
         if not path.is_file():
-            raise GqakitError(f"--ppl-data {source} does not exist.")
+            raise GqakitError(f"{option} {source} does not exist.")
         texts = _load_table(
             _TABLE_BUILDERS[suffix],
             {"data_files": {"data": str(path.resolve())}},
             "data",
             text_field,
             str(source),
+            option,
         )
     elif _looks_local(str(source)):
-        raise GqakitError(f"--ppl-data {source} does not exist.")
+        raise GqakitError(f"{option} {source} does not exist.")
     else:
         kwargs = {"name": config} if config else {}
-        texts = _load_table(str(source), kwargs, split, text_field, str(source))
+        texts = _load_table(str(source), kwargs, split, text_field, str(source), option)
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise GqakitError(f"--ppl-data {source} holds no text (every document is empty).")
+        raise GqakitError(f"{option} {source} holds no text (every document is empty).")
     return texts
 
 
@@ -83,39 +86,37 @@ def _looks_local(source: str) -> bool:
     )
 
 
-def _read_txt(path: Path) -> str:
+def _read_txt(path: Path, option: str) -> str:
     if not path.is_file():
-        raise GqakitError(f"--ppl-data {path} does not exist.")
+        raise GqakitError(f"{option} {path} does not exist.")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise GqakitError(f"--ppl-data {path} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
+        raise GqakitError(f"{option} {path} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
 
 
-def _load_table(path: str, kwargs: dict, split: str, text_field: str, shown: str) -> list[str]:
+def _load_table(path: str, kwargs: dict, split: str, text_field: str, shown: str, option: str) -> list[str]:
     import datasets
 
     try:
         ds = datasets.load_dataset(path, split=split, **kwargs)
     except ValueError as e:
         if "split" in str(e).lower():
-            raise GqakitError(f"--ppl-data {shown} has no split {split!r}: {e}") from None
-        raise GqakitError(f"--ppl-data {shown} could not be read: {e}") from None
+            raise GqakitError(f"{option} {shown} has no split {split!r}: {e}") from None
+        raise GqakitError(f"{option} {shown} could not be read: {e}") from None
     except Exception as e:  # datasets raises many types (DatasetGenerationError, FileNotFoundError...)
         hint = ""
         if not _looks_local(shown):
             hint = " Hub datasets need a network connection (HF_DATASETS_OFFLINE is set in tests)."
-        raise GqakitError(
-            f"--ppl-data {shown} could not be loaded ({type(e).__name__}: {e}).{hint}"
-        ) from None
+        raise GqakitError(f"{option} {shown} could not be loaded ({type(e).__name__}: {e}).{hint}") from None
     if len(ds) == 0:
-        raise GqakitError(f"--ppl-data {shown} is empty.")
+        raise GqakitError(f"{option} {shown} is empty.")
     if text_field not in ds.column_names:
         raise GqakitError(
-            f"--ppl-data {shown} has no field {text_field!r}; its fields are {', '.join(ds.column_names)}."
+            f"{option} {shown} has no field {text_field!r}; its fields are {', '.join(ds.column_names)}."
             f"{did_you_mean(text_field, ds.column_names)} Pass --text-field NAME."
         )
     texts = ds[text_field]
     if not all(isinstance(t, str) or t is None for t in texts):
-        raise GqakitError(f"--ppl-data {shown}: field {text_field!r} is not text.")
+        raise GqakitError(f"{option} {shown}: field {text_field!r} is not text.")
     return [t or "" for t in texts]

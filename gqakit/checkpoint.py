@@ -116,6 +116,12 @@ class TensorReader:
                 raise GqakitError(f"{path} could not be read as a PyTorch checkpoint: {e}") from None
         return self._bin[shard_file]
 
+    def shard_names(self, shard_file: str) -> list[str]:
+        """The names of the tensors stored in ``shard_file``, in file order."""
+        if self.ckpt.format == "safetensors":
+            return list(self.safetensors_file(shard_file).tensors)
+        return list(self._bin_dict(shard_file))
+
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         shard = self._where[name]
         if self.ckpt.format == "safetensors":
@@ -198,7 +204,7 @@ def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
                         )
                     shard.names = [n for n in found if n in set(shard.names)]
         elif index is None:
-            shards[0].names = list(reader._bin_dict(shards[0].file))
+            shards[0].names = reader.shard_names(shards[0].file)
     return ckpt
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from gqakit.errors import GqakitError
 from gqakit.uptrain.data import resolve_files
-from gqakit.uptrain.loop import PROVENANCE, UptrainLoop, UptrainResult
+from gqakit.uptrain.loop import CHECKPOINTS, PROVENANCE, UptrainLoop, UptrainResult
 from gqakit.uptrain.recipe import Recipe, expand
 
 log = logging.getLogger("gqakit.uptrain")
@@ -181,19 +181,40 @@ def uptrain(recipe: Recipe, *, resume: bool = False, force: bool = False) -> Upt
     out = Path(expand(recipe.output_dir)).resolve()
     check_inputs(recipe)
     inputs = [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *recipe.data.files]
+    fresh = not resume and (force or not (out.is_dir() and any(out.iterdir())))
     prepare_output_dir(out, resume, force, inputs + recipe.data.val_files)
-    if process_state().is_main_process:
-        (out / "recipe.yaml").write_text(recipe.to_yaml())
-    model_path, extra = recipe.model.path, {}
-    if recipe.model.convert is not None:
-        model_path, extra = _convert_first(recipe, out)
-    else:
-        src = Path(expand(model_path)) / PROVENANCE
-        if src.is_file():  # a checkpoint converted by gqakit: keep its conversion record
-            extra = {"convert": json.loads(src.read_text())}
-    result = UptrainLoop(recipe, out, expand(model_path)).run(resume=resume, extra_provenance=extra)
+    try:
+        if process_state().is_main_process:
+            (out / "recipe.yaml").write_text(recipe.to_yaml())
+        model_path, extra = recipe.model.path, {}
+        if recipe.model.convert is not None:
+            model_path, extra = _convert_first(recipe, out)
+        else:
+            src = Path(expand(model_path)) / PROVENANCE
+            if src.is_file():  # a checkpoint converted by gqakit: keep its conversion record
+                extra = {"convert": json.loads(src.read_text())}
+        result = UptrainLoop(recipe, out, expand(model_path)).run(resume=resume, extra_provenance=extra)
+    except BaseException:
+        if fresh:
+            _discard_failed_start(out)
+        raise
     result.elapsed_s = time.perf_counter() - start
     return result
+
+
+def _discard_failed_start(out: Path) -> None:
+    """Delete the run directory of a run that failed before its first checkpoint, so that the same
+    command can simply be run again (no --force). Kept when it holds something to resume from: a
+    checkpoint, or a finished conversion (``--resume`` reuses it instead of converting again)."""
+    if not process_state().is_main_process:
+        return
+    keep = (
+        any((out / CHECKPOINTS).glob("step-*"))
+        or (out / CONVERTED / PROVENANCE).is_file()
+        or (out / PROVENANCE).is_file()  # a finished model (a failure after saving it)
+    )
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 __all__ = ["check_inputs", "prepare_output_dir", "uptrain"]

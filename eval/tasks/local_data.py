@@ -36,7 +36,8 @@ def load_ppl(ppl_file: str | None = None, ppl_text_field: str = "text", **_: Any
 
     from gqakit.eval.data import DOC_SEPARATOR, load_texts
 
-    texts = load_texts(str(resolve_file(ppl_file, "gqakit_ppl.txt")), text_field=ppl_text_field)
+    path = str(resolve_file(ppl_file, "gqakit_ppl.txt"))
+    texts = load_texts(path, text_field=ppl_text_field, option="metadata ppl_file")
     return datasets.DatasetDict({"test": datasets.Dataset.from_list([{"text": DOC_SEPARATOR.join(texts)}])})
 
 

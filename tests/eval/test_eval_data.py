@@ -60,3 +60,13 @@ def test_not_utf8(tmp_path):
 def test_hub_dataset_offline_is_a_clear_error():
     with pytest.raises(GqakitError, match="could not be loaded"):
         load_texts("no-such-owner/no-such-dataset")
+
+
+@pytest.mark.parametrize("option", ["--ppl-data", "--calib-data", "--eval-data"])
+@pytest.mark.parametrize("name, content", [("empty.txt", ""), ("rows.jsonl", '{"body": "x"}\n')])
+def test_messages_name_the_option_the_data_came_from(tmp_path, option, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(GqakitError) as err:
+        load_texts(str(path), option=option)
+    assert str(err.value.message).startswith(f"{option} {path}")

@@ -4,6 +4,7 @@ the saved model, the non-finite guard and bad input. Each test takes a few secon
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,33 @@ def test_loss_falls_and_the_model_saves_as_a_plain_hf_checkpoint(recipe):
     assert prov["final_val_ppl"] == pytest.approx(res.final_val_ppl)
     assert prov["convert"]["to_kv_heads"] == 2 and prov["recipe"]["train"]["lr"] == r.train.lr
     assert not (res.output_dir / "checkpoints").exists()  # removed once the final model is saved
+
+
+def _fail_before_training(r, monkeypatch) -> None:
+    """Run ``r`` with a loop that fails before its first step."""
+
+    def boom(self, **_):
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as m:
+        m.setattr(UptrainLoop, "run", boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            uptrain(r)
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_can_simply_be_run_again(recipe, monkeypatch):
+    r = recipe("model.convert=null", "budget.steps=2", "eval.at_start=false")
+    _fail_before_training(r, monkeypatch)
+    assert not Path(r.output_dir).exists()
+    assert uptrain(r).steps == 2  # the same command again: no --force needed
+
+
+def test_a_failed_run_keeps_its_conversion_for_resume(recipe, monkeypatch):
+    r = recipe("budget.steps=2", "eval.at_start=false")  # tiny.yaml converts first
+    _fail_before_training(r, monkeypatch)
+    with pytest.raises(GqakitError, match="--resume"):
+        uptrain(r)
+    assert uptrain(r, resume=True).steps == 2
 
 
 def test_runs_of_different_precision_in_one_process(recipe, tmp_path):
