@@ -168,10 +168,13 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 512) ->
     """
     out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
     for i in range(0, logits.shape[1], chunk):
-        part = logits[:, i : i + chunk].float()
-        tgt = targets[:, i : i + chunk, None]
-        out[:, i : i + chunk] = torch.logsumexp(part, dim=-1) - part.gather(-1, tgt).squeeze(-1)
+        out[:, i : i + chunk] = _nll(logits[:, i : i + chunk], targets[:, i : i + chunk])
     return out
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets[..., None]).squeeze(-1)
 
 
 class _Scorer:
@@ -216,9 +219,7 @@ class _Scorer:
         step = max(1, self.ROWS // hidden.shape[0])
         out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         for i in range(0, hidden.shape[1], step):
-            logits = head(hidden[:, i : i + step]).float()
-            tgt = targets[:, i : i + step, None]
-            out[:, i : i + step] = torch.logsumexp(logits, dim=-1) - logits.gather(-1, tgt).squeeze(-1)
+            out[:, i : i + step] = _nll(head(hidden[:, i : i + step]), targets[:, i : i + step])
         return out
 
 
