@@ -27,8 +27,9 @@ from gqakit.convert.grouping import GROUPINGS
     default="mean",
     show_default=True,
     help="mean: average each group (the paper); first: keep its first head; random: fresh init; "
-    "calibrated: merge each group to fit its outputs on --calib-data and fold the difference into "
-    "q_proj (keys, per RoPE frequency) and o_proj (values). Families that normalize keys per head "
+    "calibrated: merge each group to fit its outputs on --calib-data (errors weighted by the queries "
+    "and o_proj columns that read them) and fold the difference into q_proj (keys, per RoPE "
+    "frequency) and o_proj (values). Families that normalize keys per head "
     "(qwen3, gemma3, olmo2, stablelm/phi with qk_layernorm) fall back to mean for keys; values stay "
     "calibrated; gqakit.json records this as key_merge.",
 )

