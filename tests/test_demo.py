@@ -101,6 +101,10 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_di
     decode_notes = [m for m in messages if "(rounds: " in m]
     assert len(decode_notes) == len(res.rows) + 1
     assert all(m.split("(rounds: ")[1].count(" / ") == 1 for m in decode_notes)  # 2 rounds by default
+    for note in decode_notes:  # the table's figure is the model's fastest round
+        shown = float(note.split(": ")[1].split(" tok/s")[0].replace(",", ""))
+        rounds = [float(r.replace(",", "")) for r in note.split("(rounds: ")[1].rstrip(")").split(" / ")]
+        assert shown == max(rounds)
 
     # A second run reuses every checkpoint and measurement.
     again: list[str] = []
