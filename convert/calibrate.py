@@ -8,9 +8,10 @@ Three steps, each a function a Python user can call:
    independent of the number of tokens, and never a whole model's activations.
 2. :func:`fit_layer_merges` chooses the groups (``contiguous`` or ``similarity``) and fits one key and
    one value :class:`~gqakit.convert.merge.Merge` per group, layer by layer, from the weights read off
-   the checkpoint. Each merge minimizes its error where it matters downstream (:func:`layer_metrics`):
-   a key error through the queries that read it, a value error through the o_proj columns. On
-   SmolLM2-135M -> MQA this takes zero-shot test perplexity from 116 (plain output error) to 92.
+   the checkpoint. Each merge minimizes its error where it matters downstream
+   (:func:`~gqakit.convert.merge.downstream_scales`): a key error through the queries that read it, a
+   value error through the o_proj columns. On SmolLM2-135M -> MQA this takes zero-shot test perplexity
+   from 116 (plain output error) to 92.
 3. :func:`plan_merged` builds on :func:`~gqakit.convert.plan.plan_regroup` and replaces each layer's
    attention tensors by functions that permute and merge the streamed source tensors, so the output is
    written through the same atomic, shard-by-shard path as every other conversion.
@@ -46,6 +47,7 @@ from gqakit.convert.merge import (
     augment,
     compensate_o_cols,
     compensate_q_rows,
+    downstream_scales,
     energy,
     fit_merge,
     in_metric,
@@ -63,7 +65,7 @@ log = logging.getLogger(__name__)
 CALIB_SEQ_LEN = 512  # tokens per calibration sequence (capped by the model's max positions)
 # Module names, inside a layer's attention, of norms applied to keys after projection.
 KEY_NORM_MODULES: tuple[str, ...] = ("k_norm", "k_layernorm")
-# What a calibrated merge minimizes, for the provenance record (see layer_metrics).
+# What a calibrated merge minimizes, for the provenance record (see merge.downstream_scales).
 MERGE_OBJECTIVE = (
     "output error on the calibration data, keys weighted per rotary pair by the energy of the queries "
     "they serve, values through the o_proj columns that read them"
@@ -277,14 +279,16 @@ def keys_normalized(infos: Infos, adapter: ArchAdapter, layer: int) -> bool:
     return any(name.startswith(prefixes) for name in infos)
 
 
-def layer_kv_weights(
+def layer_attention_weights(
     read: Callable[[str], torch.Tensor],
     infos: Infos,
     adapter: ArchAdapter,
     geom: AttentionGeometry,
     layer: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This layer's key and value heads with their affine column: two ``[kv, d, hidden + 1]`` tensors."""
+    queries: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """This layer's query (only when ``queries``), key and value heads with their affine column:
+    ``[heads, d, hidden + 1]`` tensors. A fused ``qkv`` projection is read once."""
     kv, d, h = geom.num_kv_heads, geom.head_dim, geom.num_heads
 
     def rows(module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -294,59 +298,15 @@ def layer_kv_weights(
     if adapter.qkv is not None:
         w, b = rows(adapter.layer(adapter.qkv, layer))  # type: ignore[arg-type]
         sizes = [h * d, kv * d, kv * d]
-        _, wk, wv = w.split(sizes)
-        bk = bv = None
-        if b is not None:
-            _, bk, bv = b.split(sizes)
-        pairs = [(wk, bk), (wv, bv)]
+        bs = b.split(sizes) if b is not None else (None, None, None)
+        triples: list[tuple[Any, Any]] = list(zip(w.split(sizes), bs, strict=True))
+        if not queries:
+            triples[0] = (None, None)
     else:
-        pairs = [rows(adapter.layer(adapter.k, layer)), rows(adapter.layer(adapter.v, layer))]  # type: ignore[arg-type]
-    k, v = (augment(w, b).reshape(kv, d, -1) for w, b in pairs)
-    return k, v
-
-
-def layer_metrics(
-    read: Callable[[str], torch.Tensor],
-    infos: Infos,
-    adapter: ArchAdapter,
-    geom: AttentionGeometry,
-    layer: int,
-    gram: torch.Tensor,
-    rotary: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each K/V head's merge error matters, as ``[kv, d, d]`` scales for :func:`in_metric`.
-
-    Keys: an error ``e`` in key channel pair ``f`` moves the score of query ``q`` by about
-    ``|q_f| |e_f|``, so each pair is weighted by the root of the calibration energy of the queries the
-    head serves in that pair (rotation keeps the pair's magnitude, so the weight is position-free).
-    Values: an error ``e`` reaches the residual stream as ``e W_o_j^T``, so the scale is the root of
-    ``sum_j W_o_j^T W_o_j`` over the query heads ``j`` it serves.
-    """
-    h, kv, d = geom.num_heads, geom.num_kv_heads, geom.head_dim
-    n_rep = h // kv
-    if adapter.qkv is not None:
-        w = read(f"{adapter.layer(adapter.qkv, layer)}.weight")[: h * d]
-        b_name = f"{adapter.layer(adapter.qkv, layer)}.bias"
-        b = read(b_name)[: h * d] if b_name in infos else None
-    else:
-        q = adapter.layer(adapter.q, layer)  # type: ignore[arg-type]
-        w = read(f"{q}.weight")
-        b = read(f"{q}.bias") if f"{q}.bias" in infos else None
-    wq = augment(w, b).reshape(kv, n_rep * d, -1)  # the query heads of each K/V head, side by side
-    per_channel = torch.einsum("icm,mn,icn->ic", wq, gram.double(), wq).reshape(kv, n_rep, d).sum(1)
-    half = rotary // 2
-    pairs = per_channel[:, :half] + per_channel[:, half:rotary]
-    key_energy = torch.cat([pairs, pairs, per_channel[:, rotary:]], dim=1)  # [kv, d]
-    key_energy = key_energy / key_energy.mean().clamp(min=1e-300)
-    key_scales = torch.diag_embed(key_energy.clamp(min=1e-6).sqrt())
-
-    wo = read(f"{adapter.layer(adapter.o, layer)}.weight").double()  # [hidden, h * d]
-    cols = wo.reshape(wo.shape[0], kv, n_rep, d)
-    m = torch.einsum("oird,oire->ide", cols, cols)  # [kv, d, d]
-    m = m / m.diagonal(dim1=-2, dim2=-1).mean().clamp(min=1e-300)
-    evals, evecs = torch.linalg.eigh(m + 1e-6 * torch.eye(d, dtype=m.dtype))
-    value_scales = evecs @ torch.diag_embed(evals.clamp(min=1e-6).sqrt()) @ evecs.mT
-    return key_scales, value_scales
+        wanted = (adapter.q if queries else None, adapter.k, adapter.v)
+        triples = [rows(adapter.layer(m, layer)) if m else (None, None) for m in wanted]  # type: ignore[arg-type]
+    q, k, v = (None if w is None else augment(w, b).reshape(-1, d, w.shape[1] + 1) for w, b in triples)
+    return q, k, v  # type: ignore[return-value]
 
 
 def fit_layer_merges(
@@ -376,16 +336,19 @@ def fit_layer_merges(
     merges = []
     with ckpt.reader() as reader:
         for layer in range(geom.num_layers):
-            wk, wv = layer_kv_weights(reader.read, infos, adapter, geom, layer)
+            wq, wk, wv = layer_attention_weights(
+                reader.read, infos, adapter, geom, layer, queries=method == "calibrated"
+            )
             gram = stats.grams[layer] if stats is not None else torch.eye(wk.shape[-1], dtype=torch.float64)
             key_method = method
             if method == "calibrated" and keys_normalized(infos, adapter, layer):
                 key_method, key_treatment = "mean", KEY_FALLBACK
-            # Calibrated merges count errors where they matter downstream (see layer_metrics); mean and
-            # first have nothing to fit, and a key that falls back to mean gets no key metric.
+            # Calibrated merges count errors where they matter downstream (see downstream_scales); mean
+            # and first have nothing to fit, and a key that falls back to mean gets no key metric.
             ks = vs = None
-            if method == "calibrated":
-                ks, vs = layer_metrics(reader.read, infos, adapter, geom, layer, gram, rdim)
+            if wq is not None:
+                wo = reader.read(f"{adapter.layer(adapter.o, layer)}.weight")
+                ks, vs = downstream_scales(wq, wo, gram, geom.num_kv_heads, rdim)
                 ks = ks if key_method == "calibrated" else None
 
             def fit(heads: Sequence[int], wk=wk, wv=wv, gram=gram, key_method=key_method, ks=ks, vs=vs):

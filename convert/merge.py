@@ -200,6 +200,44 @@ def in_metric(fit: Callable[[torch.Tensor], Merge], w: torch.Tensor, scales: tor
     return Merge(inner.compress @ torch.block_diag(*s), torch.linalg.solve(s, inner.decompress))
 
 
+def downstream_scales(
+    wq: torch.Tensor, wo: torch.Tensor, gram: torch.Tensor, kv_heads: int, rotary_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each K/V head's merge error matters, as ``[kv, d, d]`` key and value scales for
+    :func:`in_metric`.
+
+    Keys: an error ``e`` in key channel pair ``f`` moves the score of query ``q`` by about
+    ``|q_f| |e_f|``, so each pair is weighted by the root of the calibration energy of the queries the
+    head serves in that pair (rotation keeps the pair's magnitude, so the weight is position-free).
+    Values: an error ``e`` reaches the residual stream as ``e W_o_j^T``, so the scale is the root of
+    ``sum_j W_o_j^T W_o_j`` over the query heads ``j`` it serves. Both are normalized over the layer, so
+    only the heads' relative weights count.
+
+    Args:
+        wq: query heads with their affine column, ``[H, d, m]``.
+        wo: o_proj weight, ``[hidden, H * d]``.
+        gram: ``[X, 1]^T [X, 1]`` of the projections' input, ``[m, m]``.
+        kv_heads: K/V heads of the source; query head ``j`` reads K/V head ``j // (H / kv_heads)``.
+        rotary_dim: channels of a head that get RoPE.
+    """
+    h, d, m = wq.shape
+    n_rep = h // kv_heads
+    wq = wq.double().reshape(kv_heads, n_rep * d, m)  # the query heads of each K/V head, side by side
+    per_channel = torch.einsum("icm,mn,icn->ic", wq, gram.double(), wq).reshape(kv_heads, n_rep, d).sum(1)
+    half = rotary_dim // 2
+    pairs = per_channel[:, :half] + per_channel[:, half:rotary_dim]
+    key_energy = torch.cat([pairs, pairs, per_channel[:, rotary_dim:]], dim=1)  # [kv, d]
+    key_energy = key_energy / key_energy.mean().clamp(min=1e-300)
+    key_scales = torch.diag_embed(key_energy.clamp(min=1e-6).sqrt())
+
+    cols = wo.double().reshape(wo.shape[0], kv_heads, n_rep, d)
+    gram_o = torch.einsum("oird,oire->ide", cols, cols)  # [kv, d, d]
+    gram_o = gram_o / gram_o.diagonal(dim1=-2, dim2=-1).mean().clamp(min=1e-300)
+    evals, evecs = torch.linalg.eigh(gram_o + 1e-6 * torch.eye(d, dtype=gram_o.dtype))
+    value_scales = evecs @ torch.diag_embed(evals.clamp(min=1e-6).sqrt()) @ evecs.mT
+    return key_scales, value_scales
+
+
 # ----------------------------------------------------------------------------------------------------
 # Applying merges to checkpoint tensors. Groups are contiguous here: a head permutation (see
 # gqakit.convert.grouping) has already put each group's heads next to each other.

@@ -222,11 +222,11 @@ def test_errors_nothing_reads_cost_nothing(tmp_path, calib_txt, kind, monkeypatc
 
     from gqakit.convert import calibrate
 
-    def plain(*args, metrics=calibrate.layer_metrics):
+    def plain(*args, metrics=calibrate.downstream_scales):
         ks, vs = metrics(*args)
         return torch.eye(D).expand_as(ks), torch.eye(D).expand_as(vs)
 
-    monkeypatch.setattr(calibrate, "layer_metrics", plain)
+    monkeypatch.setattr(calibrate, "downstream_scales", plain)
     convert_checkpoint(src, tmp_path / "plain", opts)
     assert not torch.allclose(_logits(tmp_path / "plain"), ref, rtol=1e-2, atol=1e-2)
 
