@@ -5,7 +5,9 @@ on the wiki-en train split, scored on the wiki-en test split in 256-token window
 in its own process so its peak RSS (``ru_maxrss`` from ``wait4``) is its own; time and memory are
 reported as medians over ``--repeats`` and as ratios to the plain (``mean``) conversion. With
 ``--uptrain`` the calibrated and the mean start then get the demo's uptraining budget (about 10
-minutes each on two free CPU cores) and are scored again.
+minutes each on two free CPU cores) and are scored again. ``--refine-steps N`` adds a ``refined`` row:
+the calibrated merge followed by N steps of layer-wise refinement per layer (``gqakit.convert.refine``),
+uptrained too with ``--uptrain``.
 
     python benchmarks/bench_calibrated.py --model /tmp/assets/smol_st --workdir /tmp/gqakit-bench-cal \\
         --wheelhouse /tmp/assets --repeats 3 --out benchmarks/results/calibrated.json
@@ -26,13 +28,17 @@ from pathlib import Path
 CONVERT = r"""
 import json, sys, time
 from gqakit.convert import ConvertOptions, convert_checkpoint
-src, dst, method, calib, tokens = sys.argv[1:6]
+src, dst, method, calib, tokens, steps, lr = sys.argv[1:8]
 t = time.perf_counter()
-opts = ConvertOptions(groups=1, method=method, force=True, device="cpu",
-                      calib_data=calib if method == "calibrated" else None, calib_tokens=int(tokens))
+refined = method == "refined"  # the calibrated merge, then --refine-steps
+opts = ConvertOptions(groups=1, method="calibrated" if refined else method, force=True, device="cpu",
+                      calib_data=calib if method in ("calibrated", "refined") else None,
+                      calib_tokens=int(tokens), refine_steps=int(steps) if refined else 0,
+                      refine_lr=float(lr))
 res = convert_checkpoint(src, dst, opts)
 print(json.dumps({"wall_s": time.perf_counter() - t,
-                  "calib_s": res.provenance.get("calibration", {}).get("elapsed_s")}))
+                  "calib_s": res.provenance.get("calibration", {}).get("elapsed_s"),
+                  "refine_s": res.provenance.get("refine", {}).get("elapsed_s")}))
 """
 
 
@@ -131,6 +137,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/calibrated.json")
     ap.add_argument("--uptrain", action="store_true", help="also uptrain the mean and calibrated starts")
+    ap.add_argument(
+        "--refine-steps",
+        type=int,
+        default=0,
+        help="also convert with --method calibrated --refine-steps N (the 'refined' row); 0: skip",
+    )
+    ap.add_argument("--refine-lr", type=float, default=3e-4)
     args = ap.parse_args()
 
     work = Path(args.workdir)
@@ -138,7 +151,8 @@ def main() -> None:
     data = wiki_splits(work, args.wheelhouse)
     print(f"data: train {data['train']}, test {data['test']}", flush=True)
 
-    timings: dict[str, list[dict]] = {m: [] for m in ("mean", "first", "calibrated")}
+    methods = ("mean", "first", "calibrated") + (("refined",) if args.refine_steps else ())
+    timings: dict[str, list[dict]] = {m: [] for m in methods}
     for rep in range(args.repeats):  # interleaved, so load from other processes hits every method alike
         for method in timings:
             dst = work / f"mqa-{method}"
@@ -152,6 +166,8 @@ def main() -> None:
                     method,
                     str(data["train"]),
                     str(args.calib_tokens),
+                    str(args.refine_steps),
+                    str(args.refine_lr),
                 ]
             )
             timings[method].append(rec)
@@ -174,6 +190,7 @@ def main() -> None:
     result = {
         "model": args.model,
         "calib_tokens": args.calib_tokens,
+        "refine": {"steps": args.refine_steps, "lr": args.refine_lr} if args.refine_steps else None,
         "seq_len": args.seq_len,
         "repeats": args.repeats,
         "cpu_threads": os.cpu_count(),
@@ -190,7 +207,7 @@ def main() -> None:
     }
     if args.uptrain:
         result["after_uptraining"] = uptrain_from(
-            {m: work / f"mqa-{m}" for m in ("calibrated", "mean")}, args, data
+            {m: work / f"mqa-{m}" for m in ("refined", "calibrated", "mean") if m in timings}, args, data
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -54,6 +54,9 @@ class ConvertOptions:
         grouping: ``contiguous`` (what ``repeat_kv`` implies) or ``similarity`` (groups chosen by the
             merge's reconstruction error on the calibration data, heads reordered to match).
         device: where calibration runs: ``auto``, ``cpu``, ``cuda``...
+        refine_steps: Adam steps per layer fitting each converted attention block to the original's
+            output on the calibration data (``gqakit.convert.refine``); 0 skips it. Needs ``calib_data``.
+        refine_lr: the learning rate of those steps.
     """
 
     groups: int
@@ -65,6 +68,8 @@ class ConvertOptions:
     calib_tokens: int = 4096
     grouping: str = "contiguous"
     device: str = "auto"
+    refine_steps: int = 0
+    refine_lr: float = 3e-4
 
     @property
     def merged(self) -> bool:
@@ -85,11 +90,18 @@ class ConvertOptions:
             problems.append(f"--grouping {self.grouping!r} is unknown; choose one of {', '.join(GROUPINGS)}.")
         if self.calib_tokens <= 0:
             problems.append(f"--calib-tokens must be a positive number of tokens, got {self.calib_tokens}.")
+        if self.refine_steps < 0:
+            problems.append(
+                f"--refine-steps must be 0 (off) or a positive step count, got {self.refine_steps}."
+            )
+        if not self.refine_lr > 0:
+            problems.append(f"--refine-lr must be a positive learning rate, got {self.refine_lr}.")
         needs = [
             w
             for w, on in (
                 ("--method calibrated", self.method == "calibrated"),
                 ("--grouping similarity", self.grouping == "similarity"),
+                ("--refine-steps", self.refine_steps > 0),
             )
             if on
         ]
@@ -100,11 +112,16 @@ class ConvertOptions:
             )
         if self.calib_data and not needs:
             problems.append(
-                f"--calib-data is only used by --method calibrated or --grouping similarity; add one of "
-                f"them, or drop --calib-data for --method {self.method}."
+                f"--calib-data is only used by --method calibrated, --grouping similarity or --refine-steps; "
+                f"add one of them, or drop --calib-data for --method {self.method}."
             )
         if self.calib_data and not Path(self.calib_data).expanduser().is_file():
             problems.append(f"--calib-data {self.calib_data} does not exist or is not a file.")
+        if self.refine_steps > 0 and self.method == "random":
+            problems.append(
+                "--refine-steps cannot start from --method random (the blocks would be trained from scratch "
+                "on a few thousand tokens); use --method calibrated or mean."
+            )
         if self.grouping == "similarity" and self.method not in SIMILARITY_METHODS and self.method in METHODS:
             problems.append(
                 f"--grouping similarity cannot be combined with --method {self.method}; use one of "
@@ -182,11 +199,22 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
         }
         if options.method == "random":
             record["seed"] = options.seed
-        if options.merged:
-            plan, merge_record = plan_with_merges(ckpt, adapter, geom, spec, options)
-            record.update(merge_record)
-        else:
-            plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
+        model = None
+        if options.refine_steps:  # load the original once: calibration and refinement both run it
+            from gqakit.convert.calibrate import load_model_for_calibration
+
+            model = load_model_for_calibration(ckpt.path, options.device)
+        try:
+            if options.merged:
+                plan, merge_record = plan_with_merges(ckpt, adapter, geom, spec, options, model=model)
+                record.update(merge_record)
+            else:
+                plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
+            if options.refine_steps:
+                plan, refine_record = refine_with(ckpt, adapter, geom, plan, options, model)
+                record["refine"] = refine_record
+        finally:
+            del model
         return write_converted(
             ckpt, dst, plan, geom, options.groups, spec.out_dtype, options.force, record, start
         )
@@ -199,17 +227,42 @@ def plan_with_merges(
     spec: RegroupSpec,
     options: ConvertOptions,
     stats=None,
+    model=None,
 ) -> tuple[list[OutputTensor], dict[str, Any]]:
-    """Calibrate (unless ``stats`` is given), fit the merges, and plan; return the plan and its record."""
+    """Calibrate (unless ``stats`` is given; on ``model`` when it is loaded already), fit the merges, and
+    plan; return the plan and its record."""
     from gqakit.convert.calibrate import calibrate, fit_layer_merges, merge_report, plan_merged
 
     if stats is None and options.calib_data:
-        stats = calibrate(ckpt, adapter, geom, options.calib_data, options.calib_tokens, options.device)
+        stats = calibrate(
+            ckpt, adapter, geom, options.calib_data, options.calib_tokens, options.device, model=model
+        )
     merges, key_merge = fit_layer_merges(
         ckpt, adapter, geom, stats, options.groups, options.method, options.grouping
     )
     plan = plan_merged(ckpt.tensor_infos(), adapter, geom, spec, merges)
     return plan, merge_report(options.method, options.grouping, key_merge, stats, merges).to_record()
+
+
+def refine_with(
+    ckpt: Checkpoint,
+    adapter,
+    geom: AttentionGeometry,
+    plan: list[OutputTensor],
+    options: ConvertOptions,
+    model,
+) -> tuple[list[OutputTensor], dict[str, Any]]:
+    """Refine ``plan``'s attention tensors against ``model`` (the loaded original) on the calibration data."""
+    from gqakit.convert.calibrate import calibration_sequences
+    from gqakit.convert.refine import RefineSettings, refine_plan
+
+    sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
+    settings = RefineSettings(options.refine_steps, options.refine_lr, options.seed)
+    with ckpt.reader() as reader:
+        plan, report = refine_plan(
+            plan, reader.read, model, adapter, geom.num_layers, options.groups, sequences, settings
+        )
+    return plan, report.to_record()
 
 
 def expand_checkpoint(

@@ -176,7 +176,7 @@ def capture_grams(
     ]
     try:
         base = model.base_model  # skip the LM head: only the layers' inputs are needed
-        for batch in _batches(sequences, batch_size):
+        for batch in batches(sequences, batch_size):
             base(input_ids=batch.to(device), use_cache=False)
     finally:
         for h in handles:
@@ -186,7 +186,7 @@ def capture_grams(
     return grams  # type: ignore[return-value]
 
 
-def _batches(sequences: Sequence[torch.Tensor], batch_size: int):
+def batches(sequences: Sequence[torch.Tensor], batch_size: int):
     """Stack runs of equal-length sequences into batches of at most ``batch_size``."""
     i = 0
     while i < len(sequences):
@@ -203,6 +203,17 @@ def load_model_for_calibration(path: Path, device: str = "auto"):
 
     dev = resolve_device(device)
     return load_causal_lm(path, dtype="auto" if dev.type == "cuda" else "float32", device=str(dev))
+
+
+def calibration_sequences(ckpt: Checkpoint, data: str | Path, tokens: int) -> list[torch.Tensor]:
+    """The first ``tokens`` tokens of ``data`` under ``ckpt``'s tokenizer, in sequences of
+    ``CALIB_SEQ_LEN`` (or the model's maximum positions, when shorter)."""
+    from gqakit.eval.perplexity import max_positions
+    from gqakit.models import load_tokenizer
+
+    tokenizer = load_tokenizer(ckpt.path)
+    seq_len = min(CALIB_SEQ_LEN, max_positions(_config_obj(ckpt.config)) or CALIB_SEQ_LEN)
+    return calibration_ids(tokenizer, load_calibration_texts(data), tokens, seq_len)
 
 
 def calibrate(
@@ -224,14 +235,8 @@ def calibrate(
         device: where to run the model.
         model: an already loaded source model to reuse (the probe has one).
     """
-    from gqakit.eval.perplexity import max_positions
-    from gqakit.models import load_tokenizer
-
     start = time.perf_counter()
-    texts = load_calibration_texts(data)
-    tokenizer = load_tokenizer(ckpt.path)
-    seq_len = min(CALIB_SEQ_LEN, max_positions(_config_obj(ckpt.config)) or CALIB_SEQ_LEN)
-    sequences = calibration_ids(tokenizer, texts, tokens, seq_len)
+    sequences = calibration_sequences(ckpt, data, tokens)
     own = model is None
     if own:
         model = load_model_for_calibration(ckpt.path, device)
@@ -245,7 +250,7 @@ def calibrate(
         "path": str(Path(str(data)).expanduser().resolve()),
         "sha256": sha256_file(Path(str(data)).expanduser()),
         "tokens": tokens,
-        "seq_len": seq_len,
+        "seq_len": len(sequences[0]),
         "device": run_on,
     }
     return CalibrationStats(grams, record, time.perf_counter() - start)

@@ -176,10 +176,6 @@ class ProbeResult:
         }
 
 
-def _attn_module(adapter: ArchAdapter, layer: int) -> str:
-    return adapter.layer(adapter.o, layer).rsplit(".", 1)[0]  # type: ignore[union-attr]
-
-
 @torch.no_grad()
 def attention_errors(original, converted, adapter: ArchAdapter, num_layers: int, sequences) -> list[float]:
     """Per layer, ``sum ||attn'(x) - attn(x)||^2 / sum ||attn(x)||^2`` with ``x`` the original's layer inputs.
@@ -190,7 +186,7 @@ def attention_errors(original, converted, adapter: ArchAdapter, num_layers: int,
     den = [0.0] * num_layers
 
     def hook(layer: int, module, args, kwargs, output) -> None:
-        other = converted.get_submodule(_attn_module(adapter, layer))
+        other = converted.get_submodule(adapter.attention_module(layer))
         ref = output[0] if isinstance(output, tuple) else output
         got = other(*args, **kwargs)
         got = got[0] if isinstance(got, tuple) else got
@@ -198,7 +194,7 @@ def attention_errors(original, converted, adapter: ArchAdapter, num_layers: int,
         den[layer] += float(ref.float().pow(2).sum())
 
     handles = [
-        original.get_submodule(_attn_module(adapter, layer)).register_forward_hook(
+        original.get_submodule(adapter.attention_module(layer)).register_forward_hook(
             partial(hook, layer), with_kwargs=True
         )
         for layer in range(num_layers)

@@ -52,6 +52,10 @@ class ArchAdapter:
     def layer(self, template: str | None, layer: int, **kw: int) -> str | None:
         return None if template is None else template.format(layer=layer, **kw)
 
+    def attention_module(self, layer: int) -> str:
+        """Module path of ``layer``'s attention block (the parent of its output projection)."""
+        return self.o.format(layer=layer).rsplit(".", 1)[0]
+
 
 def _adapter(model_type: str, **kw: object) -> ArchAdapter:
     return ArchAdapter(model_type=model_type, **kw)  # type: ignore[arg-type]

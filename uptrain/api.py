@@ -154,6 +154,8 @@ def _convert_first(recipe: Recipe, out: Path) -> tuple[str, dict[str, Any]]:
                 calib_data=expand(c.calib_data) if c.calib_data else None,
                 calib_tokens=c.calib_tokens,
                 grouping=c.grouping,
+                refine_steps=c.refine_steps,
+                refine_lr=c.refine_lr,
             ),
         )
     state.wait_for_everyone()

@@ -61,6 +61,9 @@ class ConvertConfig:
         calib_data: calibration text for ``calibrated`` and ``similarity`` (``gqakit convert --calib-data``).
         calib_tokens: calibration tokens.
         grouping: ``contiguous`` or ``similarity``.
+        refine_steps: Adam steps per layer fitting each converted attention block to the original's
+            output on ``calib_data`` (``gqakit convert --refine-steps``); 0: off.
+        refine_lr: their learning rate.
     """
 
     groups: int
@@ -69,6 +72,8 @@ class ConvertConfig:
     calib_data: str | None = None
     calib_tokens: int = 4096
     grouping: str = "contiguous"
+    refine_steps: int = 0
+    refine_lr: float = 3e-4
 
 
 @dataclass
@@ -321,8 +326,15 @@ class Recipe:
                 p.append(
                     f"model.convert.grouping {c.grouping!r} is unknown; choose one of {', '.join(GROUPINGS)}."
                 )
-            if (c.method == "calibrated" or c.grouping == "similarity") and not c.calib_data:
-                p.append("model.convert.calib_data is needed for method calibrated or grouping similarity.")
+            if (
+                c.method == "calibrated" or c.grouping == "similarity" or c.refine_steps
+            ) and not c.calib_data:
+                p.append(
+                    "model.convert.calib_data is needed for method calibrated, grouping similarity or "
+                    "refine_steps."
+                )
+            if c.refine_steps < 0:
+                p.append(f"model.convert.refine_steps must be 0 (off) or positive, got {c.refine_steps}.")
         if not self.output_dir:
             p.append("output_dir is empty.")
         if bool(d.files) == bool(d.hub):

@@ -293,7 +293,8 @@ def test_too_short_calibration_data(tiny_llama, tmp_path):
 
 
 def test_calib_data_without_a_use_is_rejected(tiny_llama, tmp_path, calib_txt):
-    with pytest.raises(GqakitError, match="only used by --method calibrated or --grouping similarity"):
+    used_by = "only used by --method calibrated, --grouping similarity or --refine-steps"
+    with pytest.raises(GqakitError, match=used_by):
         convert_checkpoint(tiny_llama, tmp_path / "o", ConvertOptions(groups=2, calib_data=str(calib_txt)))
 
 

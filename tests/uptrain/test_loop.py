@@ -72,6 +72,19 @@ def test_a_failed_run_keeps_its_conversion_for_resume(recipe, monkeypatch):
     assert uptrain(r, resume=True).steps == 2
 
 
+def test_convert_first_refines_when_the_recipe_asks(recipe, assets):
+    r = recipe(
+        "budget.steps=1",
+        "eval.at_start=false",
+        "model.convert.method=calibrated",
+        f"model.convert.calib_data={assets['train']}",
+        "model.convert.calib_tokens=512",
+        "model.convert.refine_steps=3",
+    )
+    prov = json.loads((uptrain(r).output_dir / "gqakit.json").read_text())
+    assert prov["convert"]["method"] == "calibrated" and prov["convert"]["refine"]["steps"] == 3
+
+
 def test_runs_of_different_precision_in_one_process(recipe, tmp_path):
     # accelerate's state is a process-wide singleton; a second run must not inherit the first's.
     uptrain(recipe("budget.steps=2", "eval.at_start=false", f"output_dir={tmp_path / 'fp32'}"))

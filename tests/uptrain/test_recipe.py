@@ -157,3 +157,21 @@ def test_convert_block_takes_calibrated_options_and_checks_them():
         load_recipe(TINY_RECIPE, ["model.convert={groups: 1, method: calibrated, grouping: nearest}"])
     assert "model.convert.grouping 'nearest' is unknown" in str(e.value)
     assert "model.convert.calib_data is needed" in str(e.value)
+
+
+def test_convert_block_takes_refinement_and_checks_it():
+    r = load_recipe(
+        TINY_RECIPE,
+        [
+            "model.convert={groups: 1, method: calibrated, calib_data: /c.txt, "
+            "refine_steps: 200, refine_lr: 1e-3}"
+        ],
+    )
+    assert (r.model.convert.refine_steps, r.model.convert.refine_lr) == (200, 1e-3)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(TINY_RECIPE, ["model.convert={groups: 1, refine_steps: -5}"])
+    msg = str(e.value)
+    assert "model.convert.refine_steps must be 0 (off) or positive, got -5" in msg
+    assert (
+        "model.convert.calib_data is needed for method calibrated, grouping similarity or refine_steps" in msg
+    )

@@ -1,0 +1,279 @@
+"""Layer-wise refinement: fit each converted attention block to the original's output on calibration text.
+
+A merge (mean pooling or the calibrated merge) fixes the shared K/V heads in closed form from second
+moments; it cannot see the softmax. Refinement takes the merged weights as a start and runs a few Adam
+steps per layer on one loss: the relative squared error between the converted attention block's output
+and the original's, both fed the original model's inputs to that layer (the block is fitted on its own,
+like a quantizer's layer-wise reconstruction, so no gradient crosses layers and one layer's activations
+are held at a time). Every parameter of the block moves: q/k/v/o weights, biases and norms, so the query
+and output sides adapt to the shared heads. The output is still a plain checkpoint with the converted
+shapes; gqakit.json records each layer's error before and after.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from gqakit.convert.plan import OutputTensor, execute
+from gqakit.convert.registry import ArchAdapter
+from gqakit.errors import GqakitError
+from gqakit.safetensors_io import DTYPES
+
+BATCH_TOKENS = 1024  # calibration tokens per refinement step
+HELDOUT_FRACTION = 8  # one calibration sequence in 8 (at least one) is held out to stop early
+
+
+@dataclass(frozen=True)
+class RefineSettings:
+    """How hard to refine.
+
+    Attributes:
+        steps: Adam steps per layer (0: no refinement).
+        lr: Adam's learning rate.
+        seed: orders the calibration batches.
+    """
+
+    steps: int
+    lr: float = 3e-4
+    seed: int = 0
+
+
+@dataclass
+class RefineReport:
+    """What refinement did, for gqakit.json.
+
+    Attributes:
+        settings: the steps, learning rate and seed used.
+        tokens: calibration tokens the blocks were fitted on.
+        heldout_tokens: calibration tokens held out to choose each block's best step.
+        layers: per layer, the relative attention-output errors before and after, on both (see
+            :func:`fit_block`).
+        elapsed_s: seconds spent.
+    """
+
+    settings: RefineSettings
+    tokens: int
+    heldout_tokens: int
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "steps": self.settings.steps,
+            "lr": self.settings.lr,
+            "seed": self.settings.seed,
+            "tokens": self.tokens,
+            "heldout_tokens": self.heldout_tokens,
+            "objective": "per layer, relative squared error of the attention output against the original's "
+            "on the original's inputs; all attention parameters trained; each layer keeps its weights at the "
+            "best held-out error (best_step 0: the merge)",
+            "attention_error": self.layers,
+            "elapsed_s": round(self.elapsed_s, 3),
+        }
+
+
+class _Captured(Exception):
+    """Raised by a hook to stop a forward pass once the layer of interest has run."""
+
+
+def _to_float(obj: Any) -> Any:
+    """``obj`` with every floating tensor in it (through tuples, lists and dicts) cast to float32."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.is_floating_point() else obj
+    if isinstance(obj, tuple | list):
+        return type(obj)(_to_float(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_float(v) for k, v in obj.items()}
+    return obj
+
+
+def _output(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def capture_attention_io(model, module_path: str, batches: Sequence[torch.Tensor]) -> list[tuple]:
+    """Per batch, the ``(args, kwargs, output)`` of the attention module at ``module_path``, in float32.
+
+    Each forward pass stops right after that module has run, so capturing layer ``l`` costs ``l + 1``
+    layers, and only that module's inputs and output are kept.
+    """
+    module = model.get_submodule(module_path)
+    device = next(model.parameters()).device
+    seen: list[tuple] = []
+
+    def hook(_module, args, kwargs, output) -> None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+        seen.append((_to_float(args), _to_float(kwargs), _output(output).float()))
+        raise _Captured
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        for batch in batches:
+            try:
+                model.base_model(input_ids=batch.to(device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        handle.remove()
+    if len(seen) != len(batches):
+        raise RuntimeError(f"the hook on {module_path} did not fire for every calibration batch")
+    return seen
+
+
+def attention_error(module: torch.nn.Module, captured: Sequence[tuple]) -> float:
+    """``sum ||module(x) - y||^2 / sum ||y||^2`` over the captured batches."""
+    num = den = 0.0
+    with torch.no_grad():
+        for args, kwargs, target in captured:
+            num += float((_output(module(*args, **kwargs)) - target).pow(2).sum())
+            den += float(target.pow(2).sum())
+    return num / den if den > 0 else 0.0
+
+
+def fit_block(
+    module: torch.nn.Module, fit: Sequence[tuple], check: Sequence[tuple], settings: RefineSettings
+) -> dict[str, Any]:
+    """Adam on ``module``'s floating parameters towards the ``fit`` batches' outputs, keeping the weights
+    that do best on the held-out ``check`` batches.
+
+    The held-out error is measured at the start and every ``steps // 10`` steps; the weights at its
+    minimum are kept (the merge itself, when no step improves on it), so refinement never makes a layer
+    worse on text it did not fit and overfitting a short calibration text stops early.
+
+    Returns:
+        Relative errors ``before``/``after`` on the fit batches, ``heldout_before``/``heldout_after`` on
+        the check batches, and ``best_step`` (0: the merge was kept).
+    """
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    before, best = attention_error(module, fit), attention_error(module, check)
+    heldout_before, best_step = best, 0
+    best_params = [p.detach().clone() for p in params]
+    scale = sum(float(t.pow(2).mean()) for _, _, t in fit) / len(fit)
+    every = max(1, settings.steps // 10)
+    gen = torch.Generator().manual_seed(settings.seed)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=settings.lr)
+    order: list[int] = []
+    for step in range(1, settings.steps + 1):
+        if not order:  # a fresh random pass over the batches
+            order = torch.randperm(len(fit), generator=gen).tolist()
+        args, kwargs, target = fit[order.pop()]
+        loss = (_output(module(*args, **kwargs)) - target).pow(2).mean() / scale
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % every == 0 or step == settings.steps:
+            err = attention_error(module, check)
+            if err < best:  # NaN compares False: a diverged fit is never kept
+                best, best_step = err, step
+                best_params = [p.detach().clone() for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    with torch.no_grad():
+        for p, b in zip(params, best_params, strict=True):
+            p.copy_(b)
+    return {
+        "before": round(before, 6),
+        "after": round(attention_error(module, fit), 6),
+        "heldout_before": round(heldout_before, 6),
+        "heldout_after": round(best, 6),
+        "best_step": best_step,
+    }
+
+
+def converted_attention(
+    original: torch.nn.Module, config, layer: int, device: torch.device
+) -> torch.nn.Module:
+    """A fresh float32 attention module of ``original``'s class, built for the converted ``config``."""
+    module = type(original)(config, layer)
+    return module.to(device=device, dtype=torch.float32).eval()
+
+
+def refine_plan(
+    plan: list[OutputTensor],
+    read,
+    model,
+    adapter: ArchAdapter,
+    num_layers: int,
+    groups: int,
+    sequences: Sequence[torch.Tensor],
+    settings: RefineSettings,
+    progress: bool = True,
+) -> tuple[list[OutputTensor], RefineReport]:
+    """Refine every layer's planned attention tensors against ``model`` (the original); return the new plan.
+
+    Args:
+        plan: the conversion plan (any method); its attention entries give the starting weights.
+        read: reads a source tensor by name (``CheckpointReader.read``).
+        model: the original model, loaded (float32 on the CPU, its own dtype on a GPU).
+        adapter: the family.
+        num_layers: decoder layers.
+        groups: K/V heads of the converted model.
+        sequences: calibration token sequences (equal lengths batch together).
+        settings: steps, learning rate, seed.
+        progress: show a progress bar over layers.
+
+    Returns:
+        The plan with each attention tensor replaced by its refined value (same name, dtype and shape),
+        and the report for gqakit.json.
+    """
+    from gqakit.convert.calibrate import batches
+
+    start = time.perf_counter()
+    config = copy.deepcopy(model.config)
+    config.num_key_value_heads = groups
+    device = next(model.parameters()).device
+    if len(sequences) < 2:
+        raise GqakitError(
+            f"--refine-steps needs at least 2 calibration sequences (one is held out to stop early), but "
+            f"--calib-tokens {len(sequences[0])} fills only one; raise --calib-tokens (4096, the default, "
+            f"makes 8 sequences of 512 tokens)."
+        )
+    held = max(1, len(sequences) // HELDOUT_FRACTION)
+    per_batch = max(1, BATCH_TOKENS // max(len(s) for s in sequences))
+    fit_runs = list(batches(sequences[:-held], per_batch))
+    check_runs = list(batches(sequences[-held:], per_batch))
+    by_name = {out.name: out for out in plan}
+    refined: dict[str, torch.Tensor] = {}
+    report = RefineReport(
+        settings, sum(len(s) for s in sequences[:-held]), sum(len(s) for s in sequences[-held:])
+    )
+    for layer in tqdm(range(num_layers), desc="refine", unit="layer", disable=not progress):
+        path = adapter.attention_module(layer)
+        module = converted_attention(model.get_submodule(path), config, layer, device)
+        names = {n: f"{path}.{n}" for n, _ in module.named_parameters()}
+        missing = [full for full in names.values() if full not in by_name]
+        if missing:
+            raise RuntimeError(f"refinement: no planned tensor for {missing[:3]}")
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                p.copy_(execute(by_name[names[n]], read).to(p.dtype))
+        fit = capture_attention_io(model, path, fit_runs)
+        check = capture_attention_io(model, path, check_runs)
+        report.layers.append({"layer": layer, **fit_block(module, fit, check, settings)})
+        for n, p in module.named_parameters():
+            out = by_name[names[n]]
+            refined[out.name] = p.detach().to("cpu", DTYPES[out.dtype]).contiguous()
+        del fit, check, module
+    report.elapsed_s = time.perf_counter() - start
+    new_plan = [
+        OutputTensor(o.name, o.dtype, o.shape, o.sources, partial(_constant, t=refined[o.name]))
+        if o.name in refined
+        else o
+        for o in plan
+    ]
+    return new_plan, report
+
+
+def _constant(_ts: list[torch.Tensor], *, t: torch.Tensor) -> torch.Tensor:
+    return t

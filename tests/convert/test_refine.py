@@ -1,0 +1,200 @@
+"""Layer-wise refinement: it brings the converted model closer to the original, stays a plain checkpoint,
+never makes a layer worse, and rejects bad options with a clear message."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from gqakit.cli import main
+from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint
+from gqakit.convert.probe import attention_errors
+from gqakit.errors import GqakitError
+from gqakit.testing import TINY_TEXT, tiny_model, tiny_tokenizer
+
+WORDS = TINY_TEXT.split()
+
+
+def _shuffled_words(seed: int, n: int) -> str:
+    """Text from the tiny tokenizer's vocabulary in an order of its own: held-out text differs from the
+    calibration text by its word sequences, not by its vocabulary."""
+    return " ".join(random.Random(seed).choices(WORDS, k=n))
+
+
+# Held-out ids (not the calibration text) on which the converted models are compared.
+IDS = torch.tensor(tiny_tokenizer()(_shuffled_words(2, 400))["input_ids"][:192]).reshape(2, 96)
+
+
+@pytest.fixture(scope="module")
+def calib_txt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(_shuffled_words(1, 2000))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sharp_llama(tmp_path_factory):
+    """A 4-head MHA llama whose attention is far from uniform (random init is near-uniform, where keys
+    hardly matter and any merge looks good)."""
+    model = tiny_model("llama", heads=4, kv_heads=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    path = tmp_path_factory.mktemp("sharp") / "src"
+    model.save_pretrained(path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return path
+
+
+def _logits(path) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _kl(path, ref: torch.Tensor) -> float:
+    """Mean KL(original || converted) of the next-token distributions on IDS."""
+    got = _logits(path).log_softmax(-1)
+    ref = ref.log_softmax(-1)
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+def _heldout_attention_errors(src, converted) -> list[float]:
+    original = AutoModelForCausalLM.from_pretrained(src).eval()
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    return attention_errors(original, model, ADAPTERS["llama"], 2, list(IDS))
+
+
+# (method, held-out attention error ratio, KL ratio) that refinement must beat: from the calibrated merge
+# the tiny random model has less to win than from mean pooling
+@pytest.mark.parametrize(("method", "gain", "kl_gain"), [("calibrated", 0.95, 1.0), ("mean", 0.8, 0.8)])
+def test_refinement_brings_the_converted_model_closer_to_the_original(
+    sharp_llama, tmp_path, calib_txt, method, gain, kl_gain
+):
+    opts = dict(groups=1, method=method, calib_data=str(calib_txt), calib_tokens=2048)
+    if method == "mean":
+        base = convert_checkpoint(sharp_llama, tmp_path / "base", ConvertOptions(groups=1))
+    else:
+        base = convert_checkpoint(sharp_llama, tmp_path / "base", ConvertOptions(**opts))
+    res = convert_checkpoint(
+        sharp_llama, tmp_path / "ref", ConvertOptions(refine_steps=60, refine_lr=1e-3, **opts)
+    )
+    rec = res.provenance["refine"]
+    assert rec["steps"] == 60 and rec["tokens"] + rec["heldout_tokens"] == 2048
+    assert len(rec["attention_error"]) == 2
+    assert all(e["after"] < e["before"] and e["best_step"] > 0 for e in rec["attention_error"])
+    # on held-out text: each attention block's output and the next-token distributions are closer to
+    # the original's
+    base_err = _heldout_attention_errors(sharp_llama, tmp_path / "base")
+    ref_err = _heldout_attention_errors(sharp_llama, tmp_path / "ref")
+    assert all(r < gain * b for r, b in zip(ref_err, base_err, strict=True)), (ref_err, base_err)
+    ref = _logits(sharp_llama)
+    assert _kl(tmp_path / "ref", ref) < kl_gain * _kl(tmp_path / "base", ref)
+    # a plain checkpoint of the converted shape, loadable by vanilla transformers
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    assert config["num_key_value_heads"] == 1 and base.files == res.files
+
+
+def test_a_diverging_fit_keeps_the_merge(sharp_llama, tmp_path, calib_txt):
+    """A learning rate far too high makes Adam diverge; each layer then keeps its merged weights."""
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=1024)
+    convert_checkpoint(sharp_llama, tmp_path / "cal", ConvertOptions(**opts))
+    res = convert_checkpoint(
+        sharp_llama, tmp_path / "bad", ConvertOptions(refine_steps=5, refine_lr=50.0, **opts)
+    )
+    errors = res.provenance["refine"]["attention_error"]
+    assert all(e["best_step"] == 0 and e["heldout_after"] == e["heldout_before"] for e in errors)
+    torch.testing.assert_close(_logits(tmp_path / "bad"), _logits(tmp_path / "cal"))
+
+
+@pytest.mark.parametrize("family", sorted(ADAPTERS))
+def test_every_family_refines_and_loads(tmp_path, calib_txt, family):
+    """The converted attention block is rebuilt from each family's own class, fitted, and written back:
+    some layer improves on held-out calibration text, and the output loads."""
+    kw = {"head_dim": 16} if family.startswith("gemma") else {}
+    if family in ("phi", "stablelm"):
+        kw["qk_layernorm"] = family == "stablelm"
+    model = tiny_model(family, heads=4, kv_heads=4, **kw)
+    with torch.no_grad():  # sharpen the near-uniform random attention, so the merge leaves work to do
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                p.mul_(6)
+    model.save_pretrained(tmp_path / "src")
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(tmp_path / "src")
+    opts = ConvertOptions(
+        groups=2,
+        method="calibrated",
+        calib_data=str(calib_txt),
+        calib_tokens=1024,
+        refine_steps=8,
+        refine_lr=1e-3,
+    )
+    res = convert_checkpoint(tmp_path / "src", tmp_path / "out", opts)
+    errors = res.provenance["refine"]["attention_error"]
+    assert len(errors) == model.config.num_hidden_layers
+    assert all(e["heldout_after"] <= e["heldout_before"] for e in errors)
+    assert any(e["best_step"] > 0 and e["heldout_after"] < e["heldout_before"] for e in errors), errors
+    assert torch.isfinite(_logits(tmp_path / "out")).all()
+
+
+def test_refine_options_are_checked_together(tiny_llama, tmp_path):
+    opts = ConvertOptions(groups=2, method="random", refine_steps=-1, refine_lr=0.0)
+    with pytest.raises(GqakitError) as e:
+        convert_checkpoint(tiny_llama, tmp_path / "o", opts)
+    msg = e.value.message
+    assert "--refine-steps must be 0 (off) or a positive step count, got -1" in msg
+    assert "--refine-lr must be a positive learning rate, got 0.0" in msg
+    assert not (tmp_path / "o").exists()
+
+
+def test_refine_without_data_or_from_random_is_a_clear_error(tiny_llama, tmp_path, calib_txt):
+    with pytest.raises(GqakitError, match="--refine-steps need calibration text: pass --calib-data"):
+        convert_checkpoint(tiny_llama, tmp_path / "o", ConvertOptions(groups=2, refine_steps=10))
+    with pytest.raises(GqakitError, match="--refine-steps cannot start from --method random"):
+        convert_checkpoint(
+            tiny_llama,
+            tmp_path / "o",
+            ConvertOptions(groups=2, method="random", calib_data=str(calib_txt), refine_steps=10),
+        )
+    assert not (tmp_path / "o").exists()
+
+
+def test_one_calibration_sequence_is_too_few(tiny_llama, tmp_path, calib_txt):
+    opts = ConvertOptions(groups=2, calib_data=str(calib_txt), calib_tokens=200, refine_steps=10)
+    with pytest.raises(GqakitError, match="needs at least 2 calibration sequences .* raise --calib-tokens"):
+        convert_checkpoint(tiny_llama, tmp_path / "o", opts)
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_refine(tiny_llama, tmp_path, calib_txt):
+    args = ["convert", str(tiny_llama), str(tmp_path / "o"), "-g", "1", "--method", "calibrated"]
+    extra = ["--calib-data", str(calib_txt), "--calib-tokens", "512", "--refine-steps", "4"]
+    res = CliRunner().invoke(main, [*args, *extra])
+    assert res.exit_code == 0, res.output
+    assert "refined 4 steps/layer" in res.output
+    prov = json.loads((tmp_path / "o" / "gqakit.json").read_text())
+    assert prov["refine"]["steps"] == 4 and prov["refine"]["lr"] == 3e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_refinement_on_cuda_improves_like_on_cpu(sharp_llama, tmp_path, calib_txt):
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
+    cpu = convert_checkpoint(
+        sharp_llama, tmp_path / "cpu", ConvertOptions(device="cpu", refine_lr=1e-3, **opts)
+    )
+    gpu = convert_checkpoint(
+        sharp_llama, tmp_path / "gpu", ConvertOptions(device="cuda", refine_lr=1e-3, **opts)
+    )
+    layers = zip(
+        cpu.provenance["refine"]["attention_error"], gpu.provenance["refine"]["attention_error"], strict=True
+    )
+    for c, g in layers:
+        assert g["heldout_after"] < g["heldout_before"]
+        assert g["heldout_after"] == pytest.approx(c["heldout_after"], rel=0.2, abs=1e-3)
