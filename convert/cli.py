@@ -64,7 +64,7 @@ from gqakit.convert.grouping import GROUPINGS
     help="After the merge, Adam steps per layer fitting each converted attention block (all its weights) "
     "to the original's output on --calib-data, keeping each layer's best step on held-out calibration "
     "text; 0: off. 200 take SmolLM2-135M -> MQA (calibrated) from test perplexity 91.9 to 36.2, in "
-    "about 10 minutes on 2 CPU cores.",
+    "about 8 minutes on 2 CPU cores.",
 )
 @click.option(
     "--refine-lr", type=float, default=3e-4, show_default=True, help="Learning rate of --refine-steps."

@@ -3,11 +3,11 @@
 A merge (mean pooling or the calibrated merge) fixes the shared K/V heads in closed form from second
 moments; it cannot see the softmax. Refinement takes the merged weights as a start and runs a few Adam
 steps per layer on one loss: the relative squared error between the converted attention block's output
-and the original's, both fed the original model's inputs to that layer (the block is fitted on its own,
-like a quantizer's layer-wise reconstruction, so no gradient crosses layers and one layer's activations
-are held at a time). Every parameter of the block moves: q/k/v/o weights, biases and norms, so the query
-and output sides adapt to the shared heads. The output is still a plain checkpoint with the converted
-shapes; gqakit.json records each layer's error before and after.
+and the original's, both fed the original model's inputs to that layer. The block is fitted on its own,
+like a quantizer's layer-wise reconstruction: no gradient crosses layers, the original runs once, layer
+by layer, and one layer's activations are held at a time. Every parameter of the block moves (q/k/v/o
+weights, biases and norms), so the query and output sides adapt to the shared heads. The output is still
+a plain checkpoint with the converted shapes; gqakit.json records each layer's error before and after.
 """
 
 from __future__ import annotations
@@ -80,10 +80,6 @@ class RefineReport:
         }
 
 
-class _Captured(Exception):
-    """Raised by a hook to stop a forward pass once the layer of interest has run."""
-
-
 def _to_float(obj: Any) -> Any:
     """``obj`` with every floating tensor in it (through tuples, lists and dicts) cast to float32."""
     if isinstance(obj, torch.Tensor):
@@ -99,34 +95,74 @@ def _output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-@torch.no_grad()
-def capture_attention_io(model, module_path: str, batches: Sequence[torch.Tensor]) -> list[tuple]:
-    """Per batch, the ``(args, kwargs, output)`` of the attention module at ``module_path``, in float32.
+class LayerStream:
+    """The original model run one decoder layer at a time over fixed batches of token ids.
 
-    Each forward pass stops right after that module has run, so capturing layer ``l`` costs ``l + 1``
-    layers, and only that module's inputs and output are kept.
+    One forward pass records, per batch, the first decoder layer's input and every decoder layer's other
+    call arguments (masks, rotary tables: shared tensors, held by reference); after that each
+    :meth:`attention_io` runs one layer on the hidden states the previous one produced. The whole model
+    thus runs once, and one layer's hidden states are held, however many layers are refined. The layers
+    are called exactly as the model calls them, so per-layer masks and rotary tables (gemma2/3's sliding
+    and global layers) stay right.
     """
-    module = model.get_submodule(module_path)
-    device = next(model.parameters()).device
-    seen: list[tuple] = []
 
-    def hook(_module, args, kwargs, output) -> None:
-        kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-        seen.append((_to_float(args), _to_float(kwargs), _output(output).float()))
-        raise _Captured
+    def __init__(self, model, layer_paths: Sequence[str], batches: Sequence[torch.Tensor]) -> None:
+        self.layers = [model.get_submodule(p) for p in layer_paths]
+        self.hidden: list[torch.Tensor] = []
+        self.positional: bool = True  # hidden states passed as the first positional argument
+        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in layer_paths]
+        device = next(model.parameters()).device
 
-    handle = module.register_forward_hook(hook, with_kwargs=True)
-    try:
-        for batch in batches:
-            try:
-                model.base_model(input_ids=batch.to(device), use_cache=False)
-            except _Captured:
-                pass
-    finally:
-        handle.remove()
-    if len(seen) != len(batches):
-        raise RuntimeError(f"the hook on {module_path} did not fire for every calibration batch")
-    return seen
+        def hook(layer: int, _module, args, kwargs) -> None:
+            if layer == 0:
+                self.positional = bool(args)
+                self.hidden.append(args[0] if args else kwargs["hidden_states"])
+            rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            self.calls[layer].append((tuple(args[1:]), rest))
+
+        handles = [
+            m.register_forward_pre_hook(partial(hook, i), with_kwargs=True) for i, m in enumerate(self.layers)
+        ]
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    model.base_model(input_ids=batch.to(device), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        if any(len(c) != len(batches) for c in self.calls):
+            raise RuntimeError("the decoder-layer hooks did not fire once per calibration batch")
+        self.next_layer = 0
+
+    @torch.no_grad()
+    def attention_io(self, layer: int, attention: torch.nn.Module) -> list[tuple]:
+        """Run decoder layer ``layer`` (the next one) over every batch; return, per batch, the
+        ``(args, kwargs, output)`` of its ``attention`` module in float32."""
+        if layer != self.next_layer:
+            raise RuntimeError(f"layers run in order: expected layer {self.next_layer}, got {layer}")
+        seen: list[tuple] = []
+
+        def hook(_module, args, kwargs, output) -> None:
+            kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+            seen.append((_to_float(args), _to_float(kwargs), _output(output).float()))
+
+        handle = attention.register_forward_hook(hook, with_kwargs=True)
+        try:
+            for b, (rest, kwargs) in enumerate(self.calls[layer]):
+                h = self.hidden[b]
+                out = (
+                    self.layers[layer](h, *rest, **kwargs)
+                    if self.positional
+                    else self.layers[layer](*rest, hidden_states=h, **kwargs)
+                )
+                self.hidden[b] = _output(out)
+        finally:
+            handle.remove()
+        self.calls[layer] = []  # drop this layer's references
+        self.next_layer += 1
+        if len(seen) != len(self.hidden):
+            raise RuntimeError(f"the attention hook of layer {layer} did not fire for every batch")
+        return seen
 
 
 def attention_error(module: torch.nn.Module, captured: Sequence[tuple]) -> float:
@@ -248,8 +284,10 @@ def refine_plan(
     report = RefineReport(
         settings, sum(len(s) for s in sequences[:-held]), sum(len(s) for s in sequences[-held:])
     )
+    paths = [adapter.attention_module(layer) for layer in range(num_layers)]
+    stream = LayerStream(model, [a.rsplit(".", 1)[0] for a in paths], fit_runs + check_runs)
     for layer in tqdm(range(num_layers), desc="refine", unit="layer", disable=not progress):
-        path = adapter.attention_module(layer)
+        path = paths[layer]
         module = converted_attention(model.get_submodule(path), config, layer, device)
         names = {n: f"{path}.{n}" for n, _ in module.named_parameters()}
         missing = [full for full in names.values() if full not in by_name]
@@ -258,13 +296,13 @@ def refine_plan(
         with torch.no_grad():
             for n, p in module.named_parameters():
                 p.copy_(execute(by_name[names[n]], read).to(p.dtype))
-        fit = capture_attention_io(model, path, fit_runs)
-        check = capture_attention_io(model, path, check_runs)
+        captured = stream.attention_io(layer, model.get_submodule(path))
+        fit, check = captured[: len(fit_runs)], captured[len(fit_runs) :]
         report.layers.append({"layer": layer, **fit_block(module, fit, check, settings)})
         for n, p in module.named_parameters():
             out = by_name[names[n]]
             refined[out.name] = p.detach().to("cpu", DTYPES[out.dtype]).contiguous()
-        del fit, check, module
+        del captured, fit, check, module
     report.elapsed_s = time.perf_counter() - start
     new_plan = [
         OutputTensor(o.name, o.dtype, o.shape, o.sources, partial(_constant, t=refined[o.name]))

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from gqakit.cli import main
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint
 from gqakit.convert.probe import attention_errors
+from gqakit.convert.refine import LayerStream
 from gqakit.errors import GqakitError
 from gqakit.testing import TINY_TEXT, tiny_model, tiny_tokenizer
 
@@ -141,6 +142,38 @@ def test_every_family_refines_and_loads(tmp_path, calib_txt, family):
     assert all(e["heldout_after"] <= e["heldout_before"] for e in errors)
     assert any(e["best_step"] > 0 and e["heldout_after"] < e["heldout_before"] for e in errors), errors
     assert torch.isfinite(_logits(tmp_path / "out")).all()
+
+
+@pytest.mark.parametrize("family", sorted(ADAPTERS))
+def test_layer_stream_feeds_each_attention_what_the_full_forward_does(family):
+    """Running the original one decoder layer at a time gives every attention block the same inputs and
+    outputs as one ordinary forward pass (per-layer masks and rotary tables included)."""
+    # gemma2/3: a window shorter than the batches, so sliding and global layers get different masks
+    kw = {"head_dim": 16, "sliding_window": 16} if family.startswith("gemma") else {}
+    model = tiny_model(family, heads=4, kv_heads=2, **kw).eval()
+    adapter = ADAPTERS[family]
+    paths = [adapter.attention_module(i) for i in range(model.config.num_hidden_layers)]
+    batches = [IDS[:, :40], IDS[:, 40:90]]  # two batches of different lengths
+    want: dict[int, list] = {i: [] for i in range(len(paths))}
+    hooks = [
+        model.get_submodule(p).register_forward_hook(
+            lambda _m, _a, out, i=i: want[i].append(out[0] if isinstance(out, tuple) else out)
+        )
+        for i, p in enumerate(paths)
+    ]
+    with torch.no_grad():
+        for b in batches:
+            model.base_model(input_ids=b, use_cache=False)
+    for h in hooks:
+        h.remove()
+    stream = LayerStream(model, [p.rsplit(".", 1)[0] for p in paths], batches)
+    for i, p in enumerate(paths):
+        got = stream.attention_io(i, model.get_submodule(p))
+        assert len(got) == 2
+        for (_, _, out), ref in zip(got, want[i], strict=True):
+            torch.testing.assert_close(out, ref.float(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="layers run in order"):
+        stream.attention_io(0, model.get_submodule(paths[0]))
 
 
 def test_refine_options_are_checked_together(tiny_llama, tmp_path):
