@@ -199,19 +199,24 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
         }
         if options.method == "random":
             record["seed"] = options.seed
-        model = None
-        if options.refine_steps:  # load the original once: calibration and refinement both run it
-            from gqakit.convert.calibrate import load_model_for_calibration
+        model = sequences = None
+        if options.refine_steps:  # tokenize and load the original once: calibration and refinement share them
+            from gqakit.convert.calibrate import calibration_sequences, load_model_for_calibration
+            from gqakit.convert.refine import check_sequences
 
+            sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
+            check_sequences(sequences)  # before the model is loaded
             model = load_model_for_calibration(ckpt.path, options.device)
         try:
             if options.merged:
-                plan, merge_record = plan_with_merges(ckpt, adapter, geom, spec, options, model=model)
+                plan, merge_record = plan_with_merges(
+                    ckpt, adapter, geom, spec, options, model=model, sequences=sequences
+                )
                 record.update(merge_record)
             else:
                 plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
             if options.refine_steps:
-                plan, refine_record = refine_with(ckpt, adapter, geom, plan, options, model)
+                plan, refine_record = refine_with(ckpt, adapter, geom, plan, options, model, sequences)
                 record["refine"] = refine_record
         finally:
             del model
@@ -228,14 +233,22 @@ def plan_with_merges(
     options: ConvertOptions,
     stats=None,
     model=None,
+    sequences=None,
 ) -> tuple[list[OutputTensor], dict[str, Any]]:
-    """Calibrate (unless ``stats`` is given; on ``model`` when it is loaded already), fit the merges, and
-    plan; return the plan and its record."""
+    """Calibrate (unless ``stats`` is given; on ``model`` and ``sequences`` when they are at hand already),
+    fit the merges, and plan; return the plan and its record."""
     from gqakit.convert.calibrate import calibrate, fit_layer_merges, merge_report, plan_merged
 
     if stats is None and options.calib_data:
         stats = calibrate(
-            ckpt, adapter, geom, options.calib_data, options.calib_tokens, options.device, model=model
+            ckpt,
+            adapter,
+            geom,
+            options.calib_data,
+            options.calib_tokens,
+            options.device,
+            model=model,
+            sequences=sequences,
         )
     merges, key_merge = fit_layer_merges(
         ckpt, adapter, geom, stats, options.groups, options.method, options.grouping
@@ -251,12 +264,12 @@ def refine_with(
     plan: list[OutputTensor],
     options: ConvertOptions,
     model,
+    sequences: list,
 ) -> tuple[list[OutputTensor], dict[str, Any]]:
-    """Refine ``plan``'s attention tensors against ``model`` (the loaded original) on the calibration data."""
-    from gqakit.convert.calibrate import calibration_sequences
+    """Refine ``plan``'s attention tensors against ``model`` (the loaded original) on the calibration
+    ``sequences``."""
     from gqakit.convert.refine import RefineSettings, refine_plan
 
-    sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
     settings = RefineSettings(options.refine_steps, options.refine_lr, options.seed)
     with ckpt.reader() as reader:
         plan, report = refine_plan(

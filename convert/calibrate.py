@@ -224,6 +224,7 @@ def calibrate(
     tokens: int = 4096,
     device: str = "auto",
     model=None,
+    sequences: list[torch.Tensor] | None = None,
 ) -> CalibrationStats:
     """Measure every layer's K/V projection input on ``tokens`` tokens of ``data``.
 
@@ -234,9 +235,12 @@ def calibrate(
         tokens: how many tokens to run.
         device: where to run the model.
         model: an already loaded source model to reuse (the probe has one).
+        sequences: the calibration token sequences, when the caller has them already
+            (:func:`calibration_sequences` of the same data and tokens).
     """
     start = time.perf_counter()
-    sequences = calibration_sequences(ckpt, data, tokens)
+    if sequences is None:
+        sequences = calibration_sequences(ckpt, data, tokens)
     own = model is None
     if own:
         model = load_model_for_calibration(ckpt.path, device)

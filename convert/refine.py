@@ -235,6 +235,16 @@ def converted_attention(
     return module.to(device=device, dtype=torch.float32).eval()
 
 
+def check_sequences(sequences: Sequence[torch.Tensor]) -> None:
+    """Raise a clear error unless ``sequences`` leave one to hold out (see :func:`fit_block`)."""
+    if len(sequences) < 2:
+        raise GqakitError(
+            f"--refine-steps needs at least 2 calibration sequences (one is held out to stop early), but "
+            f"--calib-tokens {len(sequences[0])} fills only one; raise --calib-tokens (4096, the default, "
+            f"makes 8 sequences of 512 tokens)."
+        )
+
+
 def refine_plan(
     plan: list[OutputTensor],
     read,
@@ -269,12 +279,7 @@ def refine_plan(
     config = copy.deepcopy(model.config)
     config.num_key_value_heads = groups
     device = next(model.parameters()).device
-    if len(sequences) < 2:
-        raise GqakitError(
-            f"--refine-steps needs at least 2 calibration sequences (one is held out to stop early), but "
-            f"--calib-tokens {len(sequences[0])} fills only one; raise --calib-tokens (4096, the default, "
-            f"makes 8 sequences of 512 tokens)."
-        )
+    check_sequences(sequences)
     held = max(1, len(sequences) // HELDOUT_FRACTION)
     per_batch = max(1, BATCH_TOKENS // max(len(s) for s in sequences))
     fit_runs = list(batches(sequences[:-held], per_batch))
