@@ -127,6 +127,8 @@ def uptrain_from(starts: dict[str, Path], args, data: dict[str, Path]) -> dict[s
 
 
 def main() -> None:
+    from gqakit.convert.refine import REFINE_LR
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/assets/smol_st")
     ap.add_argument("--workdir", default="/tmp/gqakit-bench-cal")
@@ -143,7 +145,7 @@ def main() -> None:
         default=0,
         help="also convert with --method calibrated --refine-steps N (the 'refined' row); 0: skip",
     )
-    ap.add_argument("--refine-lr", type=float, default=3e-4)
+    ap.add_argument("--refine-lr", type=float, default=REFINE_LR)
     args = ap.parse_args()
 
     work = Path(args.workdir)

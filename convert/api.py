@@ -21,6 +21,7 @@ from gqakit.checkpoint import (
 from gqakit.convert.grouping import GROUPINGS
 from gqakit.convert.plan import OutputTensor, RegroupSpec, plan_regroup
 from gqakit.convert.pooling import METHODS
+from gqakit.convert.refine import REFINE_LR
 from gqakit.convert.registry import get_adapter
 from gqakit.convert.stream import write_plan
 from gqakit.errors import GqakitError
@@ -69,7 +70,7 @@ class ConvertOptions:
     grouping: str = "contiguous"
     device: str = "auto"
     refine_steps: int = 0
-    refine_lr: float = 3e-4
+    refine_lr: float = REFINE_LR
 
     @property
     def merged(self) -> bool:

@@ -29,6 +29,10 @@ from gqakit.safetensors_io import DTYPES
 
 BATCH_TOKENS = 1024  # calibration tokens per refinement step
 HELDOUT_FRACTION = 8  # one calibration sequence in 8 (at least one) is held out to stop early
+# Adam's default learning rate. SmolLM2-135M -> MQA, calibrated start, 200 steps on 4k tokens: zero-shot
+# perplexity 30.9 at 1e-3 against 36.2 at 3e-4 (README); the held-out check keeps a layer that 1e-3
+# overfits at its best step, and one it diverges at its merge.
+REFINE_LR = 1e-3
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class RefineSettings:
     """
 
     steps: int
-    lr: float = 3e-4
+    lr: float = REFINE_LR
     seed: int = 0
 
 

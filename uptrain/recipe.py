@@ -23,6 +23,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from gqakit.convert.refine import REFINE_LR
 from gqakit.errors import GqakitError, did_you_mean
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -73,7 +74,7 @@ class ConvertConfig:
     calib_tokens: int = 4096
     grouping: str = "contiguous"
     refine_steps: int = 0
-    refine_lr: float = 3e-4
+    refine_lr: float = REFINE_LR
 
 
 @dataclass

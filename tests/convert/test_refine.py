@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from gqakit.cli import main
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint
 from gqakit.convert.probe import attention_errors
-from gqakit.convert.refine import LayerStream
+from gqakit.convert.refine import REFINE_LR, LayerStream
 from gqakit.errors import GqakitError
 from gqakit.testing import TINY_TEXT, tiny_model, tiny_tokenizer
 
@@ -212,7 +212,7 @@ def test_cli_refine(tiny_llama, tmp_path, calib_txt):
     assert res.exit_code == 0, res.output
     assert "refined 4 steps/layer" in res.output
     prov = json.loads((tmp_path / "o" / "gqakit.json").read_text())
-    assert prov["refine"]["steps"] == 4 and prov["refine"]["lr"] == 3e-4
+    assert prov["refine"]["steps"] == 4 and prov["refine"]["lr"] == REFINE_LR
 
 
 @pytest.mark.gpu

@@ -164,10 +164,10 @@ def test_convert_block_takes_refinement_and_checks_it():
         TINY_RECIPE,
         [
             "model.convert={groups: 1, method: calibrated, calib_data: /c.txt, "
-            "refine_steps: 200, refine_lr: 1e-3}"
+            "refine_steps: 200, refine_lr: 3e-4}"
         ],
     )
-    assert (r.model.convert.refine_steps, r.model.convert.refine_lr) == (200, 1e-3)
+    assert (r.model.convert.refine_steps, r.model.convert.refine_lr) == (200, 3e-4)
     with pytest.raises(RecipeError) as e:
         load_recipe(TINY_RECIPE, ["model.convert={groups: 1, refine_steps: -5}"])
     msg = str(e.value)
