@@ -71,7 +71,7 @@ def main() -> None:
     texts = load_calibration_texts(args.calib_data)
     seqs = calibration_ids(load_tokenizer(args.model), texts, args.calib_tokens, CALIB_SEQ_LEN)
     held = max(1, len(seqs) // HELDOUT_FRACTION)
-    per_batch = max(1, BATCH_TOKENS // CALIB_SEQ_LEN)
+    per_batch = max(1, BATCH_TOKENS // max(len(s) for s in seqs))
     fit_runs, check_runs = list(batches(seqs[:-held], per_batch)), list(batches(seqs[-held:], per_batch))
     paths = [adapter.attention_module(layer) for layer in range(max(layers) + 1)]
     stream = LayerStream(model, [p.rsplit(".", 1)[0] for p in paths], fit_runs + check_runs)
