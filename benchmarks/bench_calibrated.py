@@ -138,7 +138,9 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=0, help="0: the whole test split")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/calibrated.json")
-    ap.add_argument("--uptrain", action="store_true", help="also uptrain the mean and calibrated starts")
+    ap.add_argument(
+        "--uptrain", action="store_true", help="also uptrain the mean, calibrated (and refined) starts"
+    )
     ap.add_argument(
         "--refine-steps",
         type=int,

@@ -43,17 +43,17 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the figures as JSON here too")
     args = ap.parse_args()
 
-    from gqakit.convert.calibrate import CALIB_SEQ_LEN, batches, calibration_ids, load_calibration_texts
+    from gqakit.checkpoint import resolve_checkpoint
+    from gqakit.convert.calibrate import calibration_sequences
     from gqakit.convert.refine import (
-        BATCH_TOKENS,
-        HELDOUT_FRACTION,
         LayerStream,
         RefineSettings,
         converted_attention,
         fit_block,
+        split_batches,
     )
     from gqakit.convert.registry import get_adapter
-    from gqakit.models import load_causal_lm, load_tokenizer
+    from gqakit.models import load_causal_lm
 
     torch.manual_seed(args.seed)
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -67,12 +67,8 @@ def main() -> None:
     config.num_key_value_heads = json.loads((Path(args.start) / "config.json").read_text())[
         "num_key_value_heads"
     ]
-    # The same sequences, split and batches as refine.refine_plan uses.
-    texts = load_calibration_texts(args.calib_data)
-    seqs = calibration_ids(load_tokenizer(args.model), texts, args.calib_tokens, CALIB_SEQ_LEN)
-    held = max(1, len(seqs) // HELDOUT_FRACTION)
-    per_batch = max(1, BATCH_TOKENS // max(len(s) for s in seqs))
-    fit_runs, check_runs = list(batches(seqs[:-held], per_batch)), list(batches(seqs[-held:], per_batch))
+    with resolve_checkpoint(args.model) as ckpt:  # the same sequences and batches as convert refines on
+        fit_runs, check_runs = split_batches(calibration_sequences(ckpt, args.calib_data, args.calib_tokens))
     paths = [adapter.attention_module(layer) for layer in range(max(layers) + 1)]
     stream = LayerStream(model, [p.rsplit(".", 1)[0] for p in paths], fit_runs + check_runs)
 
@@ -95,7 +91,7 @@ def main() -> None:
 
     base = {r["layer"]: r["heldout_after"] for r in rows if r["lr"] == lrs[0]}
     print(f"command: python {shlex.join(sys.argv)}")
-    fitted, heldout = sum(len(s) for s in seqs[:-held]), sum(len(s) for s in seqs[-held:])
+    fitted, heldout = sum(b.numel() for b in fit_runs), sum(b.numel() for b in check_runs)
     print(
         f"held-out attention-output error after {args.steps} steps ({fitted} fitted, {heldout} held-out "
         f"tokens); ratio to lr {lrs[0]:g}"

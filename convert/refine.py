@@ -4,8 +4,9 @@ A merge (mean pooling or the calibrated merge) fixes the shared K/V heads in clo
 moments; it cannot see the softmax. Refinement takes the merged weights as a start and runs a few Adam
 steps per layer on one loss: the relative squared error between the converted attention block's output
 and the original's, both fed the original model's inputs to that layer. The block is fitted on its own,
-like a quantizer's layer-wise reconstruction: no gradient crosses layers, the original runs once, layer
-by layer, and one layer's activations are held at a time. Every parameter of the block moves (q/k/v/o
+like a quantizer's layer-wise reconstruction: no gradient crosses layers, the original runs twice in
+all (once to record each layer's call arguments, once layer by layer), and one layer's activations are
+held at a time. Every parameter of the block moves (q/k/v/o
 weights, biases and norms), so the query and output sides adapt to the shared heads. The output is still
 a plain checkpoint with the converted shapes; gqakit.json records each layer's error before and after.
 """
@@ -104,8 +105,9 @@ class LayerStream:
 
     One forward pass records, per batch, the first decoder layer's input and every decoder layer's other
     call arguments (masks, rotary tables: shared tensors, held by reference); after that each
-    :meth:`attention_io` runs one layer on the hidden states the previous one produced. The whole model
-    thus runs once, and one layer's hidden states are held, however many layers are refined. The layers
+    :meth:`attention_io` runs one layer on the hidden states the previous one produced. The model thus
+    runs twice in all (the recording pass and the layer-by-layer one), not once per refined layer, and one
+    layer's hidden states are held. The layers
     are called exactly as the model calls them, so per-layer masks and rotary tables (gemma2/3's sliding
     and global layers) stay right.
     """
@@ -249,6 +251,18 @@ def check_sequences(sequences: Sequence[torch.Tensor]) -> None:
         )
 
 
+def split_batches(sequences: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The calibration ``sequences`` as refinement batches: those the blocks are fitted on, and those
+    held out to pick each block's best step (one sequence in :data:`HELDOUT_FRACTION`, at least one,
+    taken from the end)."""
+    from gqakit.convert.calibrate import batches
+
+    check_sequences(sequences)
+    held = max(1, len(sequences) // HELDOUT_FRACTION)
+    per_batch = max(1, BATCH_TOKENS // max(len(s) for s in sequences))
+    return list(batches(sequences[:-held], per_batch)), list(batches(sequences[-held:], per_batch))
+
+
 def refine_plan(
     plan: list[OutputTensor],
     read,
@@ -277,22 +291,14 @@ def refine_plan(
         The plan with each attention tensor replaced by its refined value (same name, dtype and shape),
         and the report for gqakit.json.
     """
-    from gqakit.convert.calibrate import batches
-
     start = time.perf_counter()
     config = copy.deepcopy(model.config)
     config.num_key_value_heads = groups
     device = next(model.parameters()).device
-    check_sequences(sequences)
-    held = max(1, len(sequences) // HELDOUT_FRACTION)
-    per_batch = max(1, BATCH_TOKENS // max(len(s) for s in sequences))
-    fit_runs = list(batches(sequences[:-held], per_batch))
-    check_runs = list(batches(sequences[-held:], per_batch))
+    fit_runs, check_runs = split_batches(sequences)
     by_name = {out.name: out for out in plan}
     refined: dict[str, torch.Tensor] = {}
-    report = RefineReport(
-        settings, sum(len(s) for s in sequences[:-held]), sum(len(s) for s in sequences[-held:])
-    )
+    report = RefineReport(settings, sum(b.numel() for b in fit_runs), sum(b.numel() for b in check_runs))
     paths = [adapter.attention_module(layer) for layer in range(num_layers)]
     stream = LayerStream(model, [a.rsplit(".", 1)[0] for a in paths], fit_runs + check_runs)
     for layer in tqdm(range(num_layers), desc="refine", unit="layer", disable=not progress):

@@ -336,6 +336,13 @@ class Recipe:
                 )
             if c.refine_steps < 0:
                 p.append(f"model.convert.refine_steps must be 0 (off) or positive, got {c.refine_steps}.")
+            if not c.refine_lr > 0:
+                p.append(f"model.convert.refine_lr must be a positive learning rate, got {c.refine_lr}.")
+            if c.refine_steps > 0 and c.method == "random":
+                p.append(
+                    "model.convert.refine_steps cannot start from method random; use method calibrated "
+                    "or mean."
+                )
         if not self.output_dir:
             p.append("output_dir is empty.")
         if bool(d.files) == bool(d.hub):

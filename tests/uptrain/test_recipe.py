@@ -169,9 +169,14 @@ def test_convert_block_takes_refinement_and_checks_it():
     )
     assert (r.model.convert.refine_steps, r.model.convert.refine_lr) == (200, 3e-4)
     with pytest.raises(RecipeError) as e:
-        load_recipe(TINY_RECIPE, ["model.convert={groups: 1, refine_steps: -5}"])
+        load_recipe(TINY_RECIPE, ["model.convert={groups: 1, refine_steps: -5, refine_lr: 0}"])
     msg = str(e.value)
+    assert "model.convert.refine_lr must be a positive learning rate, got 0" in msg
     assert "model.convert.refine_steps must be 0 (off) or positive, got -5" in msg
     assert (
         "model.convert.calib_data is needed for method calibrated, grouping similarity or refine_steps" in msg
     )
+    with pytest.raises(RecipeError, match="refine_steps cannot start from method random"):
+        load_recipe(
+            TINY_RECIPE, ["model.convert={groups: 1, method: random, refine_steps: 5, calib_data: /c.txt}"]
+        )
