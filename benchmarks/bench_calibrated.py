@@ -28,13 +28,14 @@ from pathlib import Path
 CONVERT = r"""
 import json, sys, time
 from gqakit.convert import ConvertOptions, convert_checkpoint
-src, dst, method, calib, tokens, steps, lr = sys.argv[1:8]
+src, dst, row, calib, tokens, steps, lr = sys.argv[1:8]
 t = time.perf_counter()
+method, _, inputs = row.partition("+")  # "refined+converted": calibrated on the converted model's states
 refined = method == "refined"  # the calibrated merge, then --refine-steps
 opts = ConvertOptions(groups=1, method="calibrated" if refined else method, force=True, device="cpu",
                       calib_data=calib if method in ("calibrated", "refined") else None,
                       calib_tokens=int(tokens), refine_steps=int(steps) if refined else 0,
-                      refine_lr=float(lr))
+                      refine_lr=float(lr), calib_inputs=inputs or "original")
 res = convert_checkpoint(src, dst, opts)
 print(json.dumps({"wall_s": time.perf_counter() - t,
                   "calib_s": res.provenance.get("calibration", {}).get("elapsed_s"),
@@ -79,9 +80,9 @@ def wiki_splits(workdir: Path, wheelhouse: str | None) -> dict[str, Path]:
 
 
 def perplexities(paths: dict[str, Path], test: Path, seq_len: int, max_tokens: int | None) -> dict[str, dict]:
-    from gqakit.eval.data import load_texts
     from gqakit.eval.perplexity import perplexity
     from gqakit.models import load_causal_lm, load_tokenizer
+    from gqakit.text import load_texts
 
     texts = load_texts(test)
     out = {}
@@ -148,6 +149,13 @@ def main() -> None:
         help="also convert with --method calibrated --refine-steps N (the 'refined' row); 0: skip",
     )
     ap.add_argument("--refine-lr", type=float, default=REFINE_LR)
+    ap.add_argument(
+        "--calib-inputs",
+        default="original",
+        help="comma list of what layers are calibrated on (original, converted): each beyond the first "
+        "adds calibrated+X (and refined+X) rows",
+    )
+    ap.add_argument("--methods", default="mean,first,calibrated", help="plain rows to convert")
     args = ap.parse_args()
 
     work = Path(args.workdir)
@@ -155,7 +163,9 @@ def main() -> None:
     data = wiki_splits(work, args.wheelhouse)
     print(f"data: train {data['train']}, test {data['test']}", flush=True)
 
-    methods = ("mean", "first", "calibrated") + (("refined",) if args.refine_steps else ())
+    inputs = args.calib_inputs.split(",")
+    methods = tuple(args.methods.split(",")) + (("refined",) if args.refine_steps else ())
+    methods += tuple(f"{m}+{x}" for x in inputs[1:] for m in ("calibrated", "refined") if m in methods)
     timings: dict[str, list[dict]] = {m: [] for m in methods}
     for rep in range(args.repeats):  # interleaved, so load from other processes hits every method alike
         for method in timings:
@@ -190,7 +200,7 @@ def main() -> None:
         args.seq_len,
         args.eval_tokens or None,
     )
-    base = med["mean"]
+    base = med.get("mean", next(iter(med.values())))
     result = {
         "model": args.model,
         "calib_tokens": args.calib_tokens,

@@ -12,7 +12,7 @@ load from other processes hits all three alike; the table shows the median over 
 median per-token latency. Speed is reported as tokens/s at batch B (B / per-step latency).
 
 Bound: the bytes one decode step moves, weights read once + the KV cache at the mean decode position
-(:func:`gqakit.eval.decode.bytes_moved_per_step`); the MHA model's bytes over the candidate's is the
+(:func:`gqakit.eval.kv_bytes.bytes_moved_per_step`); the MHA model's bytes over the candidate's is the
 speedup memory traffic allows. Target (issue 3): measured speedup >= 70% of that at the longest context.
 """
 
@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from gqakit.convert import ConvertOptions, convert_checkpoint
-from gqakit.eval.decode import bench_decode, bytes_moved_per_step
+from gqakit.eval.decode import bench_decode
+from gqakit.eval.kv_bytes import bytes_moved_per_step
 from gqakit.models import load_causal_lm
 
 SMOLLM2_135M = dict(

@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from gqakit.eval.data import load_texts
 from gqakit.eval.lm_eval_bridge import TASKS_DIR
 from gqakit.eval.perplexity import perplexity
 from gqakit.testing import tiny_model, tiny_tokenizer
+from gqakit.text import load_texts
 
 SHAPES = {
     "small": dict(heads=4, layers=4, hidden=256),

@@ -17,7 +17,6 @@ layer and rate for 400 steps of SmolLM2-135M on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shlex
 import sys
@@ -43,51 +42,52 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the figures as JSON here too")
     args = ap.parse_args()
 
+    from transformers import AutoConfig
+
     from gqakit.checkpoint import resolve_checkpoint
     from gqakit.convert.calibrate import calibration_sequences
-    from gqakit.convert.refine import (
-        LayerStream,
-        RefineSettings,
-        converted_attention,
-        fit_block,
-        split_batches,
-    )
+    from gqakit.convert.decoder_stream import DecoderStream
+    from gqakit.convert.layerwise import LayerCapture
+    from gqakit.convert.refine import RefineSettings, converted_attention, fit_block, split_batches
     from gqakit.convert.registry import get_adapter
-    from gqakit.models import load_causal_lm
 
     torch.manual_seed(args.seed)
     lrs = [float(x) for x in args.lrs.split(",")]
     layers = sorted({int(x) for x in args.layers.split(",")})
-    model = load_causal_lm(args.model, dtype="float32", device="cpu").eval()
-    adapter = get_adapter(model.config.model_type)
     start = {}
     for shard in sorted(Path(args.start).glob("*.safetensors")):
         start.update(load_file(shard))
-    config = copy.deepcopy(model.config)
+    config = AutoConfig.from_pretrained(args.model)
     config.num_key_value_heads = json.loads((Path(args.start) / "config.json").read_text())[
         "num_key_value_heads"
     ]
-    with resolve_checkpoint(args.model) as ckpt:  # the same sequences and batches as convert refines on
-        fit_runs, check_runs = split_batches(calibration_sequences(ckpt, args.calib_data, args.calib_tokens))
-    paths = [adapter.attention_module(layer) for layer in range(max(layers) + 1)]
-    stream = LayerStream(model, [p.rsplit(".", 1)[0] for p in paths], fit_runs + check_runs)
-
+    adapter = get_adapter(config.model_type)
     rows = []
-    for layer, path in enumerate(paths):
-        original = model.get_submodule(path)
-        captured = stream.attention_io(layer, original)  # the stream must visit every layer in order
-        if layer not in layers:
-            continue
-        fit, check = captured[: len(fit_runs)], captured[len(fit_runs) :]
-        for lr in lrs:
-            module = converted_attention(original, config, layer, torch.device("cpu"))
-            with torch.no_grad():
-                for name, p in module.named_parameters():
-                    p.copy_(start[f"{path}.{name}"])
-            t = time.perf_counter()
-            res = fit_block(module, fit, check, RefineSettings(args.steps, lr, args.seed))
-            rows.append({"layer": layer, "lr": lr, **res, "seconds": round(time.perf_counter() - t, 1)})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    with resolve_checkpoint(args.model) as ckpt, ckpt.reader() as reader:
+        # the same sequences and batches as convert refines on, and its layer-by-layer run of the original
+        fit_runs, check_runs = split_batches(calibration_sequences(ckpt, args.calib_data, args.calib_tokens))
+        stream = DecoderStream(ckpt, reader, adapter, fit_runs + check_runs, torch.device("cpu"))
+        hidden = stream.hidden
+        for layer in range(max(layers) + 1):
+            with stream.layer(layer) as module:
+                cap = LayerCapture(module, "", stream.attention_name, gram=False, io=True)
+                hidden = stream.run(layer, module, hidden)
+                cap.remove()
+            stream.release(layer)
+            if layer not in layers:
+                continue
+            fit, check = cap.io[: len(fit_runs)], cap.io[len(fit_runs) :]
+            path = adapter.attention_module(layer)
+            original = stream.layers[layer].get_submodule(stream.attention_name)
+            for lr in lrs:
+                module = converted_attention(original, config, layer, torch.device("cpu"))
+                with torch.no_grad():
+                    for name, p in module.named_parameters():
+                        p.copy_(start[f"{path}.{name}"])
+                t = time.perf_counter()
+                res = fit_block(module, fit, check, RefineSettings(args.steps, lr, args.seed))
+                rows.append({"layer": layer, "lr": lr, **res, "seconds": round(time.perf_counter() - t, 1)})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
     base = {r["layer"]: r["heldout_after"] for r in rows if r["lr"] == lrs[0]}
     print(f"command: python {shlex.join(sys.argv)}")

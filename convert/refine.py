@@ -3,30 +3,23 @@
 A merge (mean pooling or the calibrated merge) fixes the shared K/V heads in closed form from second
 moments; it cannot see the softmax. Refinement takes the merged weights as a start and runs a few Adam
 steps per layer on one loss: the relative squared error between the converted attention block's output
-and the original's, both fed the original model's inputs to that layer. The block is fitted on its own,
-like a quantizer's layer-wise reconstruction: no gradient crosses layers, the original runs twice in
-all (once to record each layer's call arguments, once layer by layer), and one layer's activations are
-held at a time. Every parameter of the block moves (q/k/v/o
-weights, biases and norms), so the query and output sides adapt to the shared heads. The output is still
-a plain checkpoint with the converted shapes; gqakit.json records each layer's error before and after.
+and the original's on the calibration text. The block is fitted on its own, like a quantizer's
+layer-wise reconstruction: no gradient crosses layers, and the layer-by-layer driver
+(:mod:`gqakit.convert.layerwise`) holds one layer's activations at a time. Every parameter of the block
+moves (q/k/v/o weights, biases and norms), so the query and output sides adapt to the shared heads. The
+output is still a plain checkpoint with the converted shapes; gqakit.json records each layer's error
+before and after.
 """
 
 from __future__ import annotations
 
-import copy
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from gqakit.convert.plan import OutputTensor, execute
-from gqakit.convert.registry import ArchAdapter
 from gqakit.errors import GqakitError
-from gqakit.safetensors_io import DTYPES
 
 BATCH_TOKENS = 1024  # calibration tokens per refinement step
 HELDOUT_FRACTION = 8  # one calibration sequence in 8 (at least one) is held out to stop early
@@ -85,90 +78,19 @@ class RefineReport:
         }
 
 
-def _to_float(obj: Any) -> Any:
+def to_float(obj: Any) -> Any:
     """``obj`` with every floating tensor in it (through tuples, lists and dicts) cast to float32."""
     if isinstance(obj, torch.Tensor):
         return obj.float() if obj.is_floating_point() else obj
     if isinstance(obj, tuple | list):
-        return type(obj)(_to_float(o) for o in obj)
+        return type(obj)(to_float(o) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_float(v) for k, v in obj.items()}
+        return {k: to_float(v) for k, v in obj.items()}
     return obj
 
 
-def _output(out: Any) -> torch.Tensor:
+def layer_output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
-
-
-class LayerStream:
-    """The original model run one decoder layer at a time over fixed batches of token ids.
-
-    One forward pass records, per batch, the first decoder layer's input and every decoder layer's other
-    call arguments (masks, rotary tables: shared tensors, held by reference); after that each
-    :meth:`attention_io` runs one layer on the hidden states the previous one produced. The model thus
-    runs twice in all (the recording pass and the layer-by-layer one), not once per refined layer, and one
-    layer's hidden states are held. The layers
-    are called exactly as the model calls them, so per-layer masks and rotary tables (gemma2/3's sliding
-    and global layers) stay right.
-    """
-
-    def __init__(self, model, layer_paths: Sequence[str], batches: Sequence[torch.Tensor]) -> None:
-        self.layers = [model.get_submodule(p) for p in layer_paths]
-        self.hidden: list[torch.Tensor] = []
-        self.positional: bool = True  # hidden states passed as the first positional argument
-        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in layer_paths]
-        device = next(model.parameters()).device
-
-        def hook(layer: int, _module, args, kwargs) -> None:
-            if layer == 0:
-                self.positional = bool(args)
-                self.hidden.append(args[0] if args else kwargs["hidden_states"])
-            rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-            self.calls[layer].append((tuple(args[1:]), rest))
-
-        handles = [
-            m.register_forward_pre_hook(partial(hook, i), with_kwargs=True) for i, m in enumerate(self.layers)
-        ]
-        try:
-            with torch.no_grad():
-                for batch in batches:
-                    model.base_model(input_ids=batch.to(device), use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
-        if any(len(c) != len(batches) for c in self.calls):
-            raise RuntimeError("the decoder-layer hooks did not fire once per calibration batch")
-        self.next_layer = 0
-
-    @torch.no_grad()
-    def attention_io(self, layer: int, attention: torch.nn.Module) -> list[tuple]:
-        """Run decoder layer ``layer`` (the next one) over every batch; return, per batch, the
-        ``(args, kwargs, output)`` of its ``attention`` module in float32."""
-        if layer != self.next_layer:
-            raise RuntimeError(f"layers run in order: expected layer {self.next_layer}, got {layer}")
-        seen: list[tuple] = []
-
-        def hook(_module, args, kwargs, output) -> None:
-            kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-            seen.append((_to_float(args), _to_float(kwargs), _output(output).float()))
-
-        handle = attention.register_forward_hook(hook, with_kwargs=True)
-        try:
-            for b, (rest, kwargs) in enumerate(self.calls[layer]):
-                h = self.hidden[b]
-                out = (
-                    self.layers[layer](h, *rest, **kwargs)
-                    if self.positional
-                    else self.layers[layer](*rest, hidden_states=h, **kwargs)
-                )
-                self.hidden[b] = _output(out)
-        finally:
-            handle.remove()
-        self.calls[layer] = []  # drop this layer's references
-        self.next_layer += 1
-        if len(seen) != len(self.hidden):
-            raise RuntimeError(f"the attention hook of layer {layer} did not fire for every batch")
-        return seen
 
 
 def attention_error(module: torch.nn.Module, captured: Sequence[tuple]) -> float:
@@ -176,7 +98,7 @@ def attention_error(module: torch.nn.Module, captured: Sequence[tuple]) -> float
     num = den = 0.0
     with torch.no_grad():
         for args, kwargs, target in captured:
-            num += float((_output(module(*args, **kwargs)) - target).pow(2).sum())
+            num += float((layer_output(module(*args, **kwargs)) - target).pow(2).sum())
             den += float(target.pow(2).sum())
     return num / den if den > 0 else 0.0
 
@@ -210,7 +132,7 @@ def fit_block(
         if not order:  # a fresh random pass over the batches
             order = torch.randperm(len(fit), generator=gen).tolist()
         args, kwargs, target = fit[order.pop()]
-        loss = (_output(module(*args, **kwargs)) - target).pow(2).mean() / scale
+        loss = (layer_output(module(*args, **kwargs)) - target).pow(2).mean() / scale
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -261,72 +183,3 @@ def split_batches(sequences: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor]
     held = max(1, len(sequences) // HELDOUT_FRACTION)
     per_batch = max(1, BATCH_TOKENS // max(len(s) for s in sequences))
     return list(batches(sequences[:-held], per_batch)), list(batches(sequences[-held:], per_batch))
-
-
-def refine_plan(
-    plan: list[OutputTensor],
-    read,
-    model,
-    adapter: ArchAdapter,
-    num_layers: int,
-    groups: int,
-    sequences: Sequence[torch.Tensor],
-    settings: RefineSettings,
-    progress: bool = True,
-) -> tuple[list[OutputTensor], RefineReport]:
-    """Refine every layer's planned attention tensors against ``model`` (the original); return the new plan.
-
-    Args:
-        plan: the conversion plan (any method); its attention entries give the starting weights.
-        read: reads a source tensor by name (``CheckpointReader.read``).
-        model: the original model, loaded (float32 on the CPU, its own dtype on a GPU).
-        adapter: the family.
-        num_layers: decoder layers.
-        groups: K/V heads of the converted model.
-        sequences: calibration token sequences (equal lengths batch together).
-        settings: steps, learning rate, seed.
-        progress: show a progress bar over layers.
-
-    Returns:
-        The plan with each attention tensor replaced by its refined value (same name, dtype and shape),
-        and the report for gqakit.json.
-    """
-    start = time.perf_counter()
-    config = copy.deepcopy(model.config)
-    config.num_key_value_heads = groups
-    device = next(model.parameters()).device
-    fit_runs, check_runs = split_batches(sequences)
-    by_name = {out.name: out for out in plan}
-    refined: dict[str, torch.Tensor] = {}
-    report = RefineReport(settings, sum(b.numel() for b in fit_runs), sum(b.numel() for b in check_runs))
-    paths = [adapter.attention_module(layer) for layer in range(num_layers)]
-    stream = LayerStream(model, [a.rsplit(".", 1)[0] for a in paths], fit_runs + check_runs)
-    for layer in tqdm(range(num_layers), desc="refine", unit="layer", disable=not progress):
-        path = paths[layer]
-        module = converted_attention(model.get_submodule(path), config, layer, device)
-        names = {n: f"{path}.{n}" for n, _ in module.named_parameters()}
-        missing = [full for full in names.values() if full not in by_name]
-        if missing:
-            raise RuntimeError(f"refinement: no planned tensor for {missing[:3]}")
-        with torch.no_grad():
-            for n, p in module.named_parameters():
-                p.copy_(execute(by_name[names[n]], read).to(p.dtype))
-        captured = stream.attention_io(layer, model.get_submodule(path))
-        fit, check = captured[: len(fit_runs)], captured[len(fit_runs) :]
-        report.layers.append({"layer": layer, **fit_block(module, fit, check, settings)})
-        for n, p in module.named_parameters():
-            out = by_name[names[n]]
-            refined[out.name] = p.detach().to("cpu", DTYPES[out.dtype]).contiguous()
-        del captured, fit, check, module
-    report.elapsed_s = time.perf_counter() - start
-    new_plan = [
-        OutputTensor(o.name, o.dtype, o.shape, o.sources, partial(_constant, t=refined[o.name]))
-        if o.name in refined
-        else o
-        for o in plan
-    ]
-    return new_plan, report
-
-
-def _constant(_ts: list[torch.Tensor], *, t: torch.Tensor) -> torch.Tensor:
-    return t

@@ -3,7 +3,9 @@
 Output shards mirror the input shards (same names for safetensors; ``pytorch_model*.bin`` become
 ``model*.safetensors``). A tensor the plan leaves unchanged is copied byte for byte without decoding;
 a changed one is read, computed and written before the next is touched, so peak memory is one tensor,
-not one shard.
+not one shard. Every output file is laid out from the plan before any tensor is computed, so tensors
+can be written in any order: the layer-by-layer calibrated path writes each decoder layer's tensors
+as soon as that layer is done.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import json
 from functools import partial
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
-from gqakit.checkpoint import SAFE_INDEX, Checkpoint
+from gqakit.checkpoint import SAFE_INDEX, Checkpoint, TensorReader
 from gqakit.convert.plan import OutputTensor, execute
 from gqakit.safetensors_io import SafetensorsWriter, TensorSpec
 
@@ -26,6 +29,108 @@ def output_shard_name(input_name: str) -> str:
     return input_name
 
 
+class PlanWriter:
+    """The output shards of a plan, open for writing in any order.
+
+    Args:
+        ckpt: the source checkpoint.
+        plan: every output tensor.
+        out_dir: where the shards (and the index, for more than one) go.
+        reader: an open reader of ``ckpt``.
+        desc: the progress bar's label (bytes written).
+    """
+
+    def __init__(
+        self, ckpt: Checkpoint, plan: list[OutputTensor], out_dir: Path, reader: TensorReader, desc: str
+    ) -> None:
+        self.ckpt, self.reader, self.out_dir = ckpt, reader, out_dir
+        by_shard: dict[str, list[OutputTensor]] = {s.file: [] for s in ckpt.shards}
+        for out in plan:
+            by_shard[reader.shard_of(out.sources[0])].append(out)
+        self.total = sum(TensorSpec(o.name, o.dtype, o.shape).nbytes for o in plan)
+        self.files = [output_shard_name(f) for f, outs in by_shard.items() if outs]
+        self._file_of = {o.name: output_shard_name(f) for f, outs in by_shard.items() for o in outs}
+        self._writers = {
+            output_shard_name(f): SafetensorsWriter(
+                out_dir / output_shard_name(f), [TensorSpec(o.name, o.dtype, o.shape) for o in outs]
+            )
+            for f, outs in by_shard.items()
+            if outs
+        }
+        self._bar = tqdm(total=self.total, unit="B", unit_scale=True, desc=desc, leave=False)
+
+    def write(self, out: OutputTensor, value: torch.Tensor | None = None) -> None:
+        """Write ``out``: ``value`` when given, else computed from the source (or copied raw when the plan
+        leaves it unchanged)."""
+        writer = self._writers[self._file_of[out.name]]
+        src = out.sources[0]
+        if value is not None:
+            writer.write_tensor(out.name, value)
+        elif out.fn is None and self.ckpt.format == "safetensors" and self.reader.info(src)[0] == out.dtype:
+            writer.copy_from(out.name, partial(self.reader.copy_raw, src))
+        else:
+            writer.write_tensor(out.name, execute(out, self.reader.read))
+        self._bar.update(TensorSpec(out.name, out.dtype, out.shape).nbytes)
+
+    def _raw(self, out: OutputTensor) -> bool:
+        src = out.sources[0]
+        return out.fn is None and self.ckpt.format == "safetensors" and self.reader.info(src)[0] == out.dtype
+
+    def _source_range(self, out: OutputTensor) -> tuple[str, int, int]:
+        shard = self.reader.shard_of(out.sources[0])
+        info = self.reader.safetensors_file(shard).tensors[out.sources[0]]
+        return shard, info.start, info.end
+
+    def write_all(self, outs: list[OutputTensor]) -> None:
+        """Write ``outs`` in order; a run of unchanged tensors stored back to back in the source and in the
+        output is copied as one byte range (one kernel copy instead of one per tensor)."""
+        run: list[OutputTensor] = []
+        for out in outs:
+            if run and self._raw(out) and self._adjacent(run[-1], out):
+                run.append(out)
+                continue
+            self._copy_run(run)
+            run = [out] if self._raw(out) else []
+            if not run:
+                self.write(out)
+        self._copy_run(run)
+
+    def _adjacent(self, a: OutputTensor, b: OutputTensor) -> bool:
+        if self._file_of[a.name] != self._file_of[b.name]:
+            return False
+        (sa, _, end), (sb, start, _) = self._source_range(a), self._source_range(b)
+        writer = self._writers[self._file_of[a.name]]
+        return sa == sb and end == start and writer.follows(a.name, b.name)
+
+    def _copy_run(self, run: list[OutputTensor]) -> None:
+        if len(run) <= 1:
+            for out in run:
+                self.write(out)
+            return
+        shard, start, _ = self._source_range(run[0])
+        end = self._source_range(run[-1])[2]
+        copy = partial(self.reader.safetensors_file(shard).copy_bytes, start, end - start)
+        self._writers[self._file_of[run[0].name]].copy_run([o.name for o in run], copy)
+        self._bar.update(end - start)
+
+    def close(self) -> list[str]:
+        """Close every shard (each must be complete), write the index; return the shard names."""
+        self._bar.close()
+        for writer in self._writers.values():
+            writer.close()
+        if len(self.files) > 1 or self.ckpt.index_file is not None:
+            weight_map = dict(sorted(self._file_of.items()))
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            (self.out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return self.files
+
+    def abort(self) -> None:
+        """Close the files after a failure (the caller's temporary directory is removed with them)."""
+        self._bar.close()
+        for writer in self._writers.values():
+            writer.abort()
+
+
 def write_plan(
     ckpt: Checkpoint, plan: list[OutputTensor], out_dir: Path, desc: str = "converting"
 ) -> list[str]:
@@ -35,31 +140,10 @@ def write_plan(
         The output shard file names.
     """
     with ckpt.reader() as reader:
-        by_shard: dict[str, list[OutputTensor]] = {s.file: [] for s in ckpt.shards}
-        for out in plan:
-            by_shard[reader.shard_of(out.sources[0])].append(out)
-        total = sum(TensorSpec(o.name, o.dtype, o.shape).nbytes for o in plan)
-        weight_map: dict[str, str] = {}
-        files = []
-        with tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False) as bar:
-            for shard_file, outs in by_shard.items():
-                if not outs:
-                    continue
-                name = output_shard_name(shard_file)
-                writer = SafetensorsWriter(
-                    out_dir / name, [TensorSpec(o.name, o.dtype, o.shape) for o in outs]
-                )
-                for out in outs:
-                    src = out.sources[0]
-                    if out.fn is None and ckpt.format == "safetensors" and reader.info(src)[0] == out.dtype:
-                        writer.copy_from(out.name, partial(reader.copy_raw, src))
-                    else:
-                        writer.write_tensor(out.name, execute(out, reader.read))
-                    weight_map[out.name] = name
-                    bar.update(TensorSpec(out.name, out.dtype, out.shape).nbytes)
-                writer.close()
-                files.append(name)
-    if len(files) > 1 or ckpt.index_file is not None:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return files
+        writer = PlanWriter(ckpt, plan, out_dir, reader, desc)
+        try:
+            writer.write_all(plan)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.close()

@@ -1,18 +1,8 @@
 """Evaluation: perplexity, lm-eval tasks, decode speed and KV-cache memory, before vs after conversion."""
 
-from gqakit.eval.api import (
-    DEFAULT_BATCH_SIZES,
-    DEFAULT_CONTEXTS,
-    EvalOptions,
-    EvalResults,
-    ModelResult,
-    evaluate,
-    evaluate_models,
-)
-from gqakit.eval.data import DOC_SEPARATOR, load_texts
-from gqakit.eval.decode import (
-    DecodePoint,
-    bench_decode,
+from gqakit.eval.api import evaluate, evaluate_models
+from gqakit.eval.decode import DecodePoint, bench_decode
+from gqakit.eval.kv_bytes import (
     bytes_moved_per_step,
     measured_kv_bytes,
     predicted_kv_bytes,
@@ -20,8 +10,11 @@ from gqakit.eval.decode import (
     weight_bytes_per_step,
 )
 from gqakit.eval.lm_eval_bridge import OUR_TASKS, TASKS_DIR, parse_lm_eval_args, run_lm_eval
+from gqakit.eval.options import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, EvalOptions
 from gqakit.eval.perplexity import PerplexityResult, perplexity, sliding_windows
 from gqakit.eval.report import write_report
+from gqakit.eval.results import EvalResults, ModelResult
+from gqakit.text import DOC_SEPARATOR, load_texts
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",

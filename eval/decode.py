@@ -1,4 +1,4 @@
-"""Decode speed and KV-cache memory over a grid of (batch, context), and the bound bytes moved predict.
+"""Decode speed and KV-cache memory over a grid of (batch, context), timed with ``generate``.
 
 For every point the model gets ``batch`` random prompts of ``context`` tokens and generates exactly
 ``new_tokens`` more with greedy decoding (``min_new_tokens`` equals ``max_new_tokens``, so EOS cannot
@@ -13,15 +13,7 @@ stop it early). A logits processor timestamps each step (after synchronizing the
   cache holds ``context + new_tokens - 1`` tokens at the end (the last token is never fed back); a
   static cache is allocated for exactly that many.
 
-Why fewer KV heads decode faster: each decode step reads every weight once and the whole KV cache
-once, and at small batch that memory traffic, not arithmetic, sets the pace. So the speedup of a
-candidate over a baseline is bounded by the ratio of bytes moved per step::
-
-    bytes(model) = weight bytes read per step + 2 * layers * batch * G * tokens * head_dim * bytes
-
-(:func:`bytes_moved_per_step`; the input embedding counts only when it doubles as the output layer,
-since a lookup reads ``batch`` rows, not the table).
-
+A point also records the bytes a step moves, whose ratio bounds the speedup (:mod:`gqakit.eval.kv_bytes`).
 A point that runs out of memory is recorded with ``status="oom"`` and the grid goes on.
 """
 
@@ -37,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from gqakit.errors import GqakitError
-from gqakit.geometry import AttentionGeometry
+from gqakit.eval.kv_bytes import config_geometry, measured_kv_bytes, predicted_kv_bytes, weight_bytes_per_step
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +49,7 @@ class DecodePoint:
         kv_bytes: bytes of every K and V tensor in the cache object after generating.
         kv_bytes_predicted: ``2 * layers * batch * kv_heads * kv_tokens * head_dim * dtype bytes``.
         kv_tokens: tokens the cache holds (or is allocated for, with a static cache).
-        bytes_per_step: weight bytes + KV bytes at the mean decode position; see the module docstring.
+        bytes_per_step: weight bytes + KV bytes at the mean decode position (see ``kv_bytes``).
         static_cache: a static cache was used.
         compiled: the forward pass was compiled.
         error: the error message of an OOM point.
@@ -80,78 +72,6 @@ class DecodePoint:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def dtype_bytes(dtype: torch.dtype | str | int) -> int:
-    """Bytes per element of ``dtype`` (a torch dtype, its name like ``"bfloat16"``, or a byte count)."""
-    if isinstance(dtype, int):
-        return dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise GqakitError(f"Unknown dtype {dtype!r}.")
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _geometry(config) -> AttentionGeometry:
-    as_dict = config if isinstance(config, dict) else config.to_dict()
-    # Multimodal wrappers keep the decoder's numbers in text_config.
-    if "num_attention_heads" not in as_dict and isinstance(as_dict.get("text_config"), dict):
-        as_dict = as_dict["text_config"]
-    return AttentionGeometry.from_config(as_dict)
-
-
-def predicted_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype | str | int) -> int:
-    """KV-cache bytes for ``batch`` sequences of ``tokens``: 2 (K and V) * layers * batch * G * tokens *
-    head_dim * bytes per element. ``config`` is a transformers config or a ``config.json`` dict."""
-    g = _geometry(config)
-    return 2 * g.num_layers * batch * g.num_kv_heads * tokens * g.head_dim * dtype_bytes(dtype)
-
-
-def measured_kv_bytes(cache) -> int:
-    """Bytes of every key and value tensor a cache object holds (transformers ``Cache`` or legacy tuples)."""
-    tensors: list[torch.Tensor] = []
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        for layer in layers:
-            tensors += [
-                t
-                for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                if isinstance(t, torch.Tensor)
-            ]
-    elif isinstance(cache, (tuple, list)):
-        stack = list(cache)
-        while stack:
-            item = stack.pop()
-            if isinstance(item, torch.Tensor):
-                tensors.append(item)
-            elif isinstance(item, (tuple, list)):
-                stack.extend(item)
-    else:
-        raise GqakitError(f"Cannot measure a cache of type {type(cache).__name__}.")
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def weight_bytes_per_step(model) -> int:
-    """Weight bytes one decode step reads: every parameter once, except an input embedding table that
-    is not also the output layer (a lookup reads only the rows of the current tokens)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb_in = model.get_input_embeddings()
-    emb_out = model.get_output_embeddings()
-    if emb_in is not None and (emb_out is None or emb_out.weight is not emb_in.weight):
-        total -= emb_in.weight.numel() * emb_in.weight.element_size()
-    return total
-
-
-def bytes_moved_per_step(model, batch: int, tokens: int) -> int:
-    """Bytes one decode step moves: :func:`weight_bytes_per_step` + the KV cache at ``tokens``."""
-    dtype = next(model.parameters()).dtype
-    return weight_bytes_per_step(model) + predicted_kv_bytes(model.config, batch, tokens, dtype)
-
-
-def speedup_bound(baseline_bytes: int, candidate_bytes: int) -> float:
-    """The decode speedup that moving fewer bytes per step allows: baseline bytes / candidate bytes."""
-    return baseline_bytes / candidate_bytes
 
 
 PACKED_SDPA = "gqakit_packed_sdpa"
@@ -226,7 +146,7 @@ def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: 
     of that many slots, else a dynamic one)."""
     from transformers import DynamicCache, StaticCache
 
-    g = _geometry(model.config)
+    g = config_geometry(model.config)
     param = next(model.parameters())
     cache = (
         StaticCache(config=model.config, max_cache_len=static_len)
@@ -411,10 +331,8 @@ def _bench_grid(
             prompts = _prompts(model, b, c, seed, device)
             for _ in range(warmup):
                 _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
-            prefill_s, steps, cache = _generate_once(
-                model, prompts, new_tokens, static_cache, compile, prefill
-            )
-            point.prefill_s = prefill_s if prefill == "model" else None
+            first_s, steps, cache = _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
+            point.prefill_s = first_s if prefill == "model" else None
             latency = statistics.median(steps)
             point.decode_ms = latency * 1e3
             point.tokens_per_s = b / latency

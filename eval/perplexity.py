@@ -1,7 +1,7 @@
 """Sliding-window perplexity and bits per byte over a corpus, batched, without gradients.
 
 The stream
-    Documents are joined with :data:`~gqakit.eval.data.DOC_SEPARATOR` (``"\\n\\n"``) into one text,
+    Documents are joined with :data:`~gqakit.text.DOC_SEPARATOR` (``"\\n\\n"``) into one text,
     tokenized once without special tokens, and a prefix token is put in front of it: the tokenizer's
     BOS, or its EOS when it has no BOS (the same rule as lm-eval's ``prefix_token_id``). Every text
     token is scored, the first one given the prefix token alone. ``--max-tokens`` keeps the first
@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from gqakit.errors import GqakitError
-from gqakit.eval.data import DOC_SEPARATOR
+from gqakit.models import check_seq_len
+from gqakit.text import DOC_SEPARATOR
 
 
 @dataclass
@@ -139,24 +140,6 @@ def encode_stream(tokenizer, texts: Sequence[str], max_tokens: int | None = None
             covered = tokenizer.decode(ids)
         n_bytes = len(covered.encode("utf-8"))
     return [prefix_token_id(tokenizer), *ids], n_bytes
-
-
-def max_positions(config) -> int | None:
-    """The longest sequence a model's config says it handles, or None when it does not say."""
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def check_seq_len(config, seq_len: int, what: str = "--seq-len") -> None:
-    limit = max_positions(config)
-    if limit is not None and seq_len > limit:
-        raise GqakitError(
-            f"{what} {seq_len} is more than this model's {limit} positions (max_position_embeddings); "
-            f"use {what} {limit} or less."
-        )
 
 
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> torch.Tensor:

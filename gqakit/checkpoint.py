@@ -302,48 +302,5 @@ def copy_non_weight_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def check_output_dir(dst: Path, force: bool, src: Path | None = None) -> Path:
-    """Refuse a DST inside SRC, or a non-empty DST without ``force``; return DST resolved."""
-    dst = Path(dst).expanduser().resolve()
-    if src is not None:
-        src = Path(src).resolve()
-        if dst == src or src in dst.parents:
-            raise GqakitError(f"Output {dst} is inside the source {src}: choose a directory outside it.")
-    if dst.exists() and not dst.is_dir():
-        raise GqakitError(f"Output {dst} exists and is a file: choose a directory path.")
-    if dst.is_dir() and any(dst.iterdir()) and not force:
-        raise GqakitError(
-            f"Output {dst} exists and is not empty: pass --force to replace it, or choose another path."
-        )
-    return dst
-
-
-@contextmanager
-def atomic_output_dir(dst: Path, force: bool = False, src: Path | None = None) -> Iterator[Path]:
-    """Yield a temporary sibling of ``dst`` to write into; rename it to ``dst`` only on success.
-
-    On any exception (bad input, Ctrl-C, a full disk) the temporary directory is removed and ``dst``
-    is left as it was. With ``force``, an existing ``dst`` is replaced only once the new one is complete.
-    """
-    dst = check_output_dir(dst, force, src)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new directory
-    try:
-        yield tmp
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-            os.rename(dst, old / "x")
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

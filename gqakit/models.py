@@ -1,7 +1,9 @@
-"""Loading models and tokenizers for eval and uptrain, with errors a person can act on."""
+"""Loading models and tokenizers for every verb, and the limits their configs state, with errors a person
+can act on."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,49 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
+def max_positions(config) -> int | None:
+    """The longest sequence a model's config says it handles, or None when it does not say."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(config, seq_len: int, what: str = "--seq-len") -> None:
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise GqakitError(
+            f"{what} {seq_len} is more than this model's {limit} positions (max_position_embeddings); "
+            f"use {what} {limit} or less."
+        )
+
+
+# The class names of models trained to predict the next token; an encoder (BERT, RoBERTa) has a masked-LM
+# head instead, and transformers will still wrap it in a "ForCausalLM" class whose perplexity means nothing.
+_CAUSAL_ARCHITECTURE = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration)$")
+
+
+def check_causal_lm(config: Any, path: str | Path, what: str = "model") -> None:
+    """Refuse a checkpoint whose config names only non-causal architectures (a masked-LM encoder).
+
+    Args:
+        config: the checkpoint's config (a dict or a transformers config).
+        path: the checkpoint, for the message.
+        what: what the checkpoint is for (``model``, ``teacher``...), for the message.
+    """
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    archs = list(get("architectures") or [])
+    if get("is_encoder_decoder", False) or (archs and not any(_CAUSAL_ARCHITECTURE.search(a) for a in archs)):
+        kind = ", ".join(archs) or "an encoder-decoder"
+        raise GqakitError(
+            f"The {what} {path} is a {get('model_type')!r} checkpoint ({kind}), not a decoder-only causal "
+            "language model: it was not trained to predict the next token, so its perplexity (or its "
+            "distillation targets) would mean nothing. gqakit works on causal LMs (Llama, Qwen2, Gemma, "
+            "Mistral, Phi-3, ...)."
+        )
+
+
 def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", **kwargs: Any):
     """Load a causal LM from a local checkpoint directory (or a hub id when online).
 
@@ -54,6 +99,11 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
         config = AutoConfig.from_pretrained(str(path))
     except Exception as e:
         raise GqakitError(f"Could not read a model config from {path}: {e}") from None
+    check_causal_lm(config, path)
+    if p.is_dir():  # every shard's header checked against its file size: a truncated download says so
+        from gqakit.checkpoint import open_checkpoint_dir
+
+        open_checkpoint_dir(p.resolve()).tensor_infos()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], **kwargs)
     except ValueError as e:
@@ -63,8 +113,8 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
                 "cannot load it)."
             ) from None
         raise GqakitError(f"Could not load {path}: {e}") from None
-    except OSError as e:
-        raise GqakitError(f"Could not load {path}: {e}") from None
+    except (OSError, RuntimeError) as e:
+        raise GqakitError(f"Could not load {path}: {type(e).__name__}: {e}") from None
     return model.to(resolve_device(device)).eval()
 
 

@@ -115,6 +115,11 @@ class SafetensorsFile:
         info = self.tensors[name]
         _copy_range(self._handle(), info.start, info.nbytes, out)
 
+    def copy_bytes(self, start: int, length: int, out: BinaryIO) -> None:
+        """Copy the byte range ``[start, start + length)`` of this file into ``out`` (several tensors
+        stored back to back are copied in one call)."""
+        _copy_range(self._handle(), start, length, out)
+
 
 def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     size = path.stat().st_size
@@ -153,8 +158,10 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
 
 def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO) -> None:
-    """Copy bytes between files, inside the kernel where the platform allows it."""
+    """Copy bytes between files at ``out``'s current position, inside the kernel where the platform allows
+    it; ``out`` is left just past the copied bytes."""
     out.flush()
+    pos = out.tell()
     done = 0
     if hasattr(os, "copy_file_range"):
         try:
@@ -165,7 +172,7 @@ def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO) -> None:
                 done += n
         except OSError:
             pass  # e.g. across filesystems on old kernels: the read/write loop below finishes the job
-        out.seek(0, os.SEEK_END)  # copy_file_range moved the descriptor; resync the buffered object
+        out.seek(pos + done)  # copy_file_range moved the descriptor; resync the buffered object
     src.seek(offset + done)
     while done < length:
         chunk = src.read(min(_COPY_CHUNK, length - done))
@@ -192,10 +199,12 @@ class TensorSpec:
 
 
 class SafetensorsWriter:
-    """Write a safetensors file tensor by tensor, in the order the specs were given.
+    """Write a safetensors file tensor by tensor, in any order.
 
-    The header is written first (all offsets are known from the specs), then each call to
-    :meth:`write_tensor` or :meth:`copy_from` appends the next tensor's bytes.
+    The header is written first (all offsets are known from the specs); each call to
+    :meth:`write_tensor` or :meth:`copy_from` then writes one tensor's bytes at its planned offset, so a
+    conversion that finishes tensors out of file order (layer by layer) still streams. :meth:`close`
+    checks that every tensor was written exactly once.
     """
 
     def __init__(self, path: str | Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
@@ -203,25 +212,33 @@ class SafetensorsWriter:
         self.specs = specs
         header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         offset = 0
+        self._offsets: dict[str, int] = {}
         for spec in specs:
             header[spec.name] = {
                 "dtype": spec.dtype,
                 "shape": list(spec.shape),
                 "data_offsets": [offset, offset + spec.nbytes],
             }
+            self._offsets[spec.name] = offset
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as the reference writer does
         self._fh = open(self.path, "wb")  # noqa: SIM115 - closed in close()
         self._fh.write(struct.pack("<Q", len(raw)) + raw)
-        self._next = 0
+        self._data_start = self._fh.tell()
+        self._fh.truncate(self._data_start + offset)  # the final size; tensors fill it in
+        self._by_name = {spec.name: spec for spec in specs}
+        self._written: set[str] = set()
 
     def _expect(self, name: str) -> TensorSpec:
-        if self._next >= len(self.specs) or self.specs[self._next].name != name:
-            want = self.specs[self._next].name if self._next < len(self.specs) else "nothing"
-            raise RuntimeError(f"writer expected {want!r}, got {name!r}")
-        self._next += 1
-        return self.specs[self._next - 1]
+        """Position the file at ``name``'s bytes; each tensor is written once."""
+        if name not in self._by_name:
+            raise RuntimeError(f"writer has no tensor {name!r} in its plan")
+        if name in self._written:
+            raise RuntimeError(f"writer got {name!r} twice")
+        self._written.add(name)
+        self._fh.seek(self._data_start + self._offsets[name])
+        return self._by_name[name]
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
         spec = self._expect(name)
@@ -233,18 +250,45 @@ class SafetensorsWriter:
         self._fh.write(memoryview(data))
 
     def copy_from(self, name: str, write_into: Callable[[BinaryIO], object]) -> None:
-        """Let ``write_into`` append the next tensor's raw bytes (already in the planned layout)."""
+        """Let ``write_into`` write the tensor's raw bytes (already in the planned layout) at the file's
+        current position, which is the tensor's offset."""
         spec = self._expect(name)
         before = self._fh.tell()
         write_into(self._fh)
         if self._fh.tell() - before != spec.nbytes:
             raise RuntimeError(f"{name}: copied {self._fh.tell() - before} bytes, planned {spec.nbytes}")
 
-    def close(self) -> None:
-        if self._next != len(self.specs) and not self._fh.closed:
-            self._fh.close()
-            raise RuntimeError(f"{self.path}: {len(self.specs) - self._next} tensors were never written")
+    def follows(self, a: str, b: str) -> bool:
+        """Whether tensor ``b`` is laid out right after tensor ``a``."""
+        return self._offsets[b] == self._offsets[a] + self._by_name[a].nbytes
+
+    def copy_run(self, names: list[str], write_into: Callable[[BinaryIO], object]) -> None:
+        """Like :meth:`copy_from` for several tensors laid out back to back (in this order): one copy of
+        their bytes, which ``write_into`` writes in one go."""
+        if len(names) == 1:
+            return self.copy_from(names[0], write_into)
+        for a, b in zip(names, names[1:], strict=False):
+            if not self.follows(a, b):
+                raise RuntimeError(f"{a!r} and {b!r} are not adjacent in {self.path}")
+        first = self._expect(names[0])
+        for name in names[1:]:
+            self._expect(name)
+        self._fh.seek(self._data_start + self._offsets[names[0]])
+        want = sum(self._by_name[n].nbytes for n in names)
+        before = self._fh.tell()
+        write_into(self._fh)
+        if self._fh.tell() - before != want:
+            raise RuntimeError(f"{first.name}..: copied {self._fh.tell() - before} bytes, planned {want}")
+
+    def abort(self) -> None:
+        """Close the file after a failure, unchecked (its directory is about to be removed)."""
         self._fh.close()
+
+    def close(self) -> None:
+        missing = len(self.specs) - len(self._written)
+        self._fh.close()
+        if missing:
+            raise RuntimeError(f"{self.path}: {missing} tensors were never written")
 
 
 def save_state_dict(

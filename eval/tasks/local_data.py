@@ -34,7 +34,7 @@ def load_ppl(ppl_file: str | None = None, ppl_text_field: str = "text", **_: Any
     joins them, so ``gqakit_ppl`` scores exactly the stream ``gqakit eval --ppl-data`` scores."""
     import datasets
 
-    from gqakit.eval.data import DOC_SEPARATOR, load_texts
+    from gqakit.text import DOC_SEPARATOR, load_texts
 
     path = str(resolve_file(ppl_file, "gqakit_ppl.txt"))
     texts = load_texts(path, text_field=ppl_text_field, option="metadata ppl_file")

@@ -220,13 +220,13 @@ def test_errors_nothing_reads_cost_nothing(tmp_path, calib_txt, kind, monkeypatc
     ref = _logits(src)
     torch.testing.assert_close(_logits(tmp_path / "cal"), ref, rtol=1e-4, atol=1e-4)
 
-    from gqakit.convert import calibrate
+    from gqakit.convert import merge_fit
 
-    def plain(*args, metrics=calibrate.downstream_scales):
+    def plain(*args, metrics=merge_fit.downstream_scales):
         ks, vs = metrics(*args)
         return torch.eye(D).expand_as(ks), torch.eye(D).expand_as(vs)
 
-    monkeypatch.setattr(calibrate, "downstream_scales", plain)
+    monkeypatch.setattr(merge_fit, "downstream_scales", plain)
     convert_checkpoint(src, tmp_path / "plain", opts)
     assert not torch.allclose(_logits(tmp_path / "plain"), ref, rtol=1e-2, atol=1e-2)
 

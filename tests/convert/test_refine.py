@@ -11,11 +11,13 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
+from gqakit.checkpoint import resolve_checkpoint
 from gqakit.cli import main
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint
-from gqakit.convert.probe import attention_errors
-from gqakit.convert.refine import REFINE_LR, LayerStream
+from gqakit.convert.decoder_stream import DecoderStream
+from gqakit.convert.refine import REFINE_LR
 from gqakit.errors import GqakitError
+from gqakit.pipelines.probe import attention_errors
 from gqakit.testing import TINY_TEXT, tiny_model, tiny_tokenizer
 
 WORDS = TINY_TEXT.split()
@@ -145,12 +147,14 @@ def test_every_family_refines_and_loads(tmp_path, calib_txt, family):
 
 
 @pytest.mark.parametrize("family", sorted(ADAPTERS))
-def test_layer_stream_feeds_each_attention_what_the_full_forward_does(family):
-    """Running the original one decoder layer at a time gives every attention block the same inputs and
-    outputs as one ordinary forward pass (per-layer masks and rotary tables included)."""
+def test_decoder_stream_feeds_each_attention_what_the_full_forward_does(family, tmp_path):
+    """Running the original one decoder layer at a time, each layer's weights loaded from the shards on
+    its turn, gives every attention block the same inputs and outputs as one ordinary forward pass
+    (per-layer masks and rotary tables included)."""
     # gemma2/3: a window shorter than the batches, so sliding and global layers get different masks
     kw = {"head_dim": 16, "sliding_window": 16} if family.startswith("gemma") else {}
     model = tiny_model(family, heads=4, kv_heads=2, **kw).eval()
+    model.save_pretrained(tmp_path / "m")
     adapter = ADAPTERS[family]
     paths = [adapter.attention_module(i) for i in range(model.config.num_hidden_layers)]
     batches = [IDS[:, :40], IDS[:, 40:90]]  # two batches of different lengths
@@ -166,14 +170,20 @@ def test_layer_stream_feeds_each_attention_what_the_full_forward_does(family):
             model.base_model(input_ids=b, use_cache=False)
     for h in hooks:
         h.remove()
-    stream = LayerStream(model, [p.rsplit(".", 1)[0] for p in paths], batches)
-    for i, p in enumerate(paths):
-        got = stream.attention_io(i, model.get_submodule(p))
-        assert len(got) == 2
-        for (_, _, out), ref in zip(got, want[i], strict=True):
-            torch.testing.assert_close(out, ref.float(), rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="layers run in order"):
-        stream.attention_io(0, model.get_submodule(paths[0]))
+    with resolve_checkpoint(tmp_path / "m") as ckpt, ckpt.reader() as reader:
+        stream = DecoderStream(ckpt, reader, adapter, batches, torch.device("cpu"))
+        hidden = stream.hidden
+        for i in range(len(paths)):
+            got: list = []
+            with stream.layer(i) as layer:
+                attn = layer.get_submodule(stream.attention_name)
+                hook = attn.register_forward_hook(lambda _m, _a, out, got=got: got.append(out[0]))
+                hidden = stream.run(i, layer, hidden)
+                hook.remove()
+            assert all(p.device.type == "meta" for p in stream.layers[i].parameters())  # freed
+            assert len(got) == 2
+            for out, ref in zip(got, want[i], strict=True):
+                torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_refine_options_are_checked_together(tiny_llama, tmp_path):

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from gqakit.errors import GqakitError
-from gqakit.eval.decode import (
-    bench_decode,
+from gqakit.eval.decode import bench_decode, parse_grid
+from gqakit.eval.kv_bytes import (
     bytes_moved_per_step,
-    parse_grid,
     predicted_kv_bytes,
     speedup_bound,
     weight_bytes_per_step,

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from gqakit.errors import GqakitError
-from gqakit.eval.data import load_texts
 from gqakit.eval.lm_eval_bridge import OUR_TASKS, TASKS_DIR, parse_lm_eval_args, run_lm_eval
 from gqakit.eval.perplexity import perplexity
+from gqakit.text import load_texts
 
 
 class _Loader(yaml.SafeLoader):

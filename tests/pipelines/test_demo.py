@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from gqakit.cli import main
-from gqakit.demo import DemoAssets, DemoOptions, Variant, render_table, run_demo
 from gqakit.errors import GqakitError
+from gqakit.pipelines.demo import DemoAssets, DemoOptions, Variant, render_table, run_demo
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
 # The shipped recipe, shrunk to the tiny model: a few optimizer steps on 32-token blocks.

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from gqakit.cli import main
-from gqakit.convert.probe import ProbeOptions, probe_checkpoint
 from gqakit.errors import GqakitError
+from gqakit.pipelines.probe import ProbeOptions, probe_checkpoint
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gqakit.errors import GqakitError
-from gqakit.eval.data import load_texts
+from gqakit.text import load_texts
 
 
 def test_txt_is_one_document_verbatim(tmp_path):

@@ -1,4 +1,4 @@
-"""Evaluation text: local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files, or a hub dataset.
+"""Text for every verb: local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files, or a hub dataset.
 
 One rule for every source, so a number means the same thing whichever file it came from:
 
@@ -8,7 +8,7 @@ One rule for every source, so a number means the same thing whichever file it ca
   ``text_field`` column); rows whose text is empty or only whitespace are dropped (wikitext's raw
   splits have thousands of them).
 
-:func:`gqakit.eval.perplexity.perplexity` then joins the documents with :data:`DOC_SEPARATOR`.
+Perplexity and calibration then join the documents with :data:`DOC_SEPARATOR`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,170 @@
+"""The source model run one decoder layer at a time, with one layer's weights in memory.
+
+The model is built from its config with no weights (parameters on the meta device; buffers such as
+rotary tables are computed as usual), and only what runs before the decoder layers (the embedding)
+is loaded from the checkpoint. One pass over the calibration batches, with every decoder layer's
+``forward`` replaced by a recorder, captures the first layer's input and each layer's call arguments
+(masks, rotary tables, position ids: what the model computes once and hands to every layer, per layer
+type for gemma2/3's sliding and global layers). After that, :meth:`DecoderStream.layer` loads one
+layer's tensors from the shards onto the device, and :meth:`DecoderStream.run` calls it on hidden
+states exactly as the model would. What is held: one layer's weights, the embedding, the calibration
+tokens' hidden states. A 70B checkpoint thus calibrates in the memory of one of its layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gqakit.checkpoint import Checkpoint, TensorReader
+from gqakit.convert.registry import ArchAdapter
+from gqakit.errors import GqakitError
+
+_CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def skeleton(path: Path) -> torch.nn.Module:
+    """The causal LM of the checkpoint at ``path`` with every parameter on the meta device and real
+    buffers: nothing is read but its config."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return model.eval()
+
+
+def compute_dtype(config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """float32 on the CPU (fast there, and exact); the checkpoint's own dtype on a GPU."""
+    if device.type != "cuda":
+        return torch.float32
+    return _CONFIG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.float32)
+
+
+def _set_parameter(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    target = module.get_submodule(owner) if owner else module
+    target._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+
+
+class DecoderStream:
+    """The source model over fixed calibration batches, one decoder layer at a time.
+
+    Args:
+        ckpt: the source checkpoint.
+        reader: an open reader of it.
+        adapter: the family (where its decoder layers are).
+        batches: token id batches ``[batch, seq]``; every run covers all of them, in order.
+        device: where layers run.
+    """
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        reader: TensorReader,
+        adapter: ArchAdapter,
+        batches: Sequence[torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        self.reader, self.device = reader, device
+        self.infos = ckpt.tensor_infos()
+        self.dtype = compute_dtype(ckpt.config, device)
+        self.model = skeleton(ckpt.path)
+        # "model.layers.{i}.self_attn" -> decoder layers at "model.layers", attention at "self_attn"
+        layer_path, self.attention_name = adapter.attention_module(0).rsplit(".", 1)
+        self.layers_path = layer_path.rsplit(".", 1)[0]
+        try:
+            self.layers = list(self.model.get_submodule(self.layers_path))
+        except AttributeError:
+            raise GqakitError(
+                f"{ckpt.model_type!r}: the model has no decoder layers at {self.layers_path!r}, where "
+                "gqakit's adapter for this family expects them; this transformers version builds it "
+                "differently."
+            ) from None
+        self._load_embedding()
+        self.hidden: list[torch.Tensor] = []
+        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.layers]
+        self.positional = True
+        self._record(batches)
+
+    def _load_embedding(self) -> None:
+        """Load every parameter outside the decoder layers that the base model runs (not the LM head),
+        and move the buffers (rotary tables, embedding scales) to the device."""
+        prefix = self.model.base_model_prefix + "."
+        for name, _ in list(self.model.named_parameters()):
+            if not name.startswith(prefix) or name.startswith(self.layers_path + "."):
+                continue
+            if name not in self.infos:
+                raise GqakitError(
+                    f"{name} is missing from the checkpoint's shards: is the checkpoint complete?"
+                )
+            _set_parameter(self.model, name, self.reader.read(name).to(self.device, self.dtype))
+        for name, b in list(self.model.named_buffers()):
+            if not name.startswith(self.layers_path + ".") and b.device.type != "meta":
+                owner, _, attr = name.rpartition(".")
+                self.model.get_submodule(owner)._buffers[attr] = b.to(self.device)
+
+    def _recorder(self, index: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if index == 0:
+            self.positional = bool(args)
+            self.hidden.append(hidden)
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        self.calls[index].append((tuple(args[1:]), rest))
+        return hidden  # the next layer records the same states: only layer 0's input is kept
+
+    @torch.no_grad()
+    def _record(self, batches: Sequence[torch.Tensor]) -> None:
+        for i, layer in enumerate(self.layers):
+            layer.forward = partial(self._recorder, i)
+        try:
+            for batch in batches:
+                self.model.base_model(input_ids=batch.to(self.device), use_cache=False)
+        finally:
+            for layer in self.layers:
+                del layer.forward
+        if any(len(c) != len(batches) for c in self.calls):
+            raise RuntimeError("the decoder layers were not called once per calibration batch")
+
+    def layer_prefix(self, index: int) -> str:
+        """``model.layers.{index}.``: the tensor names of decoder layer ``index`` start with this."""
+        return f"{self.layers_path}.{index}."
+
+    @contextmanager
+    def layer(self, index: int) -> Iterator[torch.nn.Module]:
+        """Decoder layer ``index`` with its weights loaded from the shards, freed again on exit."""
+        module = self.layers[index]
+        prefix = self.layer_prefix(index)
+        for name, _ in list(module.named_parameters()):
+            full = prefix + name
+            if full not in self.infos:
+                raise GqakitError(
+                    f"{full} is missing from the checkpoint's shards (decoder layer {index}): the checkpoint "
+                    "is incomplete or its index is wrong. Re-download it."
+                )
+            _set_parameter(module, name, self.reader.read(full).to(self.device, self.dtype))
+        module.to(self.device)  # the layer's own buffers, if any
+        try:
+            yield module
+        finally:
+            module.to("meta")  # frees the weights
+
+    @torch.no_grad()
+    def run(self, index: int, module: torch.nn.Module, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Call decoder layer ``index`` (``module``, loaded) on ``hidden`` (one tensor per batch) with the
+        arguments the model passes it; return its outputs."""
+        outs = []
+        for h, (rest, kwargs) in zip(hidden, self.calls[index], strict=True):
+            out = module(h, *rest, **kwargs) if self.positional else module(*rest, hidden_states=h, **kwargs)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+        return outs
+
+    def release(self, index: int) -> None:
+        """Drop the call arguments of a finished layer."""
+        self.calls[index] = []

@@ -1,0 +1,277 @@
+"""Calibrated conversion one decoder layer at a time: the path of ``--method calibrated``,
+``--grouping similarity`` and ``--refine-steps``.
+
+For each decoder layer, in order: load its weights from the shards (:class:`DecoderStream`), run the
+calibration tokens' hidden states through it, capturing the second moment of its K/V projection input
+and, when refining, its attention block's inputs and outputs; fit the layer's merge
+(:func:`~gqakit.convert.merge_fit.fit_one_layer`), plan its converted tensors, refine them
+(:func:`~gqakit.convert.refine.fit_block`), write the whole layer into the output shards, free it. Only
+the calibration tokens' hidden states are carried from one layer to the next, so peak memory is about
+one decoder layer (plus the embedding and those hidden states) whatever the depth, on the CPU or with
+each layer on the GPU in turn.
+
+What the next layer sees (``--calib-inputs``):
+
+* ``original`` (default): the original model's hidden states, so every layer is fitted to the inputs
+  it had before conversion; over the calibrated merge this gives exactly the statistics, merges and
+  tensors of calibrating the whole model at once.
+* ``converted``: the hidden states of the model converted so far, as GPTQ-style quantizers do, so a
+  layer's statistics (and, when refining, its block's inputs) include the errors of the layers before
+  it, while refinement's targets stay the original's outputs. Two copies of the hidden states are held.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from gqakit.checkpoint import Checkpoint
+from gqakit.convert.calibrate import CALIB_BATCH, batch_gram, batches, calibration_record, key_module
+from gqakit.convert.decoder_stream import DecoderStream
+from gqakit.convert.merge_fit import KEY_FALLBACK, MergeReport, fit_one_layer, rotary_dim
+from gqakit.convert.merge_plan import base_plan, merged_layer
+from gqakit.convert.options import CALIB_INPUTS, ConvertOptions
+from gqakit.convert.plan import OutputTensor, RegroupSpec, execute, plan_regroup
+from gqakit.convert.refine import (
+    RefineReport,
+    RefineSettings,
+    converted_attention,
+    fit_block,
+    layer_output,
+    split_batches,
+    to_float,
+)
+from gqakit.convert.registry import ArchAdapter
+from gqakit.convert.stream import PlanWriter
+from gqakit.geometry import AttentionGeometry
+from gqakit.memory import release_memory
+from gqakit.models import resolve_device
+from gqakit.safetensors_io import DTYPES
+
+
+class LayerCapture:
+    """Forward hooks on one layer for one pass: the K/V projection input's second moment, and the
+    attention block's float32 ``(args, kwargs, output)`` per batch."""
+
+    def __init__(self, module: torch.nn.Module, key: str, attention: str, gram: bool, io: bool) -> None:
+        self.gram: torch.Tensor | None = None
+        self.io: list[tuple] = []
+        self._handles = []
+        if gram:
+            self._handles.append(module.get_submodule(key).register_forward_pre_hook(self._gram))
+        if io:
+            hook = module.get_submodule(attention).register_forward_hook(self._io, with_kwargs=True)
+            self._handles.append(hook)
+
+    def _gram(self, _module, args) -> None:
+        g = batch_gram(args[0])
+        self.gram = g if self.gram is None else self.gram + g
+
+    def _io(self, _module, args, kwargs, output) -> None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+        self.io.append((to_float(args), to_float(kwargs), layer_output(output).float()))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def layer_of(name: str, prefix: str) -> int | None:
+    """The decoder layer a tensor belongs to (``model.layers.7.mlp...`` -> 7), or None."""
+    if not name.startswith(prefix):
+        return None
+    head = name[len(prefix) :].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def write_layerwise(
+    ckpt: Checkpoint,
+    adapter: ArchAdapter,
+    geom: AttentionGeometry,
+    spec: RegroupSpec,
+    options: ConvertOptions,
+    sequences: list[torch.Tensor],
+    record: dict[str, Any],
+    out_dir: Path,
+) -> list[str]:
+    """Convert layer by layer into ``out_dir`` (see the module docstring); add what was measured to
+    ``record`` and return the shard names."""
+    start = time.perf_counter()
+    with ckpt.reader() as reader:
+        job = _LayerwiseJob(ckpt, reader, adapter, geom, spec, options, sequences)
+        writer = PlanWriter(ckpt, job.plan, out_dir, reader, desc=f"convert -> G={options.groups}")
+        try:
+            for i in tqdm(range(geom.num_layers), desc="calibrate", unit="layer"):
+                for out, value in job.convert_layer(i):
+                    writer.write(out, value)
+            for out in job.rest:
+                writer.write(out)
+            files = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+    record.update(job.record(time.perf_counter() - start))
+    return files
+
+
+class _LayerwiseJob:
+    """The state carried from one decoder layer to the next, and the conversion of one layer."""
+
+    def __init__(self, ckpt, reader, adapter, geom, spec, options: ConvertOptions, sequences) -> None:
+        self.reader, self.adapter, self.geom, self.spec, self.options = reader, adapter, geom, spec, options
+        self.infos = ckpt.tensor_infos()
+        self.sequences = sequences
+        self.device = resolve_device(options.device)
+        self.needs_gram = options.method == "calibrated" or options.grouping == "similarity"
+        self.follow = options.calib_inputs
+        self.refine = None
+        if options.refine_steps:
+            self.refine = RefineSettings(options.refine_steps, options.refine_lr, options.seed)
+            self.fit_runs, check_runs = split_batches(sequences)
+        else:
+            self.fit_runs, check_runs = list(batches(sequences, CALIB_BATCH)), []
+        planner = base_plan if options.merged else plan_regroup
+        self.plan = planner(self.infos, adapter, geom, spec)
+        self.stream = DecoderStream(ckpt, reader, adapter, self.fit_runs + check_runs, self.device)
+        self.conv_config = copy.deepcopy(self.stream.model.config)
+        self.conv_config.num_key_value_heads = options.groups
+        self.rdim = rotary_dim(ckpt.config, adapter, geom.head_dim)
+        self.per_layer: list[list[OutputTensor]] = [[] for _ in range(geom.num_layers)]
+        self.rest: list[OutputTensor] = []
+        for out in self.plan:
+            i = layer_of(out.name, self.stream.layers_path + ".")
+            (self.rest if i is None else self.per_layer[i]).append(out)
+        self.hidden = self.stream.hidden
+        self.conv_hidden = list(self.hidden) if self.follow == "converted" else None
+        self.merges = MergeReport(options.method, options.grouping, options.method, None)
+        self.refined = None
+        if self.refine is not None:
+            tokens = sum(b.numel() for b in self.fit_runs), sum(b.numel() for b in check_runs)
+            self.refined = RefineReport(self.refine, *tokens)
+        self.seconds: list[float] = []
+
+    def _capture(self, module: torch.nn.Module, i: int, gram: bool, hidden: list[torch.Tensor]):
+        """Run the loaded layer ``i`` on ``hidden`` with capture hooks; return (capture, outputs)."""
+        key = key_module(self.adapter, i)[len(self.stream.layer_prefix(i)) :]
+        cap = LayerCapture(module, key, self.stream.attention_name, gram, self.refine is not None)
+        try:
+            return cap, self.stream.run(i, module, hidden)
+        finally:
+            cap.remove()
+
+    def convert_layer(self, i: int) -> list[tuple[OutputTensor, torch.Tensor | None]]:
+        """Calibrate, fit, refine (and, following the converted model, advance its hidden states) for
+        decoder layer ``i``; return its output tensors with their computed values (None: from the plan).
+
+        The layer's weights are held only while it runs: merge fitting and refinement, which need memory
+        of their own, run after it is freed (its unchanged tensors are copied from the shards).
+        """
+        t0 = time.perf_counter()
+        with self.stream.layer(i) as module:
+            own_gram = self.needs_gram and self.follow == "original"
+            orig, next_hidden = self._capture(module, i, own_gram, self.hidden)
+            inputs = orig
+            if self.follow == "converted":
+                inputs, _ = self._capture(module, i, self.needs_gram, self.conv_hidden)
+        release_memory(self.device)
+        outs = self._merged_outputs(i, inputs.gram)
+        values: dict[str, torch.Tensor] = {}
+        if self.refine is not None or self.follow == "converted":
+            path = f"{self.stream.layer_prefix(i)}{self.stream.attention_name}"
+            attn = self.stream.layers[i].get_submodule(self.stream.attention_name)
+            block = _planned_block(attn, self.conv_config, i, self.device, path, outs, self.reader.read)
+            if self.refine is not None:
+                pairs = [(a, k, t) for (a, k, _), (_, _, t) in zip(inputs.io, orig.io, strict=True)]
+                del orig, inputs
+                n = len(self.fit_runs)
+                fitted = fit_block(block, pairs[:n], pairs[n:], self.refine)
+                self.refined.layers.append({"layer": i, **fitted})  # type: ignore[union-attr]
+                del pairs
+                by_name = {o.name: o for o in outs}
+                for name, p in block.named_parameters():
+                    out = by_name[f"{path}.{name}"]
+                    values[out.name] = p.detach().to("cpu", DTYPES[out.dtype]).contiguous()
+            if self.follow == "converted":
+                with self.stream.layer(i) as module:
+                    self.conv_hidden = _run_converted(self.stream, i, module, block, self.conv_hidden)
+            del block
+        self.hidden = next_hidden
+        self.stream.release(i)
+        release_memory(self.device)
+        self.seconds.append(round(time.perf_counter() - t0, 3))
+        return [(out, values.get(out.name)) for out in outs]
+
+    def _merged_outputs(self, i: int, gram: torch.Tensor | None) -> list[OutputTensor]:
+        """Layer ``i``'s planned output tensors, its attention merged when the conversion merges."""
+        overrides: dict[str, OutputTensor] = {}
+        if self.options.merged:
+            lm, keys = fit_one_layer(
+                self.reader.read, self.infos, self.adapter, self.geom, i, gram,
+                self.options.groups, self.options.method, self.options.grouping, self.rdim,
+            )  # fmt: skip
+            overrides = merged_layer(self.infos, self.adapter, self.geom, self.spec, i, lm)
+            self.merges.layers.append(lm.report_entry(i, self.options.grouping))
+            if keys == KEY_FALLBACK:
+                self.merges.key_merge = keys
+        return [overrides.get(o.name, o) for o in self.per_layer[i]]
+
+    def record(self, elapsed_s: float) -> dict[str, Any]:
+        """What the conversion measured, for gqakit.json."""
+        rec: dict[str, Any] = {}
+        if self.options.merged:
+            calib = calibration_record(
+                self.options.calib_data, self.options.calib_tokens, self.sequences, str(self.device)
+            )  # type: ignore[arg-type]
+            self.merges.calibration = {**calib, "elapsed_s": round(elapsed_s, 3)}
+            rec.update(self.merges.to_record())
+        if self.refined is not None:
+            self.refined.elapsed_s = elapsed_s
+            rec["refine"] = self.refined.to_record()
+        rec["layerwise"] = {
+            "calib_inputs": self.follow,
+            "device": str(self.device),
+            "seconds_per_layer": self.seconds,
+        }
+        return rec
+
+
+def _planned_block(
+    original: torch.nn.Module,
+    config,
+    layer: int,
+    device: torch.device,
+    path: str,
+    outs: list[OutputTensor],
+    read: Callable[[str], torch.Tensor],
+) -> torch.nn.Module:
+    """The converted attention block of ``layer`` in float32, with the planned (merged) weights."""
+    block = converted_attention(original, config, layer, device)
+    by_name = {o.name: o for o in outs}
+    with torch.no_grad():
+        for n, p in block.named_parameters():
+            full = f"{path}.{n}"
+            if full not in by_name:
+                raise RuntimeError(f"layer-wise conversion: no planned tensor for {full}")
+            p.copy_(execute(by_name[full], read).to(p.dtype))
+    return block
+
+
+def _run_converted(
+    stream: DecoderStream, i: int, module: torch.nn.Module, block: torch.nn.Module, hidden: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Decoder layer ``i`` with its attention replaced by the converted ``block``, on ``hidden``."""
+    original = getattr(module, stream.attention_name)
+    setattr(module, stream.attention_name, copy.deepcopy(block).to(stream.dtype))
+    try:
+        return stream.run(i, module, hidden)
+    finally:
+        setattr(module, stream.attention_name, original)
+
+
+__all__ = ["CALIB_INPUTS", "LayerCapture", "layer_of", "write_layerwise"]

@@ -1,0 +1,134 @@
+"""Writing a converted checkpoint atomically: shards, config, tokenizer files, provenance, model card."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gqakit import __version__
+from gqakit.checkpoint import Checkpoint, copy_non_weight_files, sha256_file, write_json
+from gqakit.convert.plan import OutputTensor
+from gqakit.convert.stream import write_plan
+from gqakit.geometry import AttentionGeometry
+from gqakit.outputs import atomic_output_dir
+
+# Writes a conversion's weight shards into a directory and returns their file names.
+WeightWriter = Callable[[Path], list[str]]
+_CONFIG_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion wrote."""
+
+    dst: Path
+    source: str
+    model_type: str
+    num_heads: int
+    from_kv_heads: int
+    to_kv_heads: int
+    files: list[str]
+    elapsed_s: float
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def write_converted(
+    ckpt: Checkpoint,
+    dst: str | Path,
+    weights: list[OutputTensor] | WeightWriter,
+    geom: AttentionGeometry,
+    groups: int,
+    out_dtype: str | None,
+    force: bool,
+    record: dict[str, Any],
+    start: float,
+    config_updates: dict[str, Any] | None = None,
+) -> ConvertResult:
+    """Write a conversion atomically: shards, config, tokenizer files, provenance, model card.
+
+    Shared by every conversion method, so each writes the same complete, loadable directory. ``weights``
+    is either a plan (streamed tensor by tensor) or a function that writes the weight shards into the
+    temporary directory itself and returns their names (the layer-by-layer calibrated path); such a
+    function may add to ``record`` what it measured, which then goes into the provenance.
+    The output directory is claimed (and DST checked) before any weight is computed.
+    """
+    config = copy.deepcopy(ckpt.config)
+    config["num_key_value_heads"] = groups
+    if out_dtype is not None:
+        config["dtype"] = _CONFIG_DTYPE[out_dtype]
+        if "torch_dtype" in config:
+            config["torch_dtype"] = config["dtype"]
+    config.update(config_updates or {})
+    with atomic_output_dir(Path(dst), force, src=ckpt.path) as tmp:
+        if callable(weights):
+            files = weights(tmp)
+        else:
+            files = write_plan(ckpt, weights, tmp, desc=f"{record['command']} -> G={groups}")
+        copy_non_weight_files(ckpt.path, tmp)
+        write_json(tmp / "config.json", config)
+        provenance = {
+            "tool": "gqakit",
+            "version": __version__,
+            **record,
+            "source": ckpt.origin,
+            # a .gguf source is hashed itself: the config we read was derived from it
+            "source_file_sha256": sha256_file(Path(ckpt.origin)) if Path(ckpt.origin).is_file() else None,
+            "source_config_sha256": sha256_file(ckpt.path / "config.json"),
+            "source_index_sha256": sha256_file(ckpt.index_file) if ckpt.index_file else None,
+            "model_type": ckpt.model_type,
+            "num_heads": geom.num_heads,
+            "from_kv_heads": geom.num_kv_heads,
+            "to_kv_heads": groups,
+            "shards": files,
+            "elapsed_s": round(time.perf_counter() - start, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        write_json(tmp / "gqakit.json", provenance)
+        (tmp / "README.md").write_text(_model_card(Path(dst).name, geom, groups, provenance))
+    return ConvertResult(
+        Path(dst).resolve(),
+        ckpt.origin,
+        ckpt.model_type,
+        geom.num_heads,
+        geom.num_kv_heads,
+        groups,
+        files,
+        provenance["elapsed_s"],
+        provenance,
+    )
+
+
+def _model_card(name: str, geom: AttentionGeometry, groups: int, prov: dict[str, Any]) -> str:
+    before = geom.kv_bytes_per_token(geom.num_kv_heads)
+    after = geom.kv_bytes_per_token(groups)
+    kind = "MQA" if groups == 1 else ("MHA" if groups == geom.num_heads else f"GQA-{groups}")
+    return f"""---
+library_name: transformers
+base_model: {prov["source"]}
+tags:
+- gqakit
+- grouped-query-attention
+---
+
+# {name}
+
+`{prov["source"]}` with its attention regrouped by gqakit {prov["version"]} (`gqakit {prov["command"]}`):
+{geom.num_heads} query heads now share **{groups} K/V heads** ({kind}), down from {geom.num_kv_heads};
+method `{prov["method"]}`, dtype `{prov["dtype"]}`.
+
+KV cache per token (bf16, all {geom.num_layers} layers): {before:,} bytes before, {after:,} bytes after.
+
+This is a plain Hugging Face checkpoint:
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("{name}")
+```
+
+Pooling K/V heads without training costs quality; uptrain it (`gqakit uptrain`) and measure it
+(`gqakit eval`) before use. Provenance: `gqakit.json`. Licence: that of the source model.
+"""

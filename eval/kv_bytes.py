@@ -1,0 +1,104 @@
+"""The bytes model of a decode step: KV-cache bytes (predicted and measured) and weight bytes read.
+
+Why fewer KV heads decode faster: each decode step reads every weight once and the whole KV cache
+once, and at small batch that memory traffic, not arithmetic, sets the pace. So the speedup of a
+candidate over a baseline is bounded by the ratio of bytes moved per step::
+
+    bytes(model) = weight bytes read per step + 2 * layers * batch * G * tokens * head_dim * bytes
+
+(:func:`bytes_moved_per_step`; the input embedding counts only when it doubles as the output layer,
+since a lookup reads ``batch`` rows, not the table).
+
+These functions time nothing; :mod:`gqakit.eval.decode` measures the speed they bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gqakit.errors import GqakitError
+from gqakit.geometry import AttentionGeometry
+
+
+def dtype_bytes(dtype: torch.dtype | str | int) -> int:
+    """Bytes per element of ``dtype`` (a torch dtype, its name like ``"bfloat16"``, or a byte count)."""
+    if isinstance(dtype, int):
+        return dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise GqakitError(f"Unknown dtype {dtype!r}.")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def config_geometry(config) -> AttentionGeometry:
+    """The attention geometry of a transformers config or a ``config.json`` dict."""
+    as_dict = config if isinstance(config, dict) else config.to_dict()
+    # Multimodal wrappers keep the decoder's numbers in text_config.
+    if "num_attention_heads" not in as_dict and isinstance(as_dict.get("text_config"), dict):
+        as_dict = as_dict["text_config"]
+    return AttentionGeometry.from_config(as_dict)
+
+
+def predicted_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype | str | int) -> int:
+    """KV-cache bytes for ``batch`` sequences of ``tokens``: 2 (K and V) * layers * batch * G * tokens *
+    head_dim * bytes per element. ``config`` is a transformers config or a ``config.json`` dict."""
+    g = config_geometry(config)
+    return 2 * g.num_layers * batch * g.num_kv_heads * tokens * g.head_dim * dtype_bytes(dtype)
+
+
+def measured_kv_bytes(cache) -> int:
+    """Bytes of every key and value tensor a cache object holds (transformers ``Cache`` or legacy tuples)."""
+    tensors: list[torch.Tensor] = []
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            tensors += [
+                t
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                if isinstance(t, torch.Tensor)
+            ]
+    elif isinstance(cache, (tuple, list)):
+        stack = list(cache)
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                tensors.append(item)
+            elif isinstance(item, (tuple, list)):
+                stack.extend(item)
+    else:
+        raise GqakitError(f"Cannot measure a cache of type {type(cache).__name__}.")
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weight_bytes_per_step(model) -> int:
+    """Weight bytes one decode step reads: every parameter once, except an input embedding table that
+    is not also the output layer (a lookup reads only the rows of the current tokens)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb_in = model.get_input_embeddings()
+    emb_out = model.get_output_embeddings()
+    if emb_in is not None and (emb_out is None or emb_out.weight is not emb_in.weight):
+        total -= emb_in.weight.numel() * emb_in.weight.element_size()
+    return total
+
+
+def bytes_moved_per_step(model, batch: int, tokens: int) -> int:
+    """Bytes one decode step moves: :func:`weight_bytes_per_step` + the KV cache at ``tokens``."""
+    dtype = next(model.parameters()).dtype
+    return weight_bytes_per_step(model) + predicted_kv_bytes(model.config, batch, tokens, dtype)
+
+
+def speedup_bound(baseline_bytes: int, candidate_bytes: int) -> float:
+    """The decode speedup that moving fewer bytes per step allows: baseline bytes / candidate bytes."""
+    return baseline_bytes / candidate_bytes
+
+
+__all__ = [
+    "bytes_moved_per_step",
+    "config_geometry",
+    "dtype_bytes",
+    "measured_kv_bytes",
+    "predicted_kv_bytes",
+    "speedup_bound",
+    "weight_bytes_per_step",
+]

@@ -1,0 +1,112 @@
+"""The options of ``gqakit eval``: one frozen dataclass, checked once, every problem reported together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from gqakit.errors import GqakitError
+from gqakit.eval.decode import parse_grid
+from gqakit.eval.lm_eval_bridge import parse_lm_eval_args, split_tasks
+from gqakit.models import DTYPES, resolve_device
+
+DEFAULT_BATCH_SIZES = (1, 8, 32)
+# The default context grid; points a model has no positions for are dropped (an explicit --contexts
+# beyond the model's positions is an error instead).
+DEFAULT_CONTEXTS = (256, 1024, 4096)
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What ``gqakit eval`` measures and how. Grids and task lists also accept their CLI strings.
+
+    Attributes:
+        ppl_data: text for perplexity: ``.txt`` / ``.jsonl`` / ``.parquet`` file or hub dataset; None: skip.
+        text_field: the text column of a table or hub dataset.
+        split: hub dataset split.
+        data_config: hub dataset configuration (``wikitext-2-raw-v1``).
+        seq_len: tokens per perplexity window; also lm-eval's ``max_length``.
+        stride: tokens scored per window after the first; None = seq_len (disjoint windows).
+        batch_size: perplexity windows per forward pass; also lm-eval's batch size.
+        max_tokens: score at most this many tokens of ``ppl_data``.
+        bench: run the decode grid.
+        batch_sizes: decode batch sizes.
+        contexts: decode prompt lengths; None = 256, 1024, 4096, less those beyond a model's positions.
+        new_tokens: tokens generated per decode point.
+        warmup: untimed runs before each decode point.
+        static_cache: decode with a static KV cache.
+        compile: ``torch.compile`` the decode step (implies static_cache).
+        tasks: lm-eval task names (ours: ``gqakit_ppl``, ``gqakit_mc``).
+        lm_eval_args: more lm-eval options, ``"--num_fewshot 5 --limit 100"``.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:1``...
+        dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16``, ``float16``.
+        seed: seed for prompts, lm-eval and torch.
+        progress: show progress bars.
+        command_line: the command that ran, for results.json (default: ``sys.argv``).
+    """
+
+    ppl_data: str | None = None
+    text_field: str = "text"
+    split: str = "test"
+    data_config: str | None = None
+    seq_len: int = 512
+    stride: int | None = None
+    batch_size: int = 8
+    max_tokens: int | None = None
+    bench: bool = False
+    batch_sizes: tuple[int, ...] | str = DEFAULT_BATCH_SIZES
+    contexts: tuple[int, ...] | str | None = None
+    new_tokens: int = 32
+    warmup: int = 1
+    static_cache: bool = False
+    compile: bool = False
+    tasks: tuple[str, ...] | str = ()
+    lm_eval_args: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    progress: bool = True
+    command_line: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("batch_sizes", "contexts"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                object.__setattr__(self, name, parse_grid(value, "--" + name.replace("_", "-")))
+            except GqakitError as e:
+                problems.append(e.message)
+        object.__setattr__(self, "tasks", split_tasks(self.tasks))
+        for name in ("seq_len", "batch_size", "new_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
+        if self.new_tokens == 1:
+            problems.append("--new-tokens must be at least 2 (one prefill token and one decode step).")
+        if self.stride is not None and not 1 <= self.stride <= self.seq_len:
+            problems.append(f"--stride must be between 1 and --seq-len {self.seq_len}, got {self.stride}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            problems.append(f"--max-tokens must be positive, got {self.max_tokens}.")
+        if self.warmup < 0:
+            problems.append(f"--warmup must be >= 0, got {self.warmup}.")
+        if self.dtype not in DTYPES:
+            problems.append(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}.")
+        try:
+            resolve_device(self.device)
+        except (GqakitError, RuntimeError) as e:
+            problems.append(e.message if isinstance(e, GqakitError) else f"--device {self.device!r}: {e}")
+        try:
+            parse_lm_eval_args(self.lm_eval_args)
+        except GqakitError as e:
+            problems.append(e.message)
+        if not (self.ppl_data or self.bench or self.tasks):
+            problems.append("Nothing to evaluate: pass --ppl-data FILE, --bench and/or --tasks NAMES.")
+        if problems:
+            raise GqakitError(" ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_CONTEXTS", "EvalOptions"]

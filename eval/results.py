@@ -1,0 +1,157 @@
+"""What ``gqakit eval`` measured: one :class:`ModelResult` per model, and :class:`EvalResults` over them
+with the comparisons against the baseline and the environment they ran in."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from gqakit import __version__
+from gqakit.eval.decode import DecodePoint
+from gqakit.eval.options import EvalOptions
+from gqakit.eval.perplexity import PerplexityResult
+
+
+@dataclass
+class ModelResult:
+    """Everything measured on one model.
+
+    Attributes:
+        label: its name in tables and plots.
+        path: checkpoint directory or hub id.
+        model_type, num_layers, num_heads, num_kv_heads, head_dim: its attention geometry.
+        parameters: parameter count.
+        dtype: the dtype it ran in.
+        kv_bytes_per_token: KV-cache bytes one token costs in that dtype, over all layers.
+        weight_bytes: weight bytes a decode step reads.
+        load_s: seconds to load.
+        perplexity: the perplexity result, when ``ppl_data`` was given.
+        decode: the decode grid, when ``bench`` was set.
+        lm_eval: lm-eval's output, when tasks were given.
+    """
+
+    label: str
+    path: str
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    parameters: int
+    dtype: str
+    kv_bytes_per_token: int
+    weight_bytes: int
+    load_s: float
+    perplexity: PerplexityResult | None = None
+    decode: list[DecodePoint] = field(default_factory=list)
+    lm_eval: dict[str, Any] | None = None
+
+    def point(self, batch: int, context: int) -> DecodePoint | None:
+        return next((p for p in self.decode if p.batch == batch and p.context == context), None)
+
+    def task_metrics(self) -> dict[str, float]:
+        """``{"task/metric": value}`` for every numeric lm-eval metric (stderr left out)."""
+        out = {}
+        for task, metrics in ((self.lm_eval or {}).get("results") or {}).items():
+            for key, value in metrics.items():
+                name = key.split(",")[0]
+                if isinstance(value, (int, float)) and "stderr" not in name and name != "sample_len":
+                    out[f"{task}/{name}"] = float(value)
+        return out
+
+
+@dataclass
+class EvalResults:
+    """The results of one ``gqakit eval`` run: models in order, the baseline first."""
+
+    models: dict[str, ModelResult]
+    baseline: str | None
+    options: EvalOptions
+    environment: dict[str, Any]
+
+    def others(self) -> list[ModelResult]:
+        return [m for label, m in self.models.items() if label != self.baseline]
+
+    def comparisons(self) -> dict[str, Any]:
+        """Deltas and decode speedups of every model against the baseline (empty without one)."""
+        if self.baseline is None:
+            return {}
+        base = self.models[self.baseline]
+        out: dict[str, Any] = {}
+        for m in self.others():
+            c: dict[str, Any] = {}
+            if base.perplexity and m.perplexity:
+                c["ppl_delta"] = m.perplexity.ppl - base.perplexity.ppl
+                c["ppl_delta_pct"] = 100 * (m.perplexity.ppl / base.perplexity.ppl - 1)
+                c["bits_per_byte_delta"] = m.perplexity.bits_per_byte - base.perplexity.bits_per_byte
+            base_tasks, tasks = base.task_metrics(), m.task_metrics()
+            c["task_deltas"] = {k: tasks[k] - base_tasks[k] for k in tasks if k in base_tasks}
+            c["kv_cache_ratio"] = m.kv_bytes_per_token / base.kv_bytes_per_token
+            c["decode"] = []
+            for p in m.decode:
+                b = base.point(p.batch, p.context)
+                if b is None:
+                    continue
+                ok = p.status == "ok" and b.status == "ok"
+                c["decode"].append(
+                    {
+                        "batch": p.batch,
+                        "context": p.context,
+                        "speedup": p.tokens_per_s / b.tokens_per_s if ok else None,
+                        "bound": b.bytes_per_step / p.bytes_per_step,
+                        "kv_bytes_ratio": (p.kv_bytes / b.kv_bytes) if ok and b.kv_bytes else None,
+                    }
+                )
+            for d in c["decode"]:
+                d["of_bound"] = d["speedup"] / d["bound"] if d["speedup"] is not None else None
+            out[m.label] = c
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gqakit_version": __version__,
+            "environment": self.environment,
+            "options": self.options.to_dict(),
+            "baseline": self.baseline,
+            "models": {label: asdict(m) for label, m in self.models.items()},
+            "comparisons": self.comparisons(),
+        }
+
+
+def environment(device: torch.device, command_line: str | None) -> dict[str, Any]:
+    """Versions, device and command line, for results.json."""
+    import datasets
+    import lm_eval
+    import transformers
+
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = (
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"{torch.get_num_threads()} torch threads"
+        )
+    return {
+        "command_line": command_line if command_line is not None else " ".join(sys.argv),
+        "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_name": device_name,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {
+            "gqakit": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "lm_eval": getattr(lm_eval, "__version__", "unknown"),
+            "datasets": datasets.__version__,
+        },
+    }
+
+
+__all__ = ["EvalResults", "ModelResult", "environment"]

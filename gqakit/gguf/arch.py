@@ -1,0 +1,317 @@
+"""Which GGUF architecture each Hugging Face family becomes, and the metadata llama.cpp reads for it.
+
+One :class:`GgufArch` per ``config.model_type``; adding a family is adding an entry to :data:`ARCHS`.
+The key names are gguf-py's ``gguf.Keys`` templates (the GGUF spec as llama.cpp ships it), and what each
+family needs beyond the common keys follows what llama.cpp's loader reads for that architecture
+(``src/models/<arch>.cpp``: ``load_arch_hparams``) and what its ``convert_hf_to_gguf.py`` writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFValueType, Keys
+
+from gqakit.errors import GqakitError, did_you_mean
+
+if TYPE_CHECKING:
+    import torch
+
+_U32, _F32, _BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
+Config = dict[str, Any]
+
+
+def head_dim(cfg: Config) -> int:
+    """Channels per head: ``head_dim`` when stated (gemma: 256 regardless of width), else hidden / heads."""
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def rope(cfg: Config, layer_kind: str = "full_attention") -> dict[str, Any]:
+    """The rotary parameters of one kind of layer, whichever way the config spells them.
+
+    transformers 5 keeps them in ``rope_parameters`` (nested per layer kind for gemma3); older configs
+    have ``rope_theta`` and ``rope_scaling`` at the top level.
+    """
+    params = dict(cfg.get("rope_parameters") or {})
+    if isinstance(params.get(layer_kind), dict):
+        params = dict(params[layer_kind])
+    legacy = cfg.get("rope_scaling") or {}
+    out = {**legacy, **params}
+    if "rope_theta" not in out and "rope_theta" in cfg:
+        out["rope_theta"] = cfg["rope_theta"]
+    out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+    return out
+
+
+def rotary_dims(cfg: Config) -> int:
+    frac = cfg.get("partial_rotary_factor") or rope(cfg).get("partial_rotary_factor") or 1.0
+    return int(head_dim(cfg) * float(frac))
+
+
+@dataclass(frozen=True)
+class HParam:
+    """One GGUF metadata key and how to read its value from ``config.json``.
+
+    Attributes:
+        key: a ``gguf.Keys`` template with ``{arch}``.
+        vtype: the GGUF value type (arrays: the element type).
+        get: config -> value; ``None`` means the config does not state it and the key is not written.
+        required: a config without it cannot be exported (every missing one is reported at once).
+        config_name: the Hugging Face field, named in errors and used by the header reader to map back.
+    """
+
+    key: str
+    vtype: GGUFValueType
+    get: Callable[[Config], Any]
+    required: bool = False
+    config_name: str = ""
+
+
+def _field(name: str) -> Callable[[Config], Any]:
+    return lambda cfg: cfg.get(name)
+
+
+def _required(key: str, vtype: GGUFValueType, name: str) -> HParam:
+    return HParam(key, vtype, _field(name), required=True, config_name=name)
+
+
+# Every family: the keys llama.cpp's common loader (llama_model::load_hparams) reads for a transformer.
+COMMON: tuple[HParam, ...] = (
+    _required(Keys.LLM.CONTEXT_LENGTH, _U32, "max_position_embeddings"),
+    _required(Keys.LLM.EMBEDDING_LENGTH, _U32, "hidden_size"),
+    _required(Keys.LLM.BLOCK_COUNT, _U32, "num_hidden_layers"),
+    _required(Keys.LLM.FEED_FORWARD_LENGTH, _U32, "intermediate_size"),
+    _required(Keys.Attention.HEAD_COUNT, _U32, "num_attention_heads"),
+    # absent in a config means MHA, as in transformers
+    HParam(
+        Keys.Attention.HEAD_COUNT_KV,
+        _U32,
+        lambda c: c.get("num_key_value_heads") or c.get("num_attention_heads"),
+        config_name="num_key_value_heads",
+    ),
+    # stated explicitly: llama.cpp otherwise derives hidden / heads, wrong for gemma's head_dim 256
+    HParam(Keys.Attention.KEY_LENGTH, _U32, head_dim, config_name="head_dim"),
+    HParam(Keys.Attention.VALUE_LENGTH, _U32, head_dim, config_name="head_dim"),
+    HParam(Keys.Rope.DIMENSION_COUNT, _U32, rotary_dims),
+    HParam(Keys.Rope.FREQ_BASE, _F32, lambda c: rope(c).get("rope_theta"), config_name="rope_theta"),
+    _required(Keys.Attention.LAYERNORM_RMS_EPS, _F32, "rms_norm_eps"),
+)
+
+
+def _swa_pattern(default_period: int) -> Callable[[Config], list[bool] | None]:
+    """Per-layer sliding flags, written only when they differ from the period llama.cpp assumes.
+
+    llama.cpp marks layer ``i`` sliding when ``i % n < n - 1`` (``llama_hparams::set_swa_pattern``), n = 2
+    for gemma2 and 6 for gemma3; an explicit bool array under ``attention.sliding_window_pattern``
+    overrides it. Writing the array only when needed keeps older readers, which expect no array, working.
+    """
+
+    def get(cfg: Config) -> list[bool] | None:
+        kinds = cfg.get("layer_types")
+        if not kinds:
+            return None
+        flags = [k == "sliding_attention" for k in kinds]
+        implied = [i % default_period < default_period - 1 for i in range(len(flags))]
+        return None if flags == implied else flags
+
+    return get
+
+
+def _attention_scale_check(cfg: Config) -> str | None:
+    # gemma2/gemma3 in llama.cpp scale queries by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 27B
+    # sizes) and ignore query_pre_attn_scalar, which transformers uses.
+    scalar = cfg.get("query_pre_attn_scalar")
+    allowed = {head_dim(cfg), cfg["hidden_size"] // cfg["num_attention_heads"]}
+    if scalar is not None and int(scalar) not in allowed:
+        return (
+            f"query_pre_attn_scalar={scalar} is neither head_dim ({head_dim(cfg)}) nor hidden/heads: "
+            "llama.cpp scales attention by 1/sqrt(head_dim), so its logits will differ from transformers'."
+        )
+    return None
+
+
+def _softcap_check(cfg: Config) -> str | None:
+    # llama.cpp's gemma2 caps attention and final logits unconditionally, at 50 and 30 when the GGUF
+    # states no value (llama_hparams defaults); transformers caps only when the config says so.
+    absent = [k for k in ("attn_logit_softcapping", "final_logit_softcapping") if cfg.get(k) is None]
+    if absent:
+        return (
+            f"{' and '.join(absent)} is None, but llama.cpp's gemma2 always soft-caps (at its defaults): "
+            "its logits will differ from transformers'."
+        )
+    return None
+
+
+def _sliding_window_check(cfg: Config) -> str | None:
+    # llama.cpp's llama architecture has no sliding window: mistral v0.1's 4096-token window is not applied.
+    window, ctx = cfg.get("sliding_window"), cfg.get("max_position_embeddings") or 0
+    if window and window < ctx:
+        return (
+            f"sliding_window={window} is smaller than the context ({ctx}): llama.cpp's llama architecture "
+            f"attends to all tokens, so outputs differ from transformers' beyond {window} tokens."
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """How one Hugging Face family is laid out in GGUF.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        arch: the gguf-py architecture; its name is ``general.architecture``.
+        permute_qk: llama.cpp applies "normal" rotary to this architecture (pairs of adjacent channels,
+            ``llama_model_rope_type``), while Hugging Face's checkpoints are laid out for ``rotate_half``
+            (channel i paired with i + d/2), so Q and K rows must be reordered. NeoX-rotary
+            architectures (qwen2, gemma*, phi3) use the Hugging Face order as it is.
+        norm_plus_one: the family's RMSNorm computes ``x * (1 + w)``; llama.cpp multiplies by the stored
+            weight, so ``w + 1`` is stored (convert_hf_to_gguf.py's gemma classes do the same).
+        has_output: the architecture has an ``output.weight`` tensor. gemma and gemma2 in llama.cpp always
+            reuse ``token_embd`` as the output projection.
+        hparams: keys beyond :data:`COMMON`.
+        layer_kinds: kinds of layer with their own rotary parameters (gemma3's sliding layers rotate
+            with a 10k base and no scaling; llama.cpp scales only the full-attention ones).
+        checks: config -> a warning when llama.cpp will compute something transformers does not.
+    """
+
+    model_type: str
+    arch: MODEL_ARCH
+    permute_qk: bool = False
+    norm_plus_one: bool = False
+    has_output: bool = True
+    hparams: tuple[HParam, ...] = ()
+    layer_kinds: tuple[str, ...] = ("full_attention",)
+    checks: tuple[Callable[[Config], str | None], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return MODEL_ARCH_NAMES[self.arch]
+
+
+_GEMMA2_KEYS = (
+    HParam(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, _F32, _field("attn_logit_softcapping")),
+    HParam(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _F32, _field("final_logit_softcapping")),
+    HParam(Keys.Attention.SLIDING_WINDOW, _U32, _field("sliding_window"), config_name="sliding_window"),
+    HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, _swa_pattern(2)),
+)
+_GEMMA3_KEYS = (
+    HParam(Keys.Attention.SLIDING_WINDOW, _U32, _field("sliding_window"), config_name="sliding_window"),
+    HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, _swa_pattern(6)),
+    # local layers rotate with their own base (10k), global ones with rope_theta (1M)
+    HParam(Keys.Rope.FREQ_BASE_SWA, _F32, lambda c: rope(c, "sliding_attention").get("rope_theta")),
+    HParam(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _F32, _field("final_logit_softcapping")),
+)
+_PHI3_KEYS = (
+    HParam(Keys.Rope.SCALING_ORIG_CTX_LEN, _U32, _field("original_max_position_embeddings")),
+    # llama.cpp reads 0 as "no window" (phi-4); phi-3's window is read but disabled by llama.cpp
+    HParam(Keys.Attention.SLIDING_WINDOW, _U32, lambda c: c.get("sliding_window") or 0),
+)
+
+ARCHS: dict[str, GgufArch] = {
+    a.model_type: a
+    for a in (
+        GgufArch("llama", MODEL_ARCH.LLAMA, permute_qk=True),
+        # convert_hf_to_gguf.py writes MistralForCausalLM as the llama architecture
+        GgufArch("mistral", MODEL_ARCH.LLAMA, permute_qk=True, checks=(_sliding_window_check,)),
+        GgufArch("qwen2", MODEL_ARCH.QWEN2),
+        GgufArch("gemma", MODEL_ARCH.GEMMA, norm_plus_one=True, has_output=False),
+        GgufArch(
+            "gemma2",
+            MODEL_ARCH.GEMMA2,
+            norm_plus_one=True,
+            has_output=False,
+            hparams=_GEMMA2_KEYS,
+            checks=(_attention_scale_check, _softcap_check),
+        ),
+        GgufArch(
+            "gemma3_text",
+            MODEL_ARCH.GEMMA3,
+            norm_plus_one=True,
+            hparams=_GEMMA3_KEYS,
+            layer_kinds=("full_attention", "sliding_attention"),
+            checks=(_attention_scale_check,),
+        ),
+        GgufArch("phi3", MODEL_ARCH.PHI3, hparams=_PHI3_KEYS),
+    )
+}
+
+# GGUF architecture name -> Hugging Face model_type, for reading a header back. The first family
+# registered for an architecture wins (a mistral exports as llama and reads back as llama); a few
+# architectures outside the export table are named here so that inspect can still name them.
+ARCH_TO_MODEL_TYPE: dict[str, str] = {
+    "phi2": "phi",
+    "command-r": "cohere",
+    "gptneox": "gpt_neox",
+}
+for _a in ARCHS.values():
+    ARCH_TO_MODEL_TYPE.setdefault(_a.name, _a.model_type)
+
+
+def get_arch(model_type: str) -> GgufArch:
+    """The export rules for ``model_type``, or a :class:`GqakitError` naming the supported families."""
+    if model_type in ARCHS:
+        return ARCHS[model_type]
+    hint = did_you_mean(model_type, list(ARCHS))
+    raise GqakitError(
+        f"model_type {model_type!r} cannot be exported to GGUF: gqakit does not know llama.cpp's layout "
+        f"for it.{hint} Supported families: {', '.join(sorted(ARCHS))}."
+    )
+
+
+# Rotary scaling: rope_type -> the metadata it needs. A type missing here is refused rather than
+# exported with the wrong positions. llama3 has no metadata form: llama.cpp reads per-frequency divisors
+# from a ``rope_freqs`` tensor instead (see :func:`rope_freq_factors`).
+ROPE_KEYS: dict[str, Callable[[dict[str, Any]], list[tuple[str, GGUFValueType, Any]]]] = {
+    "default": lambda r: [],
+    "llama3": lambda r: [],
+    "linear": lambda r: [
+        (Keys.Rope.SCALING_TYPE, GGUFValueType.STRING, "linear"),
+        (Keys.Rope.SCALING_FACTOR, _F32, float(r["factor"])),
+    ],
+}
+
+
+def rope_freq_factors(cfg: Config) -> torch.Tensor | None:
+    """For llama3 rotary scaling, the ``rope_freqs`` tensor: plain inverse frequency / scaled one.
+
+    llama.cpp divides each rotary frequency by this factor. The scaled frequencies come from transformers'
+    own llama3 rule, so the GGUF rotates exactly as the Hugging Face model does.
+    """
+    if rope(cfg)["rope_type"] != "llama3":
+        return None
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.for_model(cfg["model_type"], **kw), "cpu")
+    dims = rotary_dims(cfg)
+    theta = float(rope(cfg)["rope_theta"])
+    plain = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+    return (plain / scaled.double()).float()
+
+
+def metadata(arch: GgufArch, cfg: Config) -> tuple[list[tuple[str, GGUFValueType, Any]], list[str]]:
+    """The architecture's metadata as ``(key, type, value)``, and warnings; every problem raised at once."""
+    missing = [p.config_name for p in COMMON + arch.hparams if p.required and p.get(cfg) is None]
+    problems = [f"config.json lacks {name!r}" for name in missing]
+    rotary = [rope(cfg, kind) for kind in arch.layer_kinds]
+    for r in rotary:
+        if r["rope_type"] not in ROPE_KEYS:
+            problems.append(
+                f"rope_type {r['rope_type']!r} has no GGUF form in gqakit (supported: {', '.join(ROPE_KEYS)})"
+            )
+    if any(r["rope_type"] != "default" for r in rotary[1:]):
+        problems.append("sliding layers must use default rotary: llama.cpp scales only full-attention ones")
+    if problems:
+        raise GqakitError(f"Cannot export this {arch.model_type} checkpoint to GGUF: {'; '.join(problems)}.")
+    out = []
+    for p in COMMON + arch.hparams:
+        value = p.get(cfg)
+        if value is not None:
+            out.append((p.key.format(arch=arch.name), p.vtype, value))
+    out += [(k.format(arch=arch.name), t, v) for k, t, v in ROPE_KEYS[rotary[0]["rope_type"]](rotary[0])]
+    warnings = [w for check in arch.checks if (w := check(cfg))]
+    return out, warnings

@@ -1,0 +1,209 @@
+"""``export_gguf``: a gqakit checkpoint (MHA, GQA or MQA) as a GGUF file that llama.cpp loads.
+
+The file is written in two passes over the checkpoint's headers and one over its weights: the
+layout (metadata and every tensor's name, shape and type) is planned from headers alone and written
+first, then each tensor is read, rewritten and appended before the next is read, so memory stays
+near one tensor. The file appears under its name only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import torch
+
+from gqakit import __version__
+from gqakit.checkpoint import Checkpoint, resolve_checkpoint
+from gqakit.errors import GqakitError
+from gqakit.gguf.arch import GgufArch, get_arch, metadata, rope_freq_factors
+from gqakit.gguf.tensors import OUT_TYPES, GgufTensor, check_out_type, plan_tensors, rope_freqs_tensor
+from gqakit.gguf.vocab import Vocab, load_vocab
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_gguf` wrote.
+
+    Attributes:
+        path: the GGUF file.
+        model_type: the source's ``config.model_type``.
+        arch: the GGUF architecture (``general.architecture``).
+        out_type: ``f32``, ``f16`` or ``q8_0``.
+        num_heads, num_kv_heads: query and K/V heads (H and G).
+        tensors: tensors written.
+        parameters: elements over all tensors.
+        bytes: size of the file.
+        seconds: wall time of the export.
+        tokenizer: ``tokenizer.ggml.model`` and ``tokenizer.ggml.pre``, e.g. ``gpt2/smollm``.
+        warnings: where llama.cpp will not compute exactly what transformers does, or a tokenizer detail
+            gqakit could not map; empty for a faithful export.
+    """
+
+    path: Path
+    model_type: str
+    arch: str
+    out_type: str
+    num_heads: int
+    num_kv_heads: int
+    tensors: int
+    parameters: int
+    bytes: int
+    seconds: float
+    tokenizer: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def _check_destination(dst: Path, force: bool) -> Path:
+    dst = Path(dst).expanduser().resolve()
+    if dst.is_dir():
+        raise GqakitError(f"Output {dst} is a directory: give a file path ending in .gguf.")
+    if dst.exists() and not force:
+        raise GqakitError(f"Output {dst} exists: pass --force to replace it, or choose another path.")
+    return dst
+
+
+def _provenance(ckpt: Checkpoint) -> list[tuple[str, gguf.GGUFValueType, Any]]:
+    """general.* and gqakit.* keys: where the weights came from and which tool wrote them."""
+    cfg = ckpt.config
+    S, U = gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32
+    origin = ckpt.origin
+    url = Path(origin).as_uri() if Path(origin).is_absolute() else f"https://huggingface.co/{origin}"
+    name = cfg.get("_name_or_path") or cfg.get("_model_name_or_path") or Path(origin).name
+    out = [
+        (gguf.Keys.General.NAME, S, str(name)),
+        (gguf.Keys.General.SOURCE_URL, S, url),
+        ("gqakit.version", S, __version__),
+        ("gqakit.source", S, origin),
+        ("gqakit.query_heads", U, int(cfg["num_attention_heads"])),
+        ("gqakit.kv_heads", U, int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])),
+    ]
+    record = ckpt.path / "gqakit.json"
+    if record.is_file():  # a converted checkpoint: name what it was converted from
+        try:
+            converted_from = json.loads(record.read_text()).get("source")
+        except ValueError:
+            converted_from = None
+        if converted_from:
+            out.append(("gqakit.converted_from", S, str(converted_from)))
+    return out
+
+
+def _write_kv(writer: gguf.GGUFWriter, key: str, vtype: gguf.GGUFValueType, value: Any) -> None:
+    if isinstance(value, list):
+        writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=vtype)
+    else:
+        writer.add_key_value(key, value, vtype)
+
+
+def _embedding_rows(ckpt: Checkpoint) -> int:
+    info = ckpt.tensor_infos().get("model.embed_tokens.weight")
+    return int(info[1][0]) if info else int(ckpt.config["vocab_size"])
+
+
+def _write(
+    ckpt: Checkpoint,
+    arch: GgufArch,
+    out_type: str,
+    kv: list[tuple[str, gguf.GGUFValueType, Any]],
+    vocab: Vocab,
+    plan: list[GgufTensor],
+    path: Path,
+) -> None:
+    writer = gguf.GGUFWriter(path, arch.name)
+    try:
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_file_type(int(OUT_TYPES[out_type][1]))
+        if out_type == "q8_0":
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, vtype, value in kv:
+            _write_kv(writer, key, vtype, value)
+        writer.add_vocab_size(len(vocab.tokens))
+        vocab.add_to(writer)
+        for t in plan:
+            writer.add_tensor_info(t.name, t.byte_shape(), t.np_dtype, t.nbytes, raw_dtype=t.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        with ckpt.reader() as reader:
+            for t in plan:
+                source = t.data if t.source is None else reader.read(t.source)
+                writer.write_tensor_data(t.encode(source))
+                del source
+    finally:
+        writer.close()
+
+
+def export_gguf(src: str | Path, dst: str | Path, out_type: str = "f16", force: bool = False) -> ExportResult:
+    """Write a checkpoint as a GGUF file that llama.cpp loads, tokenizer included.
+
+    Args:
+        src: a checkpoint directory gqakit reads (MHA, GQA or MQA), a ``.gguf`` file, or a hub id.
+        dst: the ``.gguf`` file to write.
+        out_type: ``f32``, ``f16`` or ``q8_0`` for matrices; vectors are always F32.
+        force: replace ``dst`` if it exists.
+
+    Returns:
+        An :class:`ExportResult`; its ``warnings`` name anything llama.cpp will compute differently.
+
+    Raises:
+        GqakitError: an unknown ``out_type``, an existing ``dst`` without ``force``, a family whose GGUF
+            layout gqakit does not know, a tokenizer it cannot embed, or a config that lacks what the
+            layout needs. Nothing is left at ``dst`` (or beside it) after an error or Ctrl-C.
+    """
+    start = time.perf_counter()
+    check_out_type(out_type)
+    dst = _check_destination(Path(dst), force)
+    with resolve_checkpoint(src) as ckpt:
+        arch = get_arch(ckpt.model_type)
+        cfg = ckpt.config
+        kv, warnings = metadata(arch, cfg)
+        infos = ckpt.tensor_infos()
+
+        def lm_head_is_embedding() -> bool:
+            with ckpt.reader() as r:
+                return torch.equal(r.read("lm_head.weight"), r.read("model.embed_tokens.weight"))
+
+        plan = plan_tensors(arch, cfg, infos, out_type, lm_head_is_embedding)
+        factors = rope_freq_factors(cfg)
+        if factors is not None:
+            plan.append(rope_freqs_tensor(factors))
+        vocab = load_vocab(ckpt.path, _embedding_rows(ckpt))
+        warnings = warnings + vocab.warnings
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            _write(ckpt, arch, out_type, kv + _provenance(ckpt), vocab, plan, tmp)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, dst)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return ExportResult(
+        path=dst,
+        model_type=ckpt.model_type,
+        arch=arch.name,
+        out_type=out_type,
+        num_heads=int(cfg["num_attention_heads"]),
+        num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+        tensors=len(plan),
+        parameters=sum(int(torch.Size(t.shape).numel()) for t in plan),
+        bytes=dst.stat().st_size,
+        seconds=round(time.perf_counter() - start, 3),
+        tokenizer=f"{vocab.model}/{vocab.pre}",
+        warnings=warnings,
+    )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

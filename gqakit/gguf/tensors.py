@@ -1,0 +1,196 @@
+"""Hugging Face tensors -> GGUF tensors: names, the per-family rewrites, and the stored type.
+
+The rewrites are pure functions (tensor in, tensor out); :func:`plan_tensors` decides, from names and
+shapes alone, which applies to each tensor, so the file's layout is known before any weight is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from gqakit.errors import GqakitError, did_you_mean
+from gqakit.gguf.arch import Config, GgufArch
+
+# --out-type -> (tensor type of matrices, general.file_type). Vectors (norms, biases) stay F32 in every
+# type, as convert_hf_to_gguf.py keeps them: llama.cpp's kernels expect F32 norms and they are tiny.
+OUT_TYPES: dict[str, tuple[QT, gguf.LlamaFileType]] = {
+    "f32": (QT.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (QT.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+# Tensors a checkpoint may hold that are not weights llama.cpp reads (old llama checkpoints saved
+# their rotary tables).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def check_out_type(out_type: str) -> None:
+    if out_type not in OUT_TYPES:
+        raise GqakitError(
+            f"GGUF type {out_type!r} is unknown.{did_you_mean(out_type, list(OUT_TYPES))} "
+            f"Choose one of {', '.join(OUT_TYPES)}."
+        )
+
+
+def hf_to_ggml_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder Q or K projection rows from Hugging Face's rotary layout to llama.cpp's "normal" one.
+
+    Inside each head, Hugging Face's ``rotate_half`` pairs channel ``i`` with ``i + d/2``; llama.cpp's
+    normal rope (llama architecture) pairs channels ``2i`` and ``2i + 1``. So output row ``2i`` of a head
+    is input row ``i`` and row ``2i + 1`` is input row ``i + d/2``. For K, ``n_heads`` is the number of
+    K/V heads: this is where a GQA/MQA checkpoint differs from MHA. Works for weights and biases.
+    """
+    d = w.shape[0] // n_heads
+    halves = w.reshape(n_heads, 2, d // 2, *w.shape[1:])  # [head, which half, i, ...]
+    return halves.transpose(1, 2).reshape(w.shape)  # [head, i, which half, ...] = interleaved
+
+
+def ggml_to_hf_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`hf_to_ggml_rotary`: GGUF llama rows back to Hugging Face's layout."""
+    d = w.shape[0] // n_heads
+    pairs = w.reshape(n_heads, d // 2, 2, *w.shape[1:])
+    return pairs.transpose(1, 2).reshape(w.shape)
+
+
+def plus_one(w: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm multiplies by ``1 + w``: store ``w + 1`` (computed in float32)."""
+    return w.float() + 1.0
+
+
+@dataclass
+class GgufTensor:
+    """One tensor of the output file, planned before any weight is read.
+
+    Attributes:
+        name: the GGUF name (``blk.0.attn_q.weight``).
+        source: the Hugging Face tensor it comes from (None for a tensor computed from the config).
+        shape: the numpy shape (GGUF stores it reversed, as ``ne``).
+        qtype: the stored tensor type.
+        transforms: rewrites applied in order, each with the reason it exists.
+        data: the tensor itself when it is computed rather than read (``rope_freqs``).
+    """
+
+    name: str
+    source: str | None
+    shape: tuple[int, ...]
+    qtype: QT
+    transforms: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
+    data: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.qtype == QT.F32:
+            return 4 * int(np.prod(self.shape))
+        if self.qtype == QT.F16:
+            return 2 * int(np.prod(self.shape))
+        return int(np.prod(gguf.quant_shape_to_byte_shape(self.shape, self.qtype)))
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The dtype of the array handed to the writer: bytes (uint8) for quantized types."""
+        return np.dtype({QT.F32: np.float32, QT.F16: np.float16}.get(self.qtype, np.uint8))
+
+    def byte_shape(self) -> tuple[int, ...]:
+        """The shape of the array handed to the writer (bytes per row for quantized types)."""
+        if self.qtype in (QT.F32, QT.F16):
+            return self.shape
+        return tuple(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
+
+    def encode(self, t: torch.Tensor) -> np.ndarray:
+        """Apply the rewrites and store as :attr:`qtype` (f16 by round-to-nearest-even, like torch)."""
+        for _, fn in self.transforms:
+            t = fn(t)
+        arr = t.detach().to(torch.float32).contiguous().numpy()
+        if self.qtype == QT.F32:
+            return arr
+        if self.qtype == QT.F16:
+            return arr.astype(np.float16)
+        return gguf.quants.quantize(arr, self.qtype)
+
+
+def _stored_type(shape: tuple[int, ...], matrix_type: QT) -> QT:
+    if len(shape) < 2:
+        return QT.F32
+    if matrix_type == QT.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[QT.Q8_0][0] != 0:
+        # rows that are not whole 32-value blocks cannot be Q8_0; llama.cpp's converter falls back too
+        return QT.F16
+    return matrix_type
+
+
+def plan_tensors(
+    arch: GgufArch,
+    cfg: Config,
+    infos: dict[str, tuple[str, tuple[int, ...]]],
+    out_type: str,
+    lm_head_is_embedding: Callable[[], bool],
+) -> list[GgufTensor]:
+    """Name, shape, type and rewrites of every output tensor, from the checkpoint's tensor headers.
+
+    Args:
+        arch: the family's export rules.
+        cfg: ``config.json``.
+        infos: Hugging Face name -> (dtype, shape), in checkpoint order.
+        out_type: a key of :data:`OUT_TYPES`.
+        lm_head_is_embedding: called only when an architecture without an output tensor meets an untied
+            ``lm_head``: True when its values equal the embedding's, so it may be dropped.
+
+    Raises:
+        GqakitError: naming every tensor llama.cpp's layout has no place for.
+    """
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    names = gguf.get_tensor_name_map(arch.arch, layers)
+    matrix_type = OUT_TYPES[out_type][0]
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    rotary_rules = {
+        # suffix -> heads whose rows are permuted (see hf_to_ggml_rotary)
+        "self_attn.q_proj": heads,
+        "self_attn.k_proj": kv_heads,
+    }
+    plan: list[GgufTensor] = []
+    unknown: list[str] = []
+    for hf_name, (_, shape) in infos.items():
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if hf_name == "lm_head.weight" and (tied or not arch.has_output):
+            # tied: llama.cpp uses token_embd when output.weight is absent (TENSOR_DUPLICATED in its loader)
+            if not tied and not lm_head_is_embedding():
+                raise GqakitError(
+                    f"This {arch.model_type} checkpoint has its own lm_head, but llama.cpp's {arch.name} "
+                    "architecture always projects with the token embedding; it cannot be exported faithfully."
+                )
+            continue
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            unknown.append(hf_name)
+            continue
+        t = GgufTensor(gguf_name, hf_name, tuple(shape), _stored_type(tuple(shape), matrix_type))
+        module = hf_name.rsplit(".", 1)[0]
+        for suffix, n in rotary_rules.items():
+            if arch.permute_qk and module.endswith(suffix):
+                t.transforms.append((f"rotary rows -> llama.cpp pairwise order ({n} heads)", _rotary(n)))
+        if arch.norm_plus_one and hf_name.endswith("norm.weight"):
+            t.transforms.append(("gemma RMSNorm weight stored as 1 + w", plus_one))
+        plan.append(t)
+    if unknown:
+        raise GqakitError(
+            f"{len(unknown)} tensor(s) have no place in llama.cpp's {arch.name} layout (first: "
+            f"{', '.join(unknown[:5])}). Is this checkpoint really a plain {arch.model_type} causal LM?"
+        )
+    return plan
+
+
+def _rotary(n_heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda w: hf_to_ggml_rotary(w, n_heads)
+
+
+def rope_freqs_tensor(factors: torch.Tensor) -> GgufTensor:
+    """The ``rope_freqs.weight`` tensor that carries llama3 rotary scaling (computed, not read)."""
+    name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    return GgufTensor(name, None, tuple(factors.shape), QT.F32, data=factors)

@@ -1,0 +1,309 @@
+"""``gqakit demo``: the whole story on a real pretrained model, offline, in minutes.
+
+::
+
+    [1/7] assets     SmolLM2-135M (GQA-3) and English Wikipedia text, from PyPI (cached)
+    [2/7] original   evaluate the original: test perplexity, bits per byte
+    [3/7] expand     GQA-3 -> MHA-9, exactly equivalent: the MHA baseline
+    [4/7] convert    MHA-9 -> GQA-3 and MQA (mean-pool), MQA (calibrated merge), evaluate each
+    [5/7] uptrain    the MQA model with the shipped recipe (distillation from the original)
+    [6/7] decode     every model's decode speed, side by side: interleaved rounds, fastest kept
+    [7/7] report     demo-report/report.md: one table and the plots
+
+Every step writes into the working directory (``demo-work/``): checkpoints under ``models/``, each
+evaluation under ``results/`` keyed by the model's files and the evaluation settings. A second run
+reuses whatever is still valid, so it takes seconds. :func:`run_demo` is the typed entry point; the
+asset step is a parameter (:attr:`DemoOptions.assets`), so tests run the same pipeline on a tiny model.
+
+Rows of the table come from :data:`VARIANTS`: each is a conversion of the MHA baseline, optionally
+uptrained. Another conversion method adds a row by adding a :class:`Variant`.
+
+This module is the pipeline and its public face; the parts live beside it: ``demo_options`` (assets,
+variants, options), ``demo_measure`` (each cached measurement), ``demo_report`` (table, report,
+plots) and ``demo_cli`` (the click command), on the shared ``store``, ``steps`` and ``reporting``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from gqakit.pipelines.demo_cli import demo_cmd
+from gqakit.pipelines.demo_measure import (
+    ModelEval,
+    Settings,
+    decode_side_by_side,
+    eval_options,
+    evaluate,
+    max_logit_diff,
+    resolve_settings,
+)
+from gqakit.pipelines.demo_options import (
+    KV_TOKENS,
+    RECIPE,
+    SMOLLM2,
+    VARIANTS,
+    WIKI,
+    DemoAssets,
+    DemoOptions,
+    Variant,
+)
+from gqakit.pipelines.demo_report import render_table, write_demo_plots, write_demo_report
+from gqakit.pipelines.steps import Steps, quiet_transformers
+from gqakit.pipelines.store import ResultStore, fingerprint
+
+STEPS = 7
+
+
+@dataclass
+class DemoResult:
+    """What :func:`run_demo` measured and wrote.
+
+    Attributes:
+        original: the original model's evaluation (step 2).
+        rows: the table, in order: MHA baseline, each variant (and its uptrained form).
+        checks: the exactness checks: max |logit difference| of MHA vs original and G=original vs
+            original, on a batch of test text.
+        uptrain: the uptraining runs' summaries, by variant slug.
+        report: ``report.md``.
+        results_json: every figure, machine-readable.
+        plots: the PNG files.
+        settings: the resolved settings (device, dtype, eval tokens, decode point).
+        elapsed_s: the demo's wall time.
+    """
+
+    original: ModelEval
+    rows: list[ModelEval]
+    checks: dict[str, float]
+    uptrain: dict[str, dict[str, Any]]
+    report: Path
+    results_json: Path
+    plots: list[Path]
+    settings: dict[str, Any]
+    elapsed_s: float
+
+
+def fetch_demo_assets(options: DemoOptions) -> DemoAssets:
+    """Step 1: SmolLM2-135M and the wiki-en splits, from the asset cache (fetched once)."""
+    from gqakit.assets import fetch_asset
+
+    model = fetch_asset(SMOLLM2, options.cache_dir, wheelhouse=options.wheelhouse)
+    wiki = fetch_asset(WIKI, options.cache_dir, wheelhouse=options.wheelhouse)
+    return DemoAssets(model["model"], wiki["train"], wiki["validation"], wiki["test"])
+
+
+def _kind(kv_heads: int, heads: int) -> str:
+    return "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
+
+
+def _label(kv_heads: int, heads: int) -> str:
+    kind = _kind(kv_heads, heads)
+    return kind if kind == "MQA" else f"{kind}-{kv_heads}"
+
+
+def _variant_label(v: Variant, g0: int, heads: int) -> str:
+    g = v.resolved_groups(g0)
+    return f"{_label(g, heads)} ({v.method})"
+
+
+def _load_recipe(options: DemoOptions, assets: DemoAssets, student: Path, teacher: Path, out: Path):
+    """The shipped recipe pointed at this run's checkpoints and data, with the user's overrides."""
+    from gqakit.uptrain.recipe import load_recipe
+
+    paths = [
+        f"model.path={json.dumps(str(student))}",
+        "model.convert=null",
+        f"teacher={json.dumps(str(teacher))}",
+        f"data.files={json.dumps([str(assets.train)])}",
+        f"data.val_files={json.dumps([str(assets.validation)])}",
+        f"output_dir={json.dumps(str(out))}",
+    ]
+    if not options.progress:
+        paths.append("log.progress=false")
+    recipe = load_recipe(options.recipe, [*paths, *options.recipe_overrides])
+    if options.budget_scale != 1.0:
+        b = recipe.budget
+        if b.steps is not None:
+            b.steps = max(1, round(b.steps * options.budget_scale))
+        elif b.tokens is not None:
+            b.tokens = max(1, round(b.tokens * options.budget_scale))
+        else:
+            b.alpha = b.alpha * options.budget_scale
+    return recipe
+
+
+def _uptrain(
+    options: DemoOptions,
+    s: Settings,
+    assets: DemoAssets,
+    student: Path,
+    out: Path,
+    store: ResultStore,
+    steps: Steps,
+) -> dict[str, Any]:
+    """Uptrain ``student`` (distilling from the original) unless the same run already finished."""
+    recipe = _load_recipe(options, assets, student, assets.model, out)
+    if s.device.startswith("cuda") and recipe.train.precision == "fp32":
+        recipe.train.precision = "bf16"
+    key = {"student": fingerprint(student), "recipe": recipe.to_dict()}
+    name = "uptrain-" + out.name
+    cached = store.get_output(name, key, out)  # only while the uptrained model is still the one recorded
+    if cached is not None:
+        steps.note(f"reusing {out} ({cached['steps']} steps, {cached['tokens']:,} tokens)")
+        return cached
+
+    from gqakit.uptrain.api import uptrain
+
+    budget = {k: v for k, v in asdict(recipe.budget).items() if v is not None and k != "pretraining_tokens"}
+    steps.note(f"recipe {options.recipe}, budget {budget}, objective {recipe.objective.kind}, -> {out}")
+    # An interrupted run of the same recipe resumes from its last checkpoint; anything else starts over.
+    resume = (out / "recipe.yaml").is_file() and (out / "recipe.yaml").read_text() == recipe.to_yaml()
+    resume = resume and not (out / "gqakit.json").is_file() and not options.fresh
+    if resume:
+        steps.note("resuming the interrupted run")
+    res = uptrain(recipe, resume=resume, force=not resume)
+    summary = {
+        "output_dir": str(res.output_dir),
+        "steps": int(res.steps),
+        "tokens": int(res.tokens),
+        "initial_val_ppl": res.initial_val_ppl,
+        "final_val_ppl": res.final_val_ppl,
+        "elapsed_s": round(res.elapsed_s, 1),
+        "metrics": str(res.history),
+        "budget": budget,
+        "objective": recipe.objective.kind,
+    }
+    return store.put_output(name, key, out, summary)
+
+
+def run_demo(options: DemoOptions | None = None) -> DemoResult:
+    """Run the demo's seven steps and write its report. See the module docstring.
+
+    Args:
+        options: what to run and where; defaults reproduce the README's figures.
+
+    Returns:
+        A :class:`DemoResult`; the report is at ``result.report``.
+    """
+    from gqakit.convert import convert_checkpoint, expand_checkpoint
+    from gqakit.eval import load_texts
+
+    options = options or DemoOptions()
+    options.validate()
+    quiet_transformers()
+    start = time.perf_counter()
+    work = Path(options.work_dir).resolve()
+    models = work / "models"
+    store = ResultStore(work / "results", options.fresh)
+    steps = Steps(STEPS, options.echo)
+    s = resolve_settings(options)
+    options.echo(
+        f"gqakit demo: device {s.device}, {s.dtype}; working directory {work} "
+        f"(perplexity on {s.eval_tokens or 'all'} test tokens, decode at batch {s.decode_batch}, "
+        f"context {s.decode_context})"
+    )
+
+    with steps.step("Assets: the pretrained model and the text (cached after the first run)"):
+        assets = (options.assets or fetch_demo_assets)(options)
+        steps.note(f"model {assets.model}")
+        steps.note(f"text  {assets.test.parent}")
+        texts = load_texts(assets.test)
+        eval_opts = eval_options(s, assets.test, options.progress)
+
+    from gqakit.checkpoint import read_config
+    from gqakit.geometry import AttentionGeometry
+
+    geom = AttentionGeometry.from_config(read_config(assets.model))
+    heads, g0 = geom.num_heads, geom.num_kv_heads
+    orig_label = f"original ({_label(g0, heads)})"
+
+    with steps.step(f"Evaluate the original model ({_label(g0, heads)}, {heads} query heads)"):
+        original = evaluate(orig_label, assets.model, eval_opts, s, store, steps)
+
+    mha_dir = models / f"mha-{heads}"
+    with steps.step(f"Expand {_label(g0, heads)} -> MHA-{heads}: the exactly equivalent MHA baseline"):
+        expand = partial(expand_checkpoint, assets.model, mha_dir, force=True)
+        store.build_once(mha_dir, {"source": fingerprint(assets.model)}, expand)
+        checks = {f"MHA-{heads} vs original": max_logit_diff(assets.model, mha_dir, texts, s, store)}
+        steps.note(f"max |logit difference| vs the original: {checks[f'MHA-{heads} vs original']:.3g}")
+        mha = evaluate(f"MHA-{heads} (expanded)", mha_dir, eval_opts, s, store, steps)
+        rows = [mha]
+
+    uptrain_jobs: list[tuple[Variant, Path, str]] = []
+    with steps.step(
+        f"Convert MHA-{heads} -> " + ", ".join(_variant_label(v, g0, heads) for v in options.variants)
+    ):
+        for v in options.variants:
+            g = v.resolved_groups(g0)
+            dst = models / v.slug
+            conv = v.convert_options(g, assets, options.calib_tokens)
+            key = {"source": fingerprint(mha_dir), "options": repr(conv)}
+            store.build_once(dst, key, partial(convert_checkpoint, mha_dir, dst, conv))
+            label = _variant_label(v, g0, heads)
+            if g == g0:
+                checks[f"{label} vs original"] = max_logit_diff(assets.model, dst, texts, s, store)
+                steps.note(
+                    f"{label}: max |logit difference| vs the original: {checks[f'{label} vs original']:.3g}"
+                )
+            suffix = ", before uptraining" if v.uptrain else ""
+            rows.append(evaluate(label + suffix, dst, eval_opts, s, store, steps))
+            if v.uptrain:
+                uptrain_jobs.append((v, dst, label))
+
+    uptrained: dict[str, dict[str, Any]] = {}
+    with steps.step("Uptrain " + ", ".join(label for _, _, label in uptrain_jobs) + " with the recipe"):
+        for v, dst, label in uptrain_jobs:
+            out = models / f"{v.slug}-uptrained"
+            uptrained[v.slug] = _uptrain(options, s, assets, dst, out, store, steps)
+            rows.append(evaluate(f"{label}, after uptraining", out, eval_opts, s, store, steps))
+
+    with steps.step(
+        f"Decode speed (batch {s.decode_batch}, context {s.decode_context}), every model side by side: "
+        f"{s.decode_rounds} interleaved round(s)"
+    ):
+        decode_side_by_side([original, *rows], s, store, steps)
+
+    with steps.step("Report"):
+        elapsed = time.perf_counter() - start
+        settings = {
+            **asdict(s),
+            "kv_tokens": KV_TOKENS,
+            "source": str(assets.model),
+            "test": str(assets.test),
+            "reused": store.reused,
+        }
+        report, results_json, plots = write_demo_report(
+            Path(options.report_dir).resolve(),
+            original,
+            rows,
+            checks,
+            uptrained,
+            settings,
+            elapsed,
+            replace(eval_opts, bench=True),  # the decode point was measured, side by side
+        )
+    options.echo(f"\n{render_table(rows, s.decode_batch, s.decode_context, s.dtype)}\n")
+    options.echo(f"Report: {report}")
+    return DemoResult(original, rows, checks, uptrained, report, results_json, plots, settings, elapsed)
+
+
+__all__ = [
+    "KV_TOKENS",
+    "RECIPE",
+    "VARIANTS",
+    "DemoAssets",
+    "DemoOptions",
+    "DemoResult",
+    "ModelEval",
+    "Variant",
+    "demo_cmd",
+    "fetch_demo_assets",
+    "render_table",
+    "run_demo",
+    "write_demo_plots",
+    "write_demo_report",
+]

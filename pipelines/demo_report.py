@@ -1,0 +1,235 @@
+"""The demo's report: the table, ``report.md``, ``results.json`` and the plots."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gqakit import __version__
+from gqakit.pipelines.demo_options import KV_TOKENS
+from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
+
+if TYPE_CHECKING:
+    from gqakit.eval import EvalOptions
+    from gqakit.pipelines.demo_measure import ModelEval
+
+_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def render_table(rows: list[ModelEval], batch: int, context: int, dtype: str) -> str:
+    """The demo's Markdown table; speedups are relative to the first row (the MHA baseline)."""
+    base = rows[0].decode_tokens_per_s
+    lines = [
+        f"| model | K/V heads | perplexity | bits/byte | KV cache, {KV_TOKENS} tokens (MiB, "
+        f"{_SHORT_DTYPE.get(dtype, dtype)}) | decode tokens/s (batch {batch}, context {context}) | "
+        "decode speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        tps = r.decode_tokens_per_s
+        speed = f"{tps:,.1f}" if tps else "OOM"
+        ratio = f"{tps / base:.2f}x" if tps and base else "-"
+        lines.append(
+            f"| {r.label} | {r.kv_heads} | {fmt_ppl(r.ppl)} | {r.bits_per_byte:.3f} | {r.kv_mib:,.1f} | "
+            f"{speed} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def _read_metrics(path: str) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def write_demo_plots(
+    out: Path, rows: list[ModelEval], uptrained: dict[str, dict[str, Any]], dtype: str
+) -> list[Path]:
+    """quality.png (perplexity and bits per byte), kv_decode.png (KV cache and decode speed),
+    uptraining.png (validation perplexity during uptraining, when the run logged it)."""
+    plt = pyplot()
+
+    labels = [r.label.replace(", ", ",\n").replace(" (", "\n(") for r in rows]
+    colors = ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd"]
+    colors = (colors * (len(rows) // len(colors) + 1))[: len(rows)]
+    paths = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    axes[0].bar(labels, [r.ppl for r in rows], color=colors)
+    axes[0].set_yscale("log")
+    axes[0].set_ylim(bottom=1)
+    axes[0].set_ylabel("test perplexity (log scale)")
+    axes[1].bar(labels, [r.bits_per_byte for r in rows], color=colors)
+    axes[1].set_ylabel("bits per byte")
+    for ax, values in ((axes[0], [r.ppl for r in rows]), (axes[1], [r.bits_per_byte for r in rows])):
+        for i, v in enumerate(values):
+            ax.annotate(
+                fmt_ppl(v) if ax is axes[0] else f"{v:.3f}", (i, v), ha="center", va="bottom", fontsize=8
+            )
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("Quality on the test split: lower is better")
+    fig.tight_layout()
+    paths.append(save_figure(fig, out / "quality.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ctx = [2**k for k in range(7, 14)]
+    seen: set[int] = set()
+    for r, c in zip(rows, colors, strict=True):
+        if r.kv_heads in seen:
+            continue
+        seen.add(r.kv_heads)
+        per_token = r.kv_mib / KV_TOKENS
+        axes[0].plot(ctx, [per_token * n for n in ctx], marker="o", color=c, label=f"G = {r.kv_heads}")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("tokens in the cache (one sequence)")
+    axes[0].set_ylabel(f"KV cache (MiB, {_SHORT_DTYPE.get(dtype, dtype)})")
+    axes[0].legend()
+    tps = [r.decode_tokens_per_s or 0.0 for r in rows]
+    axes[1].bar(labels, tps, color=colors)
+    for i, v in enumerate(tps):
+        axes[1].annotate(f"{v:,.0f}" if v else "OOM", (i, v), ha="center", va="bottom", fontsize=8)
+    d = rows[0].result.decode[0]
+    axes[1].set_ylabel(f"decode tokens/s (batch {d.batch}, context {d.context})")
+    axes[1].tick_params(axis="x", labelsize=7)
+    fig.suptitle("What fewer K/V heads buy: a smaller cache, faster decoding")
+    fig.tight_layout()
+    paths.append(save_figure(fig, out / "kv_decode.png"))
+
+    curves = {slug: _read_metrics(u.get("metrics", "")) for slug, u in uptrained.items()}
+    curves = {slug: [m for m in ms if "val_ppl" in m] for slug, ms in curves.items()}
+    if any(curves.values()):
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for slug, ms in curves.items():
+            if ms:
+                x = [m.get("tokens", m.get("step", i)) for i, m in enumerate(ms)]
+                ax.plot(x, [m["val_ppl"] for m in ms], marker="o", label=slug)
+        ax.set_yscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("validation perplexity (log scale)")
+        ax.legend()
+        ax.set_title("Uptraining recovers the quality lost by pooling")
+        fig.tight_layout()
+        paths.append(save_figure(fig, out / "uptraining.png"))
+    return paths
+
+
+def _uptrain_line(slug: str, u: dict[str, Any]) -> str:
+    val = ""
+    if u.get("final_val_ppl") is not None:
+        before = u.get("initial_val_ppl")
+        val = (
+            f", validation perplexity {fmt_ppl(before)} -> "
+            if before is not None
+            else ", validation perplexity "
+        )
+        val += fmt_ppl(u["final_val_ppl"])
+    took = f" in {fmt_duration(u['elapsed_s'])}" if u.get("elapsed_s") else ""
+    return (
+        f"- `{slug}`: {u['steps']} steps, {u['tokens']:,} tokens{took}, objective `{u['objective']}`{val}; "
+        f"model in `{u['output_dir']}`"
+    )
+
+
+def write_demo_report(
+    out: Path,
+    original: ModelEval,
+    rows: list[ModelEval],
+    checks: dict[str, float],
+    uptrained: dict[str, dict[str, Any]],
+    settings: dict[str, Any],
+    elapsed_s: float,
+    eval_options: EvalOptions | None = None,
+) -> tuple[Path, Path, list[Path]]:
+    """Write ``report.md``, ``results.json`` and the plots into ``out``; return their paths.
+
+    With ``eval_options``, ``gqakit eval``'s own report of the same rows (every model against the
+    first, with the decode bound that bytes moved per step predict) goes into ``out/eval``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_demo_plots(out, rows, uptrained, settings["dtype"])
+    command = "gqakit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "gqakit demo"
+    eval_line = ""
+    if eval_options is not None:
+        from gqakit.eval import EvalResults, write_report
+        from gqakit.eval.api import environment
+
+        full = EvalResults(
+            models={r.label: r.result for r in rows},
+            baseline=rows[0].label,
+            options=eval_options,
+            environment=environment(torch.device(settings["device"]), command),
+        )
+        write_report(full, out / "eval")
+        eval_line = (
+            "\nThe same rows as `gqakit eval` reports them (deltas against the first row, measured KV "
+            "bytes, the decode speedup that bytes moved per step allow): [eval/report.md](eval/report.md).\n"
+        )
+    table = render_table(rows, settings["decode_batch"], settings["decode_context"], settings["dtype"])
+    tokens = f"{original.tokens:,} tokens" + (
+        " (capped)" if settings["eval_tokens"] else " (the whole split)"
+    )
+    check_lines = "\n".join(
+        f"- {name}: max |logit difference| = {diff:.3g}" + (" (identical)" if diff == 0 else "")
+        for name, diff in checks.items()
+    )
+    up_lines = "\n".join(_uptrain_line(slug, u) for slug, u in uptrained.items())
+    images = "\n".join(f"![{p.stem}]({p.name})" for p in plots)
+    text = f"""# gqakit demo
+
+`{command}` on {settings["device"]} ({settings["dtype"]}): {fmt_duration(elapsed_s)}
+({settings["reused"]} results reused from the working directory).
+Source model `{settings["source"]}`; test text `{settings["test"]}`.
+
+{table}
+
+- Perplexity and bits per byte: {tokens} of the test split, {settings["seq_len"]}-token windows.
+- KV cache: one sequence of {KV_TOKENS} tokens, every layer, keys and values.
+- Decode: median per-token latency of greedy decoding of {settings["new_tokens"]} new tokens after
+  a {settings["decode_context"]}-token prompt, batch {settings["decode_batch"]}; every model measured
+  side by side in {settings["decode_rounds"]} interleaved round(s), its fastest round kept; speedup
+  relative to the first row.
+- The {original.label}: perplexity {fmt_ppl(original.ppl)},
+  {original.bits_per_byte:.3f} bits/byte, decode {original.decode_tokens_per_s or 0:,.1f} tokens/s.
+{eval_line}
+## Exactness checks
+
+{check_lines}
+
+## Uptraining
+
+{up_lines}
+
+## Plots
+
+{images}
+
+Machine-readable figures: `results.json`. gqakit {__version__}, torch {torch.__version__},
+Python {platform.python_version()}, {platform.machine()}.
+"""
+    report = out / "report.md"
+    report.write_text(text)
+    results = {
+        "gqakit": __version__,
+        "torch": torch.__version__,
+        "command": command,
+        "elapsed_s": round(elapsed_s, 1),
+        "settings": settings,
+        "original": original.summary(),
+        "rows": [r.summary() for r in rows],
+        "checks": checks,
+        "uptrain": uptrained,
+        "plots": [p.name for p in plots],
+    }
+    results_json = out / "results.json"
+    results_json.write_text(json.dumps(results, indent=2) + "\n")
+    return report, results_json, plots
+
+
+__all__ = ["render_table", "write_demo_plots", "write_demo_report"]

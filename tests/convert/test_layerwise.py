@@ -1,0 +1,156 @@
+"""Calibrated conversion one decoder layer at a time: the same tensors as calibrating the whole model at
+once, memory that does not grow with depth, and clear errors for incomplete checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gqakit.checkpoint import resolve_checkpoint
+from gqakit.convert import ConvertOptions, RegroupSpec, convert_checkpoint, get_adapter
+from gqakit.convert.api import plan_with_merges, write_converted
+from gqakit.errors import GqakitError
+from gqakit.geometry import AttentionGeometry
+from gqakit.testing import TINY_TEXT, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def calib_txt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(TINY_TEXT * 12)
+    return path
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _whole_model(src, dst, opts: ConvertOptions):
+    """The whole-model path: calibrate over the loaded model, fit every layer, then stream the plan."""
+    with resolve_checkpoint(src) as ckpt:
+        adapter, geom = get_adapter(ckpt.model_type), AttentionGeometry.from_config(ckpt.config)
+        spec = RegroupSpec(opts.groups, opts.method)
+        plan, rec = plan_with_merges(ckpt, adapter, geom, spec, opts)
+        record = {"command": "convert", "groups": opts.groups, "method": opts.method, "dtype": "keep", **rec}
+        return write_converted(ckpt, dst, plan, geom, opts.groups, None, False, record, time.perf_counter())
+
+
+@pytest.mark.parametrize(
+    ("family", "groups", "grouping"),
+    [
+        ("llama", 1, "contiguous"),
+        ("qwen2", 2, "similarity"),  # biases, and heads regrouped by similarity
+        ("phi3", 2, "contiguous"),  # a fused qkv projection
+        ("gemma3_text", 1, "contiguous"),  # keys normalized per head: mean keys, calibrated values
+    ],
+)
+def test_layerwise_writes_exactly_what_calibrating_the_whole_model_writes(
+    tmp_path, calib_txt, family, groups, grouping
+):
+    src = save_tiny_model(tmp_path / "src", family, heads=4, kv_heads=4, layers=3)
+    opts = ConvertOptions(
+        groups=groups, method="calibrated", grouping=grouping, calib_data=str(calib_txt), calib_tokens=1024
+    )
+    layerwise = convert_checkpoint(src, tmp_path / "layerwise", opts)
+    whole = _whole_model(src, tmp_path / "whole", opts)
+    got, want = _tensors(tmp_path / "layerwise"), _tensors(tmp_path / "whole")
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    a, b = layerwise.provenance, whole.provenance
+    assert a["reconstruction_error"] == b["reconstruction_error"] and a["key_merge"] == b["key_merge"]
+    assert len(a["layerwise"]["seconds_per_layer"]) == 3 and a["layerwise"]["calib_inputs"] == "original"
+
+
+def test_following_the_converted_model_changes_what_later_layers_see(tmp_path, calib_txt):
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=3)
+    base = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=1024, refine_steps=4)
+    orig = convert_checkpoint(src, tmp_path / "orig", ConvertOptions(**base))
+    conv = convert_checkpoint(src, tmp_path / "conv", ConvertOptions(calib_inputs="converted", **base))
+    assert conv.provenance["layerwise"]["calib_inputs"] == "converted"
+    err_o, err_c = orig.provenance["reconstruction_error"], conv.provenance["reconstruction_error"]
+    assert err_o[0] == err_c[0]  # layer 0 sees the embedding either way
+    assert err_o[1:] != err_c[1:]  # later layers are calibrated on the converted model's states
+    a, b = _tensors(tmp_path / "orig"), _tensors(tmp_path / "conv")
+    assert torch.equal(
+        a["model.layers.0.self_attn.k_proj.weight"], b["model.layers.0.self_attn.k_proj.weight"]
+    )
+    assert not torch.equal(
+        a["model.layers.2.self_attn.k_proj.weight"], b["model.layers.2.self_attn.k_proj.weight"]
+    )
+
+
+def test_a_layer_missing_from_the_shards_is_a_clear_error(tmp_path, calib_txt):
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=2)
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    opts = ConvertOptions(groups=2, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    with pytest.raises(GqakitError, match=r"model.layers.1.mlp.up_proj.weight is missing .*decoder layer 1"):
+        convert_checkpoint(src, tmp_path / "out", opts)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no partial left behind
+
+
+# A child process converts (layer by layer, or over the loaded whole model) and prints the peak RSS of
+# the conversion alone: the high-water mark is reset after the imports (Linux: 5 > /proc/self/clear_refs),
+# whose transient peak would otherwise hide the model's memory.
+_PEAK = textwrap.dedent(
+    """
+    import re, sys
+    import torch, transformers
+    from gqakit.convert import ConvertOptions, convert_checkpoint
+    sys.path.insert(0, sys.argv[5])
+    from test_layerwise import _whole_model
+    src, dst, calib, mode = sys.argv[1:5]
+    opts = ConvertOptions(groups=2, method="calibrated", calib_data=calib, calib_tokens=512)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    if mode == "layerwise":
+        convert_checkpoint(src, dst, opts)
+    else:
+        _whole_model(src, dst, opts)
+    status = open("/proc/self/status").read()
+    print(int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1)) * 1024)
+    """
+)
+
+
+def _peak_rss(tmp_path, src, calib, mode) -> int:
+    dst = tmp_path / f"{src.name}-{mode}"
+    here = str(__import__("pathlib").Path(__file__).parent)
+    res = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(src), str(dst), str(calib), mode, here],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resets the peak RSS through /proc")
+def test_peak_memory_does_not_grow_with_depth(tmp_path, calib_txt):
+    """Peak RSS of a 2-layer and a 14-layer model of the same width: layer by layer it stays put, while
+    calibrating the loaded whole model grows by the 12 extra layers (about 500 MB in float32)."""
+    kw = dict(heads=8, kv_heads=8, hidden=1024, dtype=torch.bfloat16)
+    shallow = save_tiny_model(tmp_path / "l2", "llama", layers=2, **kw)
+    deep = save_tiny_model(tmp_path / "l14", "llama", layers=14, **kw)
+    layer_bytes = 4 * (4 * 1024 * 1024 + 3 * 1024 * 2048)  # float32: q/k/v/o and the MLP
+    growth = {
+        m: _peak_rss(tmp_path, deep, calib_txt, m) - _peak_rss(tmp_path, shallow, calib_txt, m)
+        for m in ("layerwise", "whole")
+    }
+    assert growth["whole"] > 8 * layer_bytes, growth  # the comparison sees the model
+    assert growth["layerwise"] < 2 * layer_bytes, growth
+    prov = json.loads((tmp_path / "l14-layerwise" / "gqakit.json").read_text())
+    assert len(prov["layerwise"]["seconds_per_layer"]) == 14

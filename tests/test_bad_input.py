@@ -1,0 +1,135 @@
+"""Bad input across the shared layer and the verbs: one clear message naming the bad value and the fix,
+a non-zero exit, nothing half-written. One row per case; add a row with every new message."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gqakit.cli import main
+from gqakit.testing import save_tiny_model
+
+
+@pytest.fixture
+def unwritable(tmp_path) -> Path:
+    """A directory in which nothing can be created: a chmod 555 directory, or for root (who ignores
+    permissions) a path under sysfs."""
+    if os.geteuid() != 0:
+        d = tmp_path / "ro"
+        d.mkdir()
+        d.chmod(0o555)
+        return d
+    probe = Path("/sys/gqakit-write-probe")
+    try:
+        probe.mkdir()
+    except OSError:
+        return Path("/sys")
+    probe.rmdir()
+    pytest.skip("no unwritable directory available")
+
+
+def _encoder(tmp_path: Path) -> Path:
+    """A tiny BERT checkpoint saved as a masked-LM encoder."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64)  # fmt: skip
+    BertForMaskedLM(cfg).save_pretrained(tmp_path / "bert")
+    return tmp_path / "bert"
+
+
+def _truncated(tmp_path: Path) -> Path:
+    src = save_tiny_model(tmp_path / "trunc", "llama", heads=4, kv_heads=4)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    return src
+
+
+def _lying_config(tmp_path: Path) -> Path:
+    """Weights with 4 K/V heads under a config that claims 8 query and 8 K/V heads."""
+    src = save_tiny_model(tmp_path / "lie", "llama", heads=4, kv_heads=4)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(num_attention_heads=8, num_key_value_heads=8, head_dim=16)
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+def test_an_encoder_is_refused_by_name(tmp_path):
+    from gqakit.errors import GqakitError
+    from gqakit.models import load_causal_lm
+
+    with pytest.raises(
+        GqakitError, match=r"'bert' checkpoint \(BertForMaskedLM\), not a decoder-only causal"
+    ):
+        load_causal_lm(_encoder(tmp_path), dtype="float32", device="cpu")
+
+
+def test_a_truncated_shard_is_named_not_a_traceback(tmp_path):
+    from gqakit.errors import GqakitError
+    from gqakit.models import load_causal_lm
+
+    with pytest.raises(GqakitError, match=r"model.safetensors.*truncated"):
+        load_causal_lm(_truncated(tmp_path), dtype="float32", device="cpu")
+
+
+CLI_CASES = [
+    # (id, argv builder, message fragment)
+    ("convert-unwritable-parent",
+     lambda t, u: ["convert", str(_tiny(t)), str(u / "out"), "-g", "2"],
+     "Cannot write the output"),
+    ("inspect-config-lies-about-heads",
+     lambda t, u: ["inspect", str(_lying_config(t))],
+     "the config implies"),
+    ("assets-GQAKIT_CACHE-is-a-file",
+     lambda t, u: (["assets", "fetch", "wiki-en"], {"GQAKIT_CACHE": str(_file(t))}),
+     "is a file, not a directory: point --cache-dir or GQAKIT_CACHE at a directory"),
+    ("assets-cache-unwritable",
+     lambda t, u: ["assets", "fetch", "wiki-en", "--cache-dir", str(u / "cache")],
+     "cannot be written"),
+    ("assets-missing-wheelhouse",
+     lambda t, u: ["assets", "fetch", "wiki-en", "--cache-dir", str(t / "c"), "--wheelhouse", str(t / "no")],
+     "--wheelhouse"),
+]  # fmt: skip
+
+
+def _tiny(tmp_path: Path) -> Path:
+    return save_tiny_model(tmp_path / "tiny", "llama", heads=4, kv_heads=4)
+
+
+def _file(tmp_path: Path) -> Path:
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    return f
+
+
+@pytest.mark.parametrize(("argv", "message"), [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_cli_bad_input_gives_one_clear_message(tmp_path, unwritable, argv, message):
+    args = argv(tmp_path, unwritable)
+    args, env = args if isinstance(args, tuple) else (args, {})
+    res = CliRunner().invoke(main, args, env=env)
+    assert res.exit_code != 0
+    assert message in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_a_killed_runs_partial_output_is_removed_by_the_next_run(tmp_path):
+    from gqakit.outputs import OWNER_FILE, atomic_output_dir
+
+    dst = tmp_path / "out"
+    dead = tmp_path / ".out.abc123.partial"  # what kill -9 left: its owner process no longer exists
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"x" * 1000)
+    (dead / OWNER_FILE).write_text(f"{os.uname().nodename} 999999999\n")
+    unknown = tmp_path / ".out.def456.partial"  # left by something that did not say who it was
+    unknown.mkdir()
+    other = tmp_path / ".other.aaa.partial"  # another DST's: none of this run's business
+    other.mkdir()
+    with atomic_output_dir(dst) as tmp:
+        (tmp / "f").write_text("ok")
+        assert tmp.exists()
+    assert not dead.exists() and unknown.exists() and other.exists()
+    assert (dst / "f").read_text() == "ok" and not (dst / OWNER_FILE).exists()
