@@ -22,7 +22,7 @@ from gqakit.eval.lm_eval_bridge import OUR_TASKS, check_tasks, parse_lm_eval_arg
 from gqakit.eval.options import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, EvalOptions
 from gqakit.eval.report import write_report
 from gqakit.eval.results import EvalResults, ModelResult, environment
-from gqakit.models import max_positions, resolve_device
+from gqakit.models import check_causal_lm, max_positions, resolve_device
 
 
 def _model_config(path: str):
@@ -39,6 +39,7 @@ def _model_config(path: str):
         config = AutoConfig.from_pretrained(path)
     except Exception as e:
         raise GqakitError(f"Could not read a model config from {path}: {e}") from None
+    check_causal_lm(config, path)  # an encoder with a masked-LM head: its perplexity means nothing
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise GqakitError(
             f"{path} is a {config.model_type!r} model, not a causal language model (AutoModelForCausalLM "
@@ -68,6 +69,13 @@ def _preflight(models: dict[str, str], options: EvalOptions) -> tuple[dict[str, 
     from gqakit.text import load_texts
 
     problems, configs = [], {}
+    if options.engine == "llamacpp":
+        from gqakit.eval.llamacpp_engine import require_llama_cpp
+
+        try:
+            require_llama_cpp()
+        except GqakitError as e:
+            problems.append(e.message)
     for label, path in models.items():
         try:
             config = _model_config(path)
@@ -106,6 +114,15 @@ def _labels(paths: Sequence[str]) -> list[str]:
     return [f"{n} ({i + 1})" for i, n in enumerate(names)]
 
 
+def _engine(name: str):
+    """The function that measures one model with engine ``name`` (see ``EvalOptions.engine``)."""
+    if name == "llamacpp":
+        from gqakit.eval.llamacpp_engine import measure_llamacpp_model
+
+        return measure_llamacpp_model
+    return measure_hf_model
+
+
 def evaluate(candidate: str, baseline: str | None = None, options: EvalOptions | None = None) -> EvalResults:
     """Evaluate ``candidate`` (and ``baseline`` when given) with ``options``; see :func:`evaluate_models`."""
     options = options or EvalOptions()
@@ -137,13 +154,17 @@ def evaluate_models(models: dict[str, str], options: EvalOptions, baseline: str 
         baseline = next(iter(models))
     if baseline is not None and baseline not in models:
         raise GqakitError(f"Baseline {baseline!r} is not one of the models: {', '.join(models)}.")
+    from gqakit.checkpoint import local_model
+
+    models = {label: local_model(path) for label, path in models.items()}  # a .gguf: dequantized once
     configs, texts = _preflight(models, options)
     env = environment(resolve_device(options.device), options.command_line)
     results: dict[str, ModelResult] = {}
     # Baseline first, so its numbers are there when the others are logged.
     order = [baseline] + [k for k in models if k != baseline] if baseline else list(models)
+    measure = _engine(options.engine)
     for label in order:
-        results[label] = measure_hf_model(
+        results[label] = measure(
             label,
             models[label],
             config=configs[label],

@@ -62,6 +62,22 @@ from gqakit.models import DTYPES
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+@click.option(
+    "--engine",
+    type=click.Choice(["hf", "llamacpp"]),
+    default="hf",
+    show_default=True,
+    help="hf: transformers in this process. llamacpp: each model exported to GGUF once (cached) and run "
+    "in llama.cpp, whose kernels read a shared K/V head once (decode at batch 1; "
+    'pip install -e ".[llamacpp]").',
+)
+@click.option(
+    "--gguf-type",
+    type=click.Choice(["f32", "f16", "q8_0"]),
+    default="f16",
+    show_default=True,
+    help="Weights of the llama.cpp engine; f32 also keeps its KV cache in float32 (transformers' numbers).",
+)
 def eval_cmd(
     model: str,
     baseline: str | None,
@@ -87,15 +103,21 @@ def eval_cmd(
     out_dir: str,
     seed: int,
     no_progress: bool,
+    engine: str,
+    gguf_type: str,
 ) -> None:
     """Measure MODEL (and --baseline): perplexity, lm-eval tasks, decode speed and KV memory.
 
     \b
     gqakit eval ./smollm2-mqa --baseline ./smollm2 --ppl-data wiki.test.txt --bench --out report/
     gqakit eval ./llama2-gqa8 --baseline ./Llama-2-7b-hf --tasks hellaswag,arc_easy --device cuda
+    gqakit eval ./smollm2-mqa --baseline ./smollm2-mha --engine llamacpp --bench --contexts 512,2048,4096
     """
     from gqakit.eval.api import EvalOptions, evaluate
     from gqakit.eval.report import write_report
+    from gqakit.outputs import writable_dir
+
+    writable_dir(out_dir, "--out")  # before the evaluation, not after it
 
     options = EvalOptions(
         ppl_data=ppl_data,
@@ -119,6 +141,8 @@ def eval_cmd(
         dtype=dtype,
         seed=seed,
         progress=not no_progress,
+        engine=engine,
+        gguf_type=gguf_type,
         command_line=" ".join(shlex.quote(a) for a in ["gqakit", *sys.argv[1:]]),
     )
     results = evaluate(model, baseline, options)

@@ -16,6 +16,10 @@ DEFAULT_BATCH_SIZES = (1, 8, 32)
 DEFAULT_CONTEXTS = (256, 1024, 4096)
 
 
+# --engine: where each model is measured (gqakit.eval.api dispatches on it).
+ENGINES: tuple[str, ...] = ("hf", "llamacpp")
+
+
 @dataclass(frozen=True)
 class EvalOptions:
     """What ``gqakit eval`` measures and how. Grids and task lists also accept their CLI strings.
@@ -43,6 +47,10 @@ class EvalOptions:
         seed: seed for prompts, lm-eval and torch.
         progress: show progress bars.
         command_line: the command that ran, for results.json (default: ``sys.argv``).
+        engine: ``hf`` (transformers, in this process) or ``llamacpp`` (llama.cpp through its Python
+            binding, on a GGUF export of each model; decode at batch 1).
+        gguf_type: the llama.cpp engine's weight type, ``f32`` (with a float32 KV cache: the same
+            function as transformers in float32), ``f16`` or ``q8_0`` (with llama.cpp's f16 KV cache).
     """
 
     ppl_data: str | None = None
@@ -67,6 +75,8 @@ class EvalOptions:
     seed: int = 0
     progress: bool = True
     command_line: str | None = None
+    engine: str = "hf"
+    gguf_type: str = "f16"
 
     def __post_init__(self) -> None:
         problems = []
@@ -100,6 +110,12 @@ class EvalOptions:
             parse_lm_eval_args(self.lm_eval_args)
         except GqakitError as e:
             problems.append(e.message)
+        if self.engine not in ENGINES:
+            problems.append(f"--engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}.")
+        if self.gguf_type not in ("f32", "f16", "q8_0"):
+            problems.append(f"--gguf-type {self.gguf_type!r} is unknown; choose f32, f16 or q8_0.")
+        if self.engine == "llamacpp" and self.tasks:
+            problems.append("--tasks runs lm-eval on transformers: use --engine hf for tasks.")
         if not (self.ppl_data or self.bench or self.tasks):
             problems.append("Nothing to evaluate: pass --ppl-data FILE, --bench and/or --tasks NAMES.")
         if problems:
@@ -109,4 +125,4 @@ class EvalOptions:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_CONTEXTS", "EvalOptions"]
+__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_CONTEXTS", "ENGINES", "EvalOptions"]

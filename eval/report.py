@@ -217,7 +217,7 @@ def _decode_table(results: EvalResults, comps: dict[str, Any]) -> str:
                     m.label,
                     str(p.batch),
                     str(p.context),
-                    f"{p.prefill_s:.3f}",
+                    f"{p.prefill_s:.3f}" if p.prefill_s is not None else "–",  # None: a random-filled cache
                     f"{p.decode_ms:.2f}",
                     f"{p.tokens_per_s:.1f}",
                     f"{p.kv_bytes / MIB:.1f}",

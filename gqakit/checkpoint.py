@@ -233,6 +233,30 @@ def dequantize_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None = 
     tok.save_pretrained(out_dir)
 
 
+def dequantized_gguf(gguf_path: str | Path) -> Path:
+    """A ``.gguf`` model as a checkpoint directory, dequantized once and cached under
+    ``$GQAKIT_CACHE/gguf-dequantized`` by the file's name, size and modification time; later calls
+    return the cached directory at once."""
+    from gqakit.asset_cache import cache_root, writable_cache
+    from gqakit.outputs import atomic_output_dir
+
+    path = Path(gguf_path).expanduser().resolve()
+    out = writable_cache(cache_root() / "gguf-dequantized") / f"{path.stem}-{fingerprint(path)}"
+    if not (out / "config.json").is_file():
+        with atomic_output_dir(out, force=True) as tmp:
+            dequantize_gguf(path, tmp)
+    return out
+
+
+def local_model(src: str) -> str:
+    """``src`` as ``from_pretrained`` takes it: a ``.gguf`` file becomes its cached dequantized
+    directory (:func:`dequantized_gguf`); a directory or hub id is returned as given."""
+    path = Path(src).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return str(dequantized_gguf(path))
+    return src
+
+
 def _looks_like_hub_id(src: str) -> bool:
     parts = src.split("/")
     return len(parts) == 2 and all(parts) and not src.startswith((".", "~")) and os.sep == "/"
@@ -304,3 +328,27 @@ def copy_non_weight_files(src: Path, dst: Path) -> list[str]:
 
 def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def fingerprint(path: str | Path) -> str:
+    """A short hash of a checkpoint directory's file names, sizes and modification times.
+
+    Our checkpoints are written atomically (a new directory renamed into place), so any rewrite changes
+    it; reading the weights to hash them would cost more than some evaluations. Files in subdirectories
+    (an uptraining run's intermediate checkpoints) do not count. A plain file (a ``.gguf``, a text
+    file) is fingerprinted by its own name, size and modification time.
+
+    Args:
+        path: a directory or a file; it must exist.
+
+    Returns:
+        16 hex digits.
+    """
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(Path(path).iterdir())
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]

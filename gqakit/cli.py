@@ -16,11 +16,13 @@ COMMANDS: dict[str, str] = {
     "inspect": "gqakit.convert.cli:inspect_cmd",
     "convert": "gqakit.convert.cli:convert_cmd",
     "expand": "gqakit.convert.cli:expand_cmd",
+    "export": "gqakit.gguf.cli:export_cmd",
     "probe": "gqakit.pipelines.probe_cli:probe_cmd",
     "eval": "gqakit.eval.cli:eval_cmd",
     "uptrain": "gqakit.uptrain.cli:uptrain_cmd",
     "assets": "gqakit.assets_cli:assets_cmd",
     "demo": "gqakit.pipelines.demo_cli:demo_cmd",
+    "replicate": "gqakit.pipelines.replicate_cli:replicate_cmd",
 }
 
 

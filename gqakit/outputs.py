@@ -57,6 +57,22 @@ def check_output_dir(dst: Path, force: bool, src: Path | None = None) -> Path:
     return dst
 
 
+def writable_dir(path: str | Path, option: str) -> Path:
+    """Check, before any work, that outputs can be written into the directory ``path`` (written later,
+    not atomically); nothing is created. ``option`` names where it came from, for the message."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise GqakitError(f"{option} {path} is a file: give a directory.")
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".write-test.", dir=_writable_ancestor(out)))
+        probe.rmdir()
+    except OSError as e:
+        raise GqakitError(
+            f"{option} {path} cannot be written ({e.strerror}): choose a directory you can write to."
+        ) from None
+    return out
+
+
 def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 

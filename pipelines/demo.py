@@ -7,7 +7,8 @@
     [3/7] expand     GQA-3 -> MHA-9, exactly equivalent: the MHA baseline
     [4/7] convert    MHA-9 -> GQA-3 and MQA (mean-pool), MQA (calibrated merge), evaluate each
     [5/7] uptrain    the MQA model with the shipped recipe (distillation from the original)
-    [6/7] decode     every model's decode speed, side by side: interleaved rounds, fastest kept
+    [6/7] decode     every model's decode speed, side by side: short interleaved rounds, median
+                     and spread, no speedup from rounds that disagree
     [7/7] report     demo-report/report.md: one table and the plots
 
 Every step writes into the working directory (``demo-work/``): checkpoints under ``models/``, each
@@ -33,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.pipelines.demo_cli import demo_cmd
+from gqakit.pipelines.demo_decode import decode_side_by_side, llamacpp_side_by_side
 from gqakit.pipelines.demo_measure import (
     ModelEval,
     Settings,
-    decode_side_by_side,
     eval_options,
     evaluate,
     max_logit_diff,
@@ -107,10 +108,28 @@ def _label(kv_heads: int, heads: int) -> str:
 
 def _variant_label(v: Variant, g0: int, heads: int) -> str:
     g = v.resolved_groups(g0)
-    return f"{_label(g, heads)} ({v.method})"
+    return f"{_label(g, heads)} ({v.method_label})"
 
 
-def _load_recipe(options: DemoOptions, assets: DemoAssets, student: Path, teacher: Path, out: Path):
+def _check_recipes(options: DemoOptions) -> None:
+    """Load every uptraining recipe with the user's overrides before step 1, so a misspelled
+    ``--recipe`` or a malformed ``--set`` is reported at once, not after the first steps' minutes."""
+    from gqakit.errors import GqakitError
+
+    problems = []
+    placeholder = DemoAssets(Path("model"), Path("train.txt"), Path("validation.txt"), Path("test.txt"))
+    for name in dict.fromkeys(v.recipe or options.recipe for v in options.variants if v.uptrain):
+        try:
+            _load_recipe(options, placeholder, Path("student"), Path("teacher"), Path("out"), name)
+        except GqakitError as e:
+            problems.append(e.message)
+    if problems:
+        raise GqakitError("\n".join(problems))
+
+
+def _load_recipe(
+    options: DemoOptions, assets: DemoAssets, student: Path, teacher: Path, out: Path, recipe_name: str
+):
     """The shipped recipe pointed at this run's checkpoints and data, with the user's overrides."""
     from gqakit.uptrain.recipe import load_recipe
 
@@ -124,7 +143,7 @@ def _load_recipe(options: DemoOptions, assets: DemoAssets, student: Path, teache
     ]
     if not options.progress:
         paths.append("log.progress=false")
-    recipe = load_recipe(options.recipe, [*paths, *options.recipe_overrides])
+    recipe = load_recipe(recipe_name, [*paths, *options.recipe_overrides])
     if options.budget_scale != 1.0:
         b = recipe.budget
         if b.steps is not None:
@@ -140,13 +159,15 @@ def _uptrain(
     options: DemoOptions,
     s: Settings,
     assets: DemoAssets,
+    variant: Variant,
     student: Path,
     out: Path,
     store: ResultStore,
     steps: Steps,
 ) -> dict[str, Any]:
     """Uptrain ``student`` (distilling from the original) unless the same run already finished."""
-    recipe = _load_recipe(options, assets, student, assets.model, out)
+    recipe_name = variant.recipe or options.recipe
+    recipe = _load_recipe(options, assets, student, assets.model, out, recipe_name)
     if s.device.startswith("cuda") and recipe.train.precision == "fp32":
         recipe.train.precision = "bf16"
     key = {"student": fingerprint(student), "recipe": recipe.to_dict()}
@@ -159,7 +180,7 @@ def _uptrain(
     from gqakit.uptrain.api import uptrain
 
     budget = {k: v for k, v in asdict(recipe.budget).items() if v is not None and k != "pretraining_tokens"}
-    steps.note(f"recipe {options.recipe}, budget {budget}, objective {recipe.objective.kind}, -> {out}")
+    steps.note(f"recipe {recipe_name}, budget {budget}, objective {recipe.objective.kind}, -> {out}")
     # An interrupted run of the same recipe resumes from its last checkpoint; anything else starts over.
     resume = (out / "recipe.yaml").is_file() and (out / "recipe.yaml").read_text() == recipe.to_yaml()
     resume = resume and not (out / "gqakit.json").is_file() and not options.fresh
@@ -176,6 +197,7 @@ def _uptrain(
         "metrics": str(res.history),
         "budget": budget,
         "objective": recipe.objective.kind,
+        "recipe": recipe_name,
     }
     return store.put_output(name, key, out, summary)
 
@@ -194,6 +216,7 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
 
     options = options or DemoOptions()
     options.validate()
+    _check_recipes(options)
     quiet_transformers()
     start = time.perf_counter()
     work = Path(options.work_dir).resolve()
@@ -255,17 +278,19 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
                 uptrain_jobs.append((v, dst, label))
 
     uptrained: dict[str, dict[str, Any]] = {}
-    with steps.step("Uptrain " + ", ".join(label for _, _, label in uptrain_jobs) + " with the recipe"):
+    with steps.step("Uptrain " + ", ".join(label for _, _, label in uptrain_jobs) + " with their recipes"):
         for v, dst, label in uptrain_jobs:
             out = models / f"{v.slug}-uptrained"
-            uptrained[v.slug] = _uptrain(options, s, assets, dst, out, store, steps)
+            uptrained[v.slug] = _uptrain(options, s, assets, v, dst, out, store, steps)
             rows.append(evaluate(f"{label}, after uptraining", out, eval_opts, s, store, steps))
 
     with steps.step(
         f"Decode speed (batch {s.decode_batch}, context {s.decode_context}), every model side by side: "
-        f"{s.decode_rounds} interleaved round(s)"
+        f"{s.decode_rounds} short interleaved rounds, median and spread"
     ):
         decode_side_by_side([original, *rows], s, store, steps)
+        if options.llamacpp:
+            llamacpp_side_by_side([original, *rows], s, store, steps)
 
     with steps.step("Report"):
         elapsed = time.perf_counter() - start

@@ -51,9 +51,10 @@ from gqakit.pipelines.demo_options import RECIPE, DemoOptions
 @click.option(
     "--decode-rounds",
     type=int,
-    default=2,
+    default=5,
     show_default=True,
-    help="Interleaved rounds of the side-by-side decode measurement (the table shows each model's fastest).",
+    help="Short interleaved rounds of the side-by-side decode measurement (the table shows each model's "
+    "median and spread; no speedup when the rounds disagree).",
 )
 @click.option(
     "--recipe", default=RECIPE, show_default=True, help="Uptraining recipe (a path or a shipped name)."
@@ -66,6 +67,11 @@ from gqakit.pipelines.demo_options import RECIPE, DemoOptions
     help="Recipe override, e.g. --set train.lr=3e-4 (repeatable).",
 )
 @click.option("--fresh", is_flag=True, help="Recompute everything instead of reusing --work-dir.")
+@click.option(
+    "--no-llamacpp",
+    is_flag=True,
+    help="Skip the llama.cpp decode column (measured when llama-cpp-python is installed).",
+)
 @click.option(
     "--cache-dir",
     type=click.Path(file_okay=False),
@@ -90,6 +96,7 @@ def demo_cmd(
     recipe: str,
     overrides: tuple[str, ...],
     fresh: bool,
+    no_llamacpp: bool,
     cache_dir: str | None,
     wheelhouse: str | None,
 ) -> None:
@@ -109,6 +116,7 @@ def demo_cmd(
             recipe=recipe,
             recipe_overrides=overrides,
             fresh=fresh,
+            llamacpp=not no_llamacpp,
             cache_dir=Path(cache_dir) if cache_dir else None,
             wheelhouse=Path(wheelhouse) if wheelhouse else None,
         )

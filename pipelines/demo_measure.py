@@ -1,5 +1,6 @@
-"""The demo's measurements: settings resolved against the machine, each model's quality, the exactness
-checks, and the decode speed of all models side by side. Every result is cached in a
+"""The demo's measurements: settings resolved against the machine, each model's quality and the
+exactness checks (the decode speed of all models side by side is in ``demo_decode``). Every result is
+cached in a
 :class:`~gqakit.pipelines.store.ResultStore`, keyed by the settings and the models' fingerprints."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gqakit.pipelines.store import ResultStore, fingerprint
 
 if TYPE_CHECKING:
     from gqakit.eval import EvalOptions, ModelResult
+    from gqakit.pipelines.demo_decode import RoundStats
 
 
 @dataclass
@@ -34,6 +36,8 @@ class ModelEval:
     label: str
     result: ModelResult
     eval_s: float
+    decode_stats: RoundStats | None = None  # the side-by-side decode rounds (pipelines.demo_decode)
+    llamacpp_stats: RoundStats | None = None  # the same in llama.cpp, when its binding is installed
 
     @property
     def kv_heads(self) -> int:
@@ -58,7 +62,10 @@ class ModelEval:
 
     @property
     def decode_tokens_per_s(self) -> float | None:
-        """Decode tokens/s at the demo's batch and context; None when that point ran out of memory."""
+        """Decode tokens/s at the demo's batch and context (the median round when measured side by side);
+        None when that point ran out of memory."""
+        if self.decode_stats is not None:
+            return self.decode_stats.median
         return self.result.decode[0].tokens_per_s
 
     def summary(self) -> dict[str, Any]:
@@ -72,6 +79,11 @@ class ModelEval:
             f"kv_mib_{KV_TOKENS}": self.kv_mib,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "decode": self.result.decode[0].to_dict(),
+            "decode_rounds": list(self.decode_stats.rounds) if self.decode_stats else None,
+            "decode_spread": self.decode_stats.spread if self.decode_stats else None,
+            "decode_reliable": self.decode_stats.reliable if self.decode_stats else None,
+            "llamacpp_rounds": list(self.llamacpp_stats.rounds) if self.llamacpp_stats else None,
+            "llamacpp_tokens_per_s": self.llamacpp_stats.median if self.llamacpp_stats else None,
             "eval_s": self.eval_s,
         }
 
@@ -177,61 +189,6 @@ def evaluate(
     return res
 
 
-def decode_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, steps: Steps) -> None:
-    """Measure the decode point of every model in ``evals`` in interleaved rounds and attach each model's
-    fastest point to its result.
-
-    Timings taken minutes apart on a shared machine drift more than the differences between the models;
-    here every round runs all models back to back (the order rotates per round, so no model always
-    follows the same one), and each model's figure is its fastest round: interference from other work
-    only ever slows a round down (on this project's shared 2-core CPU, rounds of one model spread by
-    up to 30%), so the fastest is the most repeatable estimate, as in ``timeit``.
-    """
-    key = {
-        "models": [
-            [e.label, str(Path(e.result.path).resolve()), fingerprint(Path(e.result.path))] for e in evals
-        ],
-        "pick": "fastest round",
-        **asdict(s),
-    }
-    cached = store.get("decode-side-by-side", key)
-    if cached is not None:
-        from gqakit.eval import DecodePoint
-
-        for e, point in zip(evals, cached["points"], strict=True):
-            e.result.decode = [DecodePoint(**point)]
-        steps.note("cached")
-        return
-
-    from gqakit.eval import bench_decode
-    from gqakit.models import load_causal_lm
-
-    runs: list[list[Any]] = [[] for _ in evals]
-    for r in range(s.decode_rounds):
-        shift = r % len(evals)
-        for i in list(range(shift, len(evals))) + list(range(shift)):
-            model = load_causal_lm(evals[i].result.path, dtype=s.dtype, device=s.device)
-            runs[i] += bench_decode(
-                model,
-                batch_sizes=(s.decode_batch,),
-                contexts=(s.decode_context,),
-                new_tokens=s.new_tokens,
-                warmup=1,  # as gqakit eval --bench: allocator and first-call costs out of the timing
-                progress=False,
-            )
-            del model
-            if s.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-    for e, points in zip(evals, runs, strict=True):
-        ok = [p for p in points if p.tokens_per_s]
-        e.result.decode = [max(ok, key=lambda p: p.tokens_per_s) if ok else points[0]]
-        tps = e.decode_tokens_per_s
-        rounds = " / ".join(f"{p.tokens_per_s:,.1f}" if p.tokens_per_s else "OOM" for p in points)
-        speed = f"{tps:,.1f} tok/s" if tps else "out of memory"
-        steps.note(f"{e.label}: {speed} (rounds: {rounds})")
-    store.put("decode-side-by-side", key, {"points": [e.result.decode[0].to_dict() for e in evals]})
-
-
 def max_logit_diff(a: Path, b: Path, texts: list[str], s: Settings, store: ResultStore) -> float:
     """max |logits(a) - logits(b)| on two 128-token rows of the test text, in float32."""
     key = {"a": fingerprint(a), "b": fingerprint(b), "device": s.device}
@@ -258,7 +215,6 @@ def max_logit_diff(a: Path, b: Path, texts: list[str], s: Settings, store: Resul
 __all__ = [
     "ModelEval",
     "Settings",
-    "decode_side_by_side",
     "eval_options",
     "evaluate",
     "max_logit_diff",

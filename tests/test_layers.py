@@ -90,7 +90,9 @@ def test_no_layer_imports_upwards_or_sideways() -> None:
         ("uptrain", "from gqakit.pipelines.store import ResultStore\n", "imports gqakit.pipelines.store"),
     ],
 )
-def test_the_rule_catches_each_kind_of_breach(tmp_path: Path, folder: str, source: str, expected: str) -> None:
+def test_the_rule_catches_each_kind_of_breach(
+    tmp_path: Path, folder: str, source: str, expected: str
+) -> None:
     for name in LAYERS:
         (tmp_path / name).mkdir()
     (tmp_path / folder / "bad.py").write_text(source)

@@ -14,9 +14,12 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from gqakit.errors import GqakitError
+from gqakit.models import check_causal_lm, max_positions
+from gqakit.outputs import writable_dir
 from gqakit.uptrain.data import resolve_files
 from gqakit.uptrain.loop import CHECKPOINTS, PROVENANCE, UptrainLoop, UptrainResult
 from gqakit.uptrain.recipe import Recipe, expand
@@ -60,6 +63,21 @@ def check_inputs(recipe: Recipe) -> None:
         if recipe.teacher and recipe.objective.kind != "lm"
         else None
     )
+    for cfg, key, path in (
+        (model_cfg, "model.path", recipe.model.path),
+        (teacher_cfg, "teacher", recipe.teacher),
+    ):
+        if cfg is not None:
+            try:
+                check_causal_lm(cfg, path, what="model" if key == "model.path" else "teacher")
+            except GqakitError as e:
+                problems.append(f"{key}: {e.message}")
+    limit = max_positions(SimpleNamespace(**model_cfg)) if model_cfg else None
+    if limit is not None and recipe.data.seq_len > limit:
+        problems.append(
+            f"data.seq_len {recipe.data.seq_len} is more than the {limit} positions of {recipe.model.path} "
+            f"(max_position_embeddings); set data.seq_len={limit} or less."
+        )
     if model_cfg and teacher_cfg and model_cfg.get("vocab_size") != teacher_cfg.get("vocab_size"):
         problems.append(
             f"teacher {recipe.teacher} has a vocabulary of {teacher_cfg.get('vocab_size')} tokens and the "
@@ -87,6 +105,49 @@ def check_inputs(recipe: Recipe) -> None:
                 "the paths (model.path=DIR teacher=DIR data.files=[...] data.val_files=[...])."
             )
         raise GqakitError("\n".join(lines))
+
+
+# What a resumed run may change: how long it trains, how often it evaluates, logs and checkpoints.
+# Anything else (data, batch, lr, schedule shape, objective, model, seed...) would make the resumed run
+# a different run than the checkpoint's, with wrong token counts.
+RESUME_SAFE: tuple[str, ...] = (
+    "budget.steps",
+    "budget.tokens",
+    "budget.alpha",
+    "eval.",
+    "log.",
+    "checkpoint.",
+)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resumable(recipe: Recipe, out: Path) -> None:
+    """Refuse ``--resume`` with a recipe that differs from the run's own (``OUTPUT_DIR/recipe.yaml``) in
+    anything outside :data:`RESUME_SAFE`, naming the keys."""
+    import yaml
+
+    saved_file = out / "recipe.yaml"
+    if not saved_file.is_file():
+        return
+    saved = _flat(yaml.safe_load(saved_file.read_text()) or {})
+    now = _flat(recipe.to_dict())
+    changed = sorted(
+        k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and not k.startswith(RESUME_SAFE)
+    )
+    if changed:
+        diffs = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in changed)
+        raise GqakitError(
+            f"--resume continues the run in {out}, but the recipe differs from the one it started with in "
+            f"{diffs}: the resumed run would not be the run its checkpoints belong to. Resume with the same "
+            "recipe (only budget.steps/tokens/alpha, eval.*, log.* and checkpoint.* may change), or start "
+            "over with --force or another output_dir."
+        )
 
 
 def process_state():
@@ -125,6 +186,7 @@ def prepare_output_dir(out: Path, resume: bool, force: bool, inputs: Sequence[st
             f"output_dir {out} exists and is not empty. Pass --resume to continue the run in it, --force to "
             "delete it and start over, or choose another output_dir (override output_dir=DIR)."
         )
+    writable_dir(out, "output_dir")  # a read-only parent: one message, before any model loads
     state.wait_for_everyone()
     if state.is_main_process:
         if busy and force and not resume:
@@ -181,7 +243,11 @@ def uptrain(recipe: Recipe, *, resume: bool = False, force: bool = False) -> Upt
     """
     start = time.perf_counter()
     out = Path(expand(recipe.output_dir)).resolve()
+    if not recipe.log.all_ranks and not process_state().is_main_process:
+        logging.getLogger("gqakit").setLevel(logging.WARNING)  # one log, not one per rank
     check_inputs(recipe)
+    if resume:
+        check_resumable(recipe, out)
     inputs = [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *recipe.data.files]
     fresh = not resume and (force or not (out.is_dir() and any(out.iterdir())))
     prepare_output_dir(out, resume, force, inputs + recipe.data.val_files)
@@ -219,4 +285,4 @@ def _discard_failed_start(out: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
-__all__ = ["check_inputs", "prepare_output_dir", "uptrain"]
+__all__ = ["RESUME_SAFE", "check_inputs", "check_resumable", "prepare_output_dir", "uptrain"]

@@ -147,6 +147,7 @@ class CheckpointMixin:
         ckpt = latest_checkpoint(self.out)
         if ckpt is None:
             log.info("no checkpoint in %s yet: starting from the beginning", self.out / CHECKPOINTS)
+            self.metrics.truncate_after(-1)  # a run killed before its first checkpoint logged steps
             return False
         self._load_checkpoint(ckpt)
         self.metrics.truncate_after(self.state.step)

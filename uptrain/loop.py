@@ -245,7 +245,7 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
             r.train.trainable,
             self.acc.num_processes,
             self.acc.distributed_type.value,
-            r.train.precision,
+            self.precision,
         )
         log.info(
             "data: %d train / %d validation blocks of %d tokens from %s",
@@ -283,7 +283,7 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
             "data": self.blocks.source,
             "processes": self.acc.num_processes,
             "distributed_type": self.acc.distributed_type.value,
-            "precision": r.train.precision,
+            "precision": self.precision,
             "skipped_steps": s.skipped,
             "rollbacks": s.rollbacks,
             "elapsed_s": round(elapsed, 3),

@@ -241,11 +241,14 @@ class LogConfig:
         every: steps between training-metric records.
         tensorboard: also log to TensorBoard (if the package is installed).
         progress: show a progress bar.
+        all_ranks: log from every process of a distributed run (default: the main process only; the
+            others log warnings and errors).
     """
 
     every: int = 1
     tensorboard: bool = True
     progress: bool = True
+    all_ranks: bool = False
 
 
 @dataclass

@@ -52,6 +52,15 @@ class SetupMixin:
             )
         except ValueError as e:  # e.g. fp16 without a GPU
             raise GqakitError(f"train.precision={r.train.precision} cannot run here: {e}") from None
+        if r.train.precision == "fp16" and self.acc.device.type == "cpu":
+            # accelerate would quietly train in float32 and the run would be recorded as fp16
+            raise GqakitError(
+                "train.precision=fp16 needs a CUDA GPU; on a CPU set train.precision=fp32 (or bf16, which "
+                "CPUs run through autocast)."
+            )
+        self.precision = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(
+            str(self.acc.mixed_precision), str(self.acc.mixed_precision)
+        )  # what runs, recorded in gqakit.json and the log
         from accelerate.utils import set_seed
 
         set_seed(r.seed)

@@ -74,8 +74,9 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_di
         "MHA-4 (expanded)",
         "GQA-2 (mean)",
         "MQA (mean), before uptraining",
-        "MQA (calibrated)",
+        "MQA (calibrated + refined), before uptraining",
         "MQA (mean), after uptraining",
+        "MQA (calibrated + refined), after uptraining",
     ]
     # Expanding and pooling back are exact: same logits, so the same perplexity as the original.
     assert res.checks == {"MHA-4 vs original": 0.0, "GQA-2 (mean) vs original": 0.0}
@@ -83,10 +84,13 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_di
     assert res.rows[1].ppl == pytest.approx(res.original.ppl, rel=1e-6)
     # KV cache: 2 (K, V) * 2 layers * G heads * 16 dims * 4 bytes * 2048 tokens.
     assert [r.kv_mib for r in res.rows] == pytest.approx(
-        [2 * 2 * g * 16 * 4 * 2048 / 2**20 for g in (4, 2, 1, 1, 1)]
+        [2 * 2 * g * 16 * 4 * 2048 / 2**20 for g in (4, 2, 1, 1, 1, 1)]
     )
     assert all(r.decode_tokens_per_s and r.decode_tokens_per_s > 0 for r in res.rows)
     assert res.uptrain["mqa-mean"]["steps"] == 3
+    assert res.uptrain["mqa-refined"]["recipe"] == "smollm2-135m-mqa-refined"  # its own recipe
+    prov = json.loads((work_dir / "models" / "mqa-refined" / "gqakit.json").read_text())
+    assert prov["method"] == "calibrated" and prov["refine"]["steps"] == 200
 
     text = res.report.read_text()
     assert render_table(res.rows, 2, 16, "float32") in text
@@ -97,21 +101,41 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_di
     results = json.loads(res.results_json.read_text())
     assert [r["label"] for r in results["rows"]] == labels
     assert any(m.startswith("[7/7]") for m in messages) and f"Report: {res.report}" in messages
-    # Decode is measured side by side: every model (the original too) once per round, fastest kept.
+    # Decode is measured side by side: every model (the original too) once per round, median shown.
     decode_notes = [m for m in messages if "(rounds: " in m]
     assert len(decode_notes) == len(res.rows) + 1
-    assert all(m.split("(rounds: ")[1].count(" / ") == 1 for m in decode_notes)  # 2 rounds by default
-    for note in decode_notes:  # the table's figure is the model's fastest round
+    assert all(m.split("(rounds: ")[1].count(" / ") == 4 for m in decode_notes)  # 5 rounds by default
+    for note in decode_notes:  # the table's figure is the model's median round
         shown = float(note.split(": ")[1].split(" tok/s")[0].replace(",", ""))
         rounds = [float(r.replace(",", "")) for r in note.split("(rounds: ")[1].rstrip(")").split(" / ")]
-        assert shown == max(rounds)
+        assert shown == pytest.approx(sorted(rounds)[2], abs=0.051)
 
     # A second run reuses every checkpoint and measurement.
     again: list[str] = []
     res2 = run_demo(tiny_options(tmp_path, tiny_assets, again, work_dir=work_dir))
     assert [r.ppl for r in res2.rows] == [r.ppl for r in res.rows]
     assert [r.decode_tokens_per_s for r in res2.rows] == [r.decode_tokens_per_s for r in res.rows]
-    assert sum(": cached (" in m for m in again) == 6 and any("reusing" in m for m in again)
+    assert sum(": cached (" in m for m in again) == 7 and sum("reusing" in m for m in again) == 2
+
+
+def test_without_the_llamacpp_binding_the_demo_says_how_to_install_it(
+    tmp_path, tiny_assets, work_dir, monkeypatch
+):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    messages: list[str] = []
+    res = run_demo(tiny_options(tmp_path, tiny_assets, messages, work_dir=work_dir))
+    assert any("llama.cpp column skipped" in m and 'pip install -e ".[llamacpp]"' in m for m in messages)
+    assert "llama.cpp tokens/s" not in res.report.read_text()
+
+
+def test_with_the_llamacpp_binding_the_demo_adds_its_decode_column(tmp_path, tiny_assets, work_dir):
+    pytest.importorskip("llama_cpp")
+    res = run_demo(tiny_options(tmp_path, tiny_assets, [], work_dir=work_dir))
+    assert all(r.llamacpp_stats is not None and r.llamacpp_stats.median for r in res.rows)
+    table = render_table(res.rows, 2, 16, "float32")
+    assert "llama.cpp tokens/s (f16, batch 1, context 16)" in table and table in res.report.read_text()
 
 
 def test_extra_variants_add_rows(tmp_path, tiny_assets, work_dir):
@@ -129,6 +153,37 @@ def test_bad_options_are_reported_together(tmp_path, tiny_assets):
     with pytest.raises(GqakitError) as err:
         run_demo(opts)
     assert all(f in str(err.value) for f in ("--budget-scale", "--seq-len", "--decode-rounds"))
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"recipe": "nosuch"}, "Recipe nosuch does not exist"),
+        ({"recipe_overrides": ("train.lr",)}, "override 'train.lr' is not key=value"),
+    ],
+)
+def test_a_bad_recipe_or_override_is_reported_before_any_step(tmp_path, tiny_assets, kw, message):
+    messages: list[str] = []
+    with pytest.raises(GqakitError, match=message):
+        run_demo(tiny_options(tmp_path, tiny_assets, messages, **kw))
+    assert not any(m.startswith("[1/") for m in messages)
+
+
+def test_decode_rounds_that_disagree_give_no_speedup():
+    """Injected round timings: a steady model and one whose load changed mid-measurement."""
+    from gqakit.pipelines.demo_decode import DECODE_TOLERANCE, round_stats, speedup
+
+    base = round_stats([40.0, 42.0, 41.0, 39.5, 40.5])
+    steady = round_stats([80.0, 78.0, 81.0, 79.0, 80.5])
+    loaded = round_stats([80.0, 78.0, 20.0, 79.0, 80.5])  # a background job during round 3
+    assert base.reliable and steady.reliable and not loaded.reliable
+    assert base.median == 40.5 and base.spread == pytest.approx(2.5 / 40.5)
+    assert speedup(steady, base) == "1.98x"
+    assert speedup(loaded, base) == "unreliable" and speedup(base, loaded) == "unreliable"
+    assert "unreliable" in loaded.describe()
+    assert not round_stats([None, None]).reliable and speedup(round_stats([None]), base) == "-"
+    edge = round_stats([100.0, 100.0 * (1 + DECODE_TOLERANCE)])
+    assert edge.reliable  # a spread of exactly the tolerance is still within it
 
 
 def test_demo_help_names_the_options():

@@ -124,7 +124,9 @@ def test_every_accelerate_config_loads_in_accelerate(name):
     from accelerate.commands.config.config_args import ClusterConfig
 
     path = RECIPES_DIR / "accelerate" / name
-    assert "accelerate launch --config_file recipes/accelerate/" + name in path.read_text().split("\n\n")[0]
+    header = path.read_text().split("\n\n")[0]
+    launch = ("accelerate launch --config_file", "--accelerate-config")
+    assert any(f"{cmd} recipes/accelerate/{name}" in header for cmd in launch), header
     config = ClusterConfig.from_yaml_file(str(path))
     assert config.num_processes >= 1
 

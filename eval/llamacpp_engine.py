@@ -1,0 +1,266 @@
+"""The llama.cpp engine of ``gqakit eval --engine llamacpp``: measure a checkpoint where GQA's gains are
+real.
+
+transformers repeats each shared K/V head for every query head (``repeat_kv``), so its attention reads
+as many bytes as MHA; llama.cpp's kernels read a shared head once. This engine exports the checkpoint
+to GGUF once (:func:`gqakit.gguf.export_gguf`, cached under ``$GQAKIT_CACHE/gguf`` by the checkpoint's
+files and the weight type), loads it with llama.cpp's Python binding, and fills the same
+:class:`~gqakit.eval.results.ModelResult` as the transformers engine:
+
+* perplexity over exactly the transformers engine's windows: the stream is tokenized by the checkpoint's
+  own tokenizer (:func:`~gqakit.eval.perplexity.encode_stream`) and cut by
+  :func:`~gqakit.eval.perplexity.sliding_windows`; each window's token ids go to llama.cpp, whose
+  logits score them. With ``--gguf-type f32`` the KV cache is float32 too, so the two engines compute
+  the same function;
+* decode at each context, batch 1 (the binding's ``Llama`` decodes one sequence): prompt processing
+  tokens/s over the context, then the median latency of single-token steps;
+* KV-cache bytes as llama.cpp allocates them (its ``llama_kv_cache: size = ...`` log line), beside the
+  formula ``2 * layers * kv_heads * head_dim * bytes * cells``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import re
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from gqakit.errors import GqakitError
+from gqakit.eval.decode import DecodePoint
+from gqakit.eval.options import EvalOptions
+from gqakit.eval.perplexity import PerplexityResult, encode_stream, sliding_windows
+from gqakit.eval.results import ModelResult
+from gqakit.geometry import AttentionGeometry
+
+log = logging.getLogger(__name__)
+
+INSTALL = (
+    'pip install -e ".[llamacpp]" (it builds llama.cpp from source with the compiler and cmake on the '
+    "machine: about 20 minutes on 2 CPU cores)"
+)
+GGML_TYPE_F32 = 0  # ggml_type of a float32 KV cache
+# llama.cpp logs the cache it allocates: "llama_kv_cache: size =   90.00 MiB (  4096 cells, ...". It
+# rounds the cells up (to a multiple of 256), so the cells come from the line, not from n_ctx.
+_KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells")
+
+
+def require_llama_cpp():
+    """The ``llama_cpp`` module, or one message with the command that installs it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise GqakitError(
+            f"--engine llamacpp needs llama.cpp's Python binding, which is not installed: {INSTALL}."
+        ) from None
+    return llama_cpp
+
+
+def gguf_for(path: str, out_type: str) -> Path:
+    """``path`` exported to GGUF with ``out_type`` weights, once: cached by the checkpoint's files."""
+    from gqakit.asset_cache import cache_root, writable_cache
+    from gqakit.checkpoint import fingerprint
+    from gqakit.gguf import export_gguf
+
+    src = Path(path).expanduser()
+    cache = writable_cache(cache_root() / "gguf")
+    dst = cache / f"{src.resolve().name}-{fingerprint(src)}-{out_type}.gguf"
+    if not dst.is_file():
+        logging.getLogger("gguf").setLevel(logging.ERROR)
+        res = export_gguf(src, dst, out_type=out_type)
+        for warning in res.warnings:
+            log.warning("%s: %s", src, warning)
+    return dst
+
+
+@contextmanager
+def _llama_log() -> Iterator[list[str]]:
+    """Collect llama.cpp's log lines (it logs the KV cache it allocates) while the block runs; drop them
+    afterwards (the per-call lines would flood the terminal)."""
+    llama_cpp = require_llama_cpp()
+    lines: list[str] = []
+
+    def collect(_level, text, _user_data) -> None:
+        lines.append(text.decode(errors="replace"))
+
+    callbacks = [llama_cpp.llama_log_callback(collect), llama_cpp.llama_log_callback(lambda *_: None)]
+    _KEEP.extend(callbacks)  # ctypes callbacks must outlive their registration
+    llama_cpp.llama_log_set(callbacks[0], ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        llama_cpp.llama_log_set(callbacks[1], ctypes.c_void_p(0))
+
+
+_KEEP: list[Any] = []
+
+
+def _open(gguf: Path, n_ctx: int, f32_kv: bool, logits_all: bool):
+    """A ``llama_cpp.Llama`` on ``gguf``, the KV-cache bytes llama.cpp allocated for it (to its log's
+    0.01 MiB; None when it did not log them) and the cells they hold."""
+    llama_cpp = require_llama_cpp()
+    kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_kv else {}
+    with _llama_log() as lines:
+        llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_batch=min(n_ctx, 512),
+            n_threads=os.cpu_count() or 1,
+            logits_all=logits_all,
+            verbose=False,
+            **kv,
+        )
+    found = [m for line in "".join(lines).splitlines() if (m := _KV_LINE.search(line))]
+    if not found:
+        return llm, None, n_ctx
+    return llm, int(round(float(found[-1].group(1)) * 2**20)), int(found[-1].group(2))
+
+
+def llamacpp_perplexity(gguf: Path, tokenizer, texts: list[str], options: EvalOptions) -> PerplexityResult:
+    """Perplexity and bits per byte of the GGUF model over the transformers engine's windows."""
+    import numpy as np
+
+    stride = options.stride or options.seq_len
+    stream, n_bytes = encode_stream(tokenizer, texts, options.max_tokens)
+    windows = sliding_windows(len(stream), options.seq_len, stride)
+    llm, _, _ = _open(gguf, options.seq_len, f32_kv=True, logits_all=True)
+    start, nll_sum = time.perf_counter(), 0.0
+    try:
+        for w in windows:
+            llm.reset()
+            llm.eval(stream[w.start : w.end])
+            logits = np.asarray(llm.scores[w.end - w.start - w.scored : w.end - w.start], dtype=np.float64)
+            targets = np.asarray(stream[w.end + 1 - w.scored : w.end + 1])
+            peak = logits.max(axis=1, keepdims=True)
+            logz = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
+            nll_sum += float((logz - logits[np.arange(len(targets)), targets]).sum())
+    finally:
+        llm.close()
+    elapsed = time.perf_counter() - start
+    tokens = len(stream) - 1
+    return PerplexityResult(
+        ppl=math.exp(nll_sum / tokens),
+        nll=nll_sum / tokens,
+        bits_per_byte=nll_sum / (math.log(2) * n_bytes),
+        tokens=tokens,
+        bytes=n_bytes,
+        seq_len=options.seq_len,
+        stride=stride,
+        nll_sum=nll_sum,
+        windows=len(windows),
+        documents=len(texts),
+        elapsed_s=elapsed,
+        tokens_per_s=tokens / elapsed if elapsed > 0 else float("inf"),
+    )
+
+
+def llamacpp_decode(
+    gguf: Path, geom: AttentionGeometry, contexts: list[int], new_tokens: int, f32_kv: bool, seed: int = 0
+) -> tuple[list[DecodePoint], int | None]:
+    """One decode point per context, batch 1: prompt processing (random token ids), then ``new_tokens``
+    greedy single-token steps, timed one by one. Returns the points and the KV bytes llama.cpp allocated
+    (for at least ``max(contexts) + new_tokens`` cells)."""
+    import numpy as np
+
+    n_ctx = max(contexts) + new_tokens
+    llm, kv_bytes, cells = _open(gguf, n_ctx, f32_kv=f32_kv, logits_all=False)
+    per_token = geom.kv_bytes_per_token(dtype_bytes=4 if f32_kv else 2)
+    rng = np.random.default_rng(seed)
+    points = []
+    try:
+        vocab = llm.n_vocab()
+        llm.reset()
+        llm.eval(rng.integers(3, vocab, 8).tolist())  # warm-up: first-call and allocation costs
+        for context in contexts:
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(rng.integers(3, vocab, context).tolist())
+            prefill_s = time.perf_counter() - t0
+            token, steps = int(np.argmax(llm.scores[llm.n_tokens - 1])), []
+            for _ in range(new_tokens - 1):
+                t0 = time.perf_counter()
+                llm.eval([token])
+                steps.append(time.perf_counter() - t0)
+                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            ms = 1000 * statistics.median(steps)
+            points.append(
+                DecodePoint(
+                    batch=1,
+                    context=context,
+                    new_tokens=new_tokens,
+                    prefill_s=prefill_s,
+                    decode_ms=ms,
+                    tokens_per_s=1000 / ms,
+                    kv_bytes=kv_bytes,
+                    kv_bytes_predicted=per_token * cells,
+                    kv_tokens=cells,
+                )
+            )
+    finally:
+        llm.close()
+    return points, kv_bytes
+
+
+def measure_llamacpp_model(
+    label: str, path: str, *, config: Any, options: EvalOptions, texts: list[str] | None, contexts: list[int]
+) -> ModelResult:
+    """Export ``path`` to GGUF (cached), measure it in llama.cpp, and return its
+    :class:`~gqakit.eval.results.ModelResult` (see the module docstring)."""
+    from gqakit.models import load_tokenizer
+
+    require_llama_cpp()
+    start = time.perf_counter()
+    gguf = gguf_for(path, options.gguf_type)
+    geom = AttentionGeometry.from_config(config.to_dict())
+    f32_kv = options.gguf_type == "f32"
+    weight_bytes = gguf.stat().st_size
+    res = ModelResult(
+        label=label,
+        path=str(path),
+        model_type=geom.model_type,
+        num_layers=geom.num_layers,
+        num_heads=geom.num_heads,
+        num_kv_heads=geom.num_kv_heads,
+        head_dim=geom.head_dim,
+        parameters=0,
+        dtype=f"gguf {options.gguf_type}",
+        kv_bytes_per_token=geom.kv_bytes_per_token(dtype_bytes=4 if f32_kv else 2),
+        weight_bytes=weight_bytes,
+        load_s=time.perf_counter() - start,
+    )
+    from gqakit.gguf import read_gguf_header
+
+    res.parameters = read_gguf_header(gguf).parameters
+    if texts is not None:
+        res.perplexity = llamacpp_perplexity(gguf, load_tokenizer(path), texts, options)
+        log.info(
+            "[%s] llama.cpp perplexity %.4f over %d tokens", label, res.perplexity.ppl, res.perplexity.tokens
+        )
+    if options.bench:
+        points, kv_bytes = llamacpp_decode(gguf, geom, contexts, options.new_tokens, f32_kv, options.seed)
+        for p in points:
+            p.bytes_per_step = weight_bytes + res.kv_bytes_per_token * (p.context + options.new_tokens // 2)
+        res.decode = points
+        log.info(
+            "[%s] llama.cpp KV cache %s bytes for %d cells",
+            label,
+            kv_bytes,
+            points[0].kv_tokens if points else 0,
+        )
+    return res
+
+
+__all__ = [
+    "INSTALL",
+    "gguf_for",
+    "llamacpp_decode",
+    "llamacpp_perplexity",
+    "measure_llamacpp_model",
+    "require_llama_cpp",
+]

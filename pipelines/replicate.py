@@ -1,0 +1,197 @@
+"""``gqakit replicate``: the GQA paper's experiments, re-run end to end on a multi-head model trained here.
+
+::
+
+    [1/7] corpus      wiki-en train / validation / test (the asset, or the text given)
+    [2/7] tokenizer   a byte-level BPE trained on the train split
+    [3/7] pretrain    a Llama-architecture MHA model from random initialisation (LM objective)
+    [4/7] convert     MHA -> MQA by every method, and -> GQA at every G (mean pooling)
+    [5/7] uptrain     every arm for its proportion alpha of the pretraining tokens; MQA and GQA from scratch
+    [6/7] measure     test perplexity of every model; decode time and KV bytes per token at every G
+    [7/7] report      report.md, results.json, figures like the paper's
+
+Every checkpoint and measurement is cached in ``--work-dir`` (:class:`~gqakit.pipelines.store.ResultStore`),
+keyed by exactly what it depends on, so a second run takes seconds and a changed setting reruns only
+what depends on it. Pretraining and uptraining are gqakit's own loop (:func:`gqakit.uptrain.api.uptrain`)
+with the LM objective, every run from the same data order for a given seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gqakit.pipelines.replicate_options import PAPER_METHODS, ReplicateOptions
+from gqakit.pipelines.replicate_train import (
+    Context,
+    convert_arm,
+    decode_times,
+    init_model,
+    perplexity_of,
+    train_run,
+    train_tokenizer,
+)
+from gqakit.pipelines.steps import Steps, quiet_transformers
+from gqakit.pipelines.store import ResultStore
+
+STEPS = 7
+MHA = "mha"
+
+
+@dataclass
+class Arm:
+    """One model of the report: how it was made and what it measured."""
+
+    name: str
+    kind: str  # "mha", "converted", "scratch"
+    groups: int
+    method: str | None = None
+    alpha: float = 0.0
+    seed: int = 0
+    path: str = ""
+    ppl: float | None = None
+    uptrain: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReplicateResult:
+    """What :func:`run_replicate` measured and wrote."""
+
+    arms: list[Arm]
+    decode: dict[int, dict[str, Any]]
+    pretrain_tokens: int
+    report: Path
+    results_json: Path
+    figures: list[Path]
+    elapsed_s: float
+
+
+def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
+    if o.corpus is not None:
+        return tuple(Path(p) for p in o.corpus)  # type: ignore[return-value]
+    from gqakit.assets import fetch_asset
+
+    wiki = fetch_asset("wiki-en", o.cache_dir, wheelhouse=o.wheelhouse)
+    return wiki["train"], wiki["validation"], wiki["test"]
+
+
+def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
+    """Run the experiments (see the module docstring) and write the report.
+
+    Args:
+        options: sizes, grids, seeds and places; the defaults run in under an hour on 2 CPU cores.
+
+    Returns:
+        A :class:`ReplicateResult`; the report is at ``result.report``.
+    """
+    import time
+
+    o = options or ReplicateOptions()
+    o.validate()
+    quiet_transformers()
+    start = time.perf_counter()
+    work = Path(o.work_dir).resolve()
+    store = ResultStore(work / "results", o.fresh)
+    steps = Steps(STEPS, o.echo)
+    m = o.model
+    o.echo(
+        f"gqakit replicate: {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab}; "
+        f"pretraining {o.steps} steps x {o.tokens_per_step:,} tokens = {o.pretrain_tokens:,} tokens; "
+        f"alphas {', '.join(map(str, o.alphas))}; working directory {work}"
+    )
+    with steps.step("Corpus: training, validation and test text"):
+        corpus = _corpus(o)
+        steps.note(f"{corpus[0].parent}")
+    ctx = Context(o, store, steps, work / "models", corpus)
+    with steps.step(f"Tokenizer: byte-level BPE, {m.vocab:,} tokens, trained on the train split"):
+        tok = train_tokenizer(ctx)
+    arms: list[Arm] = []
+    with steps.step(f"Pretrain the MHA model ({m.heads} query and {m.heads} K/V heads) from scratch"):
+        init = init_model(ctx, tok, m.heads, seed=0)
+        mha = ctx.models / MHA
+        summary = train_run(ctx, init, mha, o.steps, o.lr, seed=0, pretraining=o.pretrain_tokens)
+        arms.append(Arm(MHA, "mha", m.heads, path=str(mha), uptrain=summary))
+        _publish(ctx, mha, summary)
+
+    jobs = _arm_plan(o)
+    with steps.step(f"Convert MHA -> {len({(j.method, j.groups) for j in jobs})} starts"):
+        starts = {(j.method, j.groups): convert_arm(ctx, mha, j.method, j.groups) for j in jobs}  # type: ignore[arg-type]
+    with steps.step("Uptrain every arm; pretrain MQA and GQA from scratch on the same total budget"):
+        for j in jobs:
+            start_dir = starts[(j.method, j.groups)]
+            if j.alpha == 0:
+                j.path = str(start_dir)
+            else:
+                dst = ctx.models / j.name
+                j.uptrain = train_run(
+                    ctx, start_dir, dst, o.uptrain_steps(j.alpha), o.uptrain_lr, j.seed, o.pretrain_tokens
+                )
+                j.path = str(dst)
+            arms.append(j)
+        top = max(o.alphas)
+        if top > 0:  # MHA trained on as many more tokens: the fair reference for the uptrained arms
+            dst = ctx.models / f"mha-continued-a{top:g}"
+            summary = train_run(
+                ctx, mha, dst, o.uptrain_steps(top), o.uptrain_lr, o.seeds[0], o.pretrain_tokens
+            )
+            arms.append(Arm(dst.name, "mha-continued", m.heads, alpha=top, path=str(dst), uptrain=summary))
+        total = o.steps + o.uptrain_steps(top)
+        for g in (1, max(o.groups)):
+            init_g = init_model(ctx, tok, g, seed=0)
+            dst = ctx.models / f"scratch-g{g}"
+            summary = train_run(ctx, init_g, dst, total, o.lr, seed=0, pretraining=o.pretrain_tokens)
+            arms.append(Arm(f"scratch-g{g}", "scratch", g, path=str(dst), uptrain=summary))
+    with steps.step(f"Measure: test perplexity of {len(arms)} models, decode time per token at each G"):
+        for a in arms:
+            a.ppl = perplexity_of(ctx, Path(a.path))
+            steps.note(f"{a.name}: perplexity {a.ppl:,.2f}")
+        by_g = {m.heads: mha, **{g: starts[("mean", g)] for g in o.groups}}
+        decode = decode_times(ctx, by_g)
+    with steps.step("Report"):
+        from gqakit.pipelines.replicate_report import write_report
+
+        elapsed = time.perf_counter() - start
+        report, results_json, figures = write_report(o, arms, decode, elapsed, store.reused)
+    o.echo(f"Report: {report}")
+    return ReplicateResult(arms, decode, o.pretrain_tokens, report, results_json, figures, elapsed)
+
+
+def _publish(ctx: Context, mha: Path, summary: dict) -> None:
+    """Make the pretrained MHA model an asset (``gqakit assets list`` shows it), once per build."""
+    from gqakit.asset_cache import cache_root, read_manifest
+    from gqakit.built_assets import publish
+
+    info = {"model": asdict(ctx.o.model), "pretrain_tokens": ctx.o.pretrain_tokens, "files": summary["files"]}
+    manifest = read_manifest(cache_root(ctx.o.cache_dir) / "replicate-mha")
+    if manifest is None or manifest.get("info", {}).get("files") != info["files"]:
+        root = publish("replicate-mha", mha, info, ctx.o.cache_dir).root
+        ctx.steps.note(f"published as the asset replicate-mha: {root / 'model'}")
+
+
+def _arm_plan(o: ReplicateOptions) -> list[Arm]:
+    """Every converted arm: MQA by each method at each alpha (the paper's methods at the middle alpha
+    over every seed), and mean-pooled GQA at each G at the largest alpha."""
+    jobs: dict[str, Arm] = {}
+
+    def add(method: str, g: int, alpha: float, seed: int) -> None:
+        name = f"g{g}-{method}-a{alpha:g}" + (f"-s{seed}" if alpha > 0 else "")
+        jobs.setdefault(name, Arm(name, "converted", g, method, alpha, seed if alpha > 0 else 0))
+
+    for method in o.methods:
+        for alpha in o.alphas:
+            add(method, 1, alpha, o.seeds[0])
+    for method in (m for m in PAPER_METHODS if m in o.methods):
+        for seed in o.seeds[1:]:
+            add(method, 1, o.middle_alpha, seed)
+    for g in o.groups:
+        for alpha in (0.0, max(o.alphas)):
+            add("mean", g, alpha, o.seeds[0])
+    return list(jobs.values())
+
+
+def arms_json(arms: list[Arm]) -> list[dict[str, Any]]:
+    return [asdict(a) for a in arms]
+
+
+__all__ = ["Arm", "ReplicateOptions", "ReplicateResult", "arms_json", "run_replicate"]

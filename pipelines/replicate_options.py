@@ -1,0 +1,155 @@
+"""What ``gqakit replicate`` runs: the model it pretrains, the arms it converts and uptrains, and its
+options. Kept apart from the pipeline so that the click command imports no torch.
+
+The arms, as in the GQA paper (Ainslie et al. 2023):
+
+* Fig. 4: MQA (G = 1) from every conversion method (mean, first, random, and gqakit's calibrated merge,
+  with and without layer-wise refinement), uptrained for each proportion alpha of the pretraining
+  tokens; the paper's three methods at the middle alpha over every seed (the headline comparison);
+* Fig. 6 / Table 1: mean-pooled GQA at every G, uptrained at the largest alpha, beside MHA (G = H);
+* trained from scratch: an MQA and a GQA model pretrained on the MHA model's tokens plus the largest
+  alpha's, the paper's same-budget comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import click
+
+from gqakit.errors import GqakitError
+
+METHODS: tuple[str, ...] = ("mean", "first", "random", "calibrated", "refined")
+PAPER_METHODS: tuple[str, ...] = ("mean", "first", "random")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The Llama-architecture model pretrained from scratch: genuinely multi-head (K/V heads = heads)."""
+
+    vocab: int = 4096
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 8
+    intermediate: int = 704
+    seq_len: int = 128
+
+    def scaled(self, k: float) -> ModelShape:
+        """``k`` times the width (heads stay), ``sqrt(k)`` times the depth: for a GPU's ``--scale``."""
+        if k == 1:
+            return self
+        width = max(self.heads, round(self.hidden * k / self.heads) * self.heads)
+        return replace(
+            self,
+            hidden=width,
+            intermediate=round(self.intermediate * width / self.hidden / 8) * 8,
+            layers=max(1, round(self.layers * k**0.5)),
+        )
+
+
+@dataclass
+class ReplicateOptions:
+    """Options of ``gqakit replicate``.
+
+    Attributes:
+        out: where ``report.md``, ``results.json`` and the figures go.
+        work_dir: checkpoints and cached results; a second run reuses them.
+        scale: multiply the model's width (and its depth by the root) and every token budget: 1 is the
+            CPU default (under an hour on 2 cores); 4 or more for a GPU.
+        device: ``auto``, ``cpu``, ``cuda``.
+        seeds: seeds of the headline comparison (Fig. 4's methods at the middle alpha).
+        alphas: uptraining tokens as a fraction of the pretraining tokens; 0 = the conversion alone.
+        groups: the K/V head counts of the G sweep (G = H, the MHA model itself, is always shown).
+        methods: conversion methods of the MQA arms.
+        shape: the model pretrained from scratch.
+        pretrain_steps, batch_size, lr: the pretraining run (the uptraining runs use the same batch and
+            schedule shape, at ``uptrain_lr``).
+        calib_tokens, refine_steps: the calibrated and refined conversions.
+        eval_tokens: test tokens every model is scored on.
+        decode_rounds: interleaved rounds of the decode measurement per G.
+        fresh: recompute everything.
+        corpus: (train, validation, test) text files; None: the wiki-en asset. Tests pass their own.
+        cache_dir, wheelhouse: the asset cache and a wheel directory (offline machines).
+        progress: progress bars of the long steps.
+        echo: where step lines go.
+    """
+
+    out: Path = Path("replicate-report")
+    work_dir: Path = Path("replicate-work")
+    scale: float = 1.0
+    device: str = "auto"
+    seeds: tuple[int, ...] = (0, 1)
+    alphas: tuple[float, ...] = (0.0, 0.025, 0.05, 0.1)
+    groups: tuple[int, ...] = (1, 2, 4)
+    methods: tuple[str, ...] = METHODS
+    shape: ModelShape = field(default_factory=ModelShape)
+    pretrain_steps: int = 500
+    batch_size: int = 16
+    lr: float = 2e-3
+    uptrain_lr: float = 1e-3
+    calib_tokens: int = 4096
+    refine_steps: int = 100
+    eval_tokens: int = 16384
+    decode_rounds: int = 3
+    fresh: bool = False
+    corpus: tuple[Path, Path, Path] | None = None
+    cache_dir: Path | None = None
+    wheelhouse: Path | None = None
+    progress: bool = True
+    echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
+
+    def validate(self) -> None:
+        problems = []
+        if not self.scale > 0:
+            problems.append(f"--scale must be positive, got {self.scale}.")
+        if not self.seeds:
+            problems.append("--seeds needs at least one seed.")
+        if sorted(self.alphas) != list(self.alphas) or any(a < 0 for a in self.alphas) or not self.alphas:
+            problems.append(f"--alphas must be increasing and >= 0, got {','.join(map(str, self.alphas))}.")
+        bad = [g for g in self.groups if g < 1 or self.shape.heads % g or g >= self.shape.heads]
+        if bad:
+            problems.append(
+                f"--groups {','.join(map(str, bad))}: each must divide the {self.shape.heads} heads and be "
+                f"fewer (G = {self.shape.heads} is the MHA model itself)."
+            )
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            problems.append(f"--methods {','.join(unknown)}: choose from {', '.join(METHODS)}.")
+        for name in ("pretrain_steps", "batch_size", "calib_tokens", "eval_tokens", "decode_rounds"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+        if Path(self.out).resolve() == Path(self.work_dir).resolve():
+            problems.append("--out and --work-dir must differ.")
+        if problems:
+            raise GqakitError(" ".join(problems))
+
+    @property
+    def model(self) -> ModelShape:
+        return self.shape.scaled(self.scale)
+
+    @property
+    def steps(self) -> int:
+        return max(1, round(self.pretrain_steps * self.scale))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+    @property
+    def pretrain_tokens(self) -> int:
+        """The MHA model's pretraining tokens: what alpha is a proportion of."""
+        return self.steps * self.tokens_per_step
+
+    def uptrain_steps(self, alpha: float) -> int:
+        """Optimizer steps of an uptraining run at ``alpha`` (0 for the conversion alone)."""
+        return round(alpha * self.pretrain_tokens / self.tokens_per_step)
+
+    @property
+    def middle_alpha(self) -> float:
+        nonzero = [a for a in self.alphas if a > 0] or [0.0]
+        return nonzero[(len(nonzero) - 1) // 2]
+
+
+__all__ = ["METHODS", "PAPER_METHODS", "ModelShape", "ReplicateOptions"]

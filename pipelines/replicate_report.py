@@ -1,0 +1,213 @@
+"""The report of ``gqakit replicate``: what the paper claims, what this run measured, and whether each
+claim reproduced; ``report.md``, ``results.json`` and figures drawn like the paper's."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from gqakit import __version__
+from gqakit.pipelines.replicate_options import PAPER_METHODS, ReplicateOptions
+from gqakit.pipelines.reporting import fmt_duration, pyplot, save_figure
+
+# Ainslie et al. 2023, Table 1 (T5, mean over the paper's summarization, translation and QA tasks; time
+# per sample on TPUv4): the paper's own figures, quoted beside ours.
+PAPER_TABLE_1 = [
+    ("MHA-Large", 0.37, 46.0),
+    ("MHA-XXL", 1.51, 47.2),
+    ("MQA-XXL (uptrained, alpha 0.05)", 0.24, 46.6),
+    ("GQA-8-XXL (uptrained, alpha 0.05)", 0.28, 47.1),
+]
+PAPER_CLAIMS = {
+    "fig4": "Mean pooling is the best start, then the first head, then random initialisation (Fig. 4).",
+    "fig5": "Uptraining recovers most of the quality with a small proportion alpha of the pretraining "
+    "steps; returns level off between alpha = 0.05 and 0.1 (Fig. 5).",
+    "fig6": "GQA with a few groups is close to MHA in quality and close to MQA in speed (Fig. 6, Table 1).",
+    "scratch": "Uptrained MQA/GQA beat a model of the same kind trained from scratch on the same budget "
+    "(the paper's uptraining rationale; its MHA-Large row is the same-speed comparison).",
+}
+
+
+def _ppl(arms, **where) -> list[float]:
+    return [a.ppl for a in arms if all(getattr(a, k) == v for k, v in where.items()) and a.ppl is not None]
+
+
+def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Each claim of the paper against this run's numbers: the numbers, and whether it reproduced."""
+    top = max(o.alphas)
+    mha = (_ppl(arms, kind="mha-continued") or _ppl(arms, kind="mha"))[0]  # as many tokens as the arms
+    out: dict[str, Any] = {"mha_ppl": _ppl(arms, kind="mha")[0], "mha_continued_ppl": mha}
+    methods = [m for m in PAPER_METHODS if m in o.methods]
+    at0 = {m: _ppl(arms, kind="converted", groups=1, method=m, alpha=0.0)[0] for m in methods}
+    mid = {m: _ppl(arms, kind="converted", groups=1, method=m, alpha=o.middle_alpha) for m in at0}
+    mid_mean = {m: statistics.mean(v) for m, v in mid.items() if v}
+    order = list(PAPER_METHODS)
+    out["fig4"] = {
+        "alpha_0": at0,
+        "alpha_mid": {m: {"mean": statistics.mean(v), "runs": v} for m, v in mid.items() if v},
+        "ordered_at_0": sorted(at0, key=at0.get) == [m for m in order if m in at0],
+        "ordered_after": sorted(mid_mean, key=mid_mean.get) == [m for m in order if m in mid_mean],
+    }
+    curves = {m: {a: _ppl(arms, kind="converted", groups=1, method=m, alpha=a, seed=o.seeds[0])[0]
+                  for a in o.alphas} for m in o.methods}  # fmt: skip
+    mean = [curves["mean"][a] for a in o.alphas] if "mean" in curves else []
+    gains = [a - b for a, b in zip(mean, mean[1:], strict=False)]
+    out["fig5"] = {
+        "curves": curves,
+        "mean_gains": gains,
+        "levels_off": len(gains) > 1 and gains[-1] < gains[0],
+    }
+    gqa = {g: _ppl(arms, kind="converted", groups=g, method="mean", alpha=top)[0] for g in o.groups}
+    mqa = gqa.get(1)
+    gaps = {g: (p - mha) / (mqa - mha) if mqa and mqa != mha else None for g, p in gqa.items()}
+    out["fig6"] = {"ppl": gqa, "share_of_mha_mqa_gap": gaps, "decode": decode}
+    scratch = {a.groups: a.ppl for a in arms if a.kind == "scratch"}
+    out["scratch"] = {g: {"scratch": p, "uptrained": gqa.get(g)} for g, p in scratch.items()}
+    out["scratch_reproduced"] = all(v["uptrained"] is not None and v["uptrained"] < v["scratch"]
+                                    for v in out["scratch"].values())  # fmt: skip
+    return out
+
+
+def write_report(
+    o: ReplicateOptions, arms, decode, elapsed_s: float, reused: int
+) -> tuple[Path, Path, list[Path]]:
+    """Write ``report.md``, ``results.json`` and the figures into ``o.out``; return their paths."""
+    out = Path(o.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    f = findings(o, arms, decode)
+    figures = [_alpha_figure(o, f, out / "quality_vs_alpha.png"), _groups_figure(o, f, out / "groups.png")]
+    results = {
+        "gqakit": __version__,
+        "options": _options_json(o),
+        "pretrain_tokens": o.pretrain_tokens,
+        "arms": [asdict(a) for a in arms],
+        "findings": f,
+        "elapsed_s": round(elapsed_s, 1),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / "report.md").write_text(_markdown(o, f, elapsed_s, reused, figures))
+    return out / "report.md", out / "results.json", figures
+
+
+def _options_json(o: ReplicateOptions) -> dict[str, Any]:
+    d = {k: v for k, v in asdict(o).items() if k not in ("echo", "corpus")}
+    return json.loads(json.dumps(d, default=str))
+
+
+def _yes(ok: bool) -> str:
+    return "reproduced" if ok else "**not reproduced** at this scale"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)] + [
+        "| " + " | ".join(r) + " |" for r in rows
+    ]
+
+
+def _markdown(o: ReplicateOptions, f, elapsed_s: float, reused: int, figures: list[Path]) -> str:
+    m, top, mid = o.model, max(o.alphas), o.middle_alpha
+    f4, f5, f6 = f["fig4"], f["fig5"], f["fig6"]
+    intro = (
+        f"A Llama-architecture model ({m.layers} layers, hidden {m.hidden}, {m.heads} query and {m.heads} "
+        f"K/V heads, vocabulary {m.vocab:,}: byte-level BPE on the train split) pretrained from random "
+        f"initialisation on {o.pretrain_tokens:,} tokens of wiki-en ({o.steps} steps, LM objective). Test "
+        f"perplexity on the first {o.eval_tokens:,} test tokens in {m.seq_len}-token windows. MHA: "
+        f"**{f['mha_ppl']:.2f}**; MHA trained on as many more tokens as the largest alpha: "
+        f"**{f['mha_continued_ppl']:.2f}** (the reference of the uptrained arms). Took "
+        f"{fmt_duration(elapsed_s)} ({reused} results reused from the working directory)."
+    )
+    lines = ["# gqakit replicate: the GQA paper's experiments on an MHA model trained here", "", intro, ""]
+    lines += ["## Fig. 4: which start", "", f"Paper: {PAPER_CLAIMS['fig4']}", ""]
+    rows = []
+    for meth, p0 in f4["alpha_0"].items():
+        after = f4["alpha_mid"].get(meth, {})
+        runs = ", ".join(f"{r:.2f}" for r in after.get("runs", []))
+        rows.append([meth, f"{p0:,.2f}", f"{after.get('mean', float('nan')):,.2f} ({runs})"])
+    lines += _table(["method", "MQA, no uptraining", f"MQA, alpha {mid:g}: mean over seeds (each)"], rows)
+    lines += ["", f"mean < first < random (lower is better): with no uptraining {_yes(f4['ordered_at_0'])}; "
+              f"after uptraining {_yes(f4['ordered_after'])}.", ""]  # fmt: skip
+    lines += ["## Fig. 5: how much uptraining", "", f"Paper: {PAPER_CLAIMS['fig5']}", ""]
+    rows = [[meth] + [f"{c[a]:,.2f}" for a in o.alphas] for meth, c in f5["curves"].items()]
+    lines += _table(["MQA from", *(f"alpha {a:g}" for a in o.alphas)], rows)
+    gains = ", ".join(f"{g:,.2f}" for g in f5["mean_gains"])
+    lines += ["", f"Gains of mean pooling from one alpha to the next: {gains}; levelling off "
+              f"{_yes(f5['levels_off'])}. gqakit's calibrated merge and refinement start where mean pooling "
+              "ends much later, and the gap closes with uptraining (the rows above).", ""]  # fmt: skip
+    lines += ["## Fig. 6 / Table 1: how many groups", "", f"Paper: {PAPER_CLAIMS['fig6']}", "",
+              f"Mean pooling uptrained at alpha {top:g}. Decode: transformers, batch 8, on this machine; at "
+              "this model size a decode step is bound by per-step overhead rather than bytes moved, so the "
+              "KV column is what G buys here (llama.cpp on a real model: docs/llamacpp.md).", ""]  # fmt: skip
+    rows = [[f"MHA ({m.heads} K/V heads), as many tokens", f"{f['mha_continued_ppl']:,.2f}", "0%"]]
+    for g in sorted(f6["ppl"], reverse=True):
+        share = f6["share_of_mha_mqa_gap"][g]
+        rows.append([f"{'MQA' if g == 1 else f'GQA-{g}'}", f"{f6['ppl'][g]:,.2f}",
+                     f"{100 * share:.0f}%" if share is not None else "-"])  # fmt: skip
+    for row, g in zip(rows, [m.heads, *sorted(f6["ppl"], reverse=True)], strict=True):
+        d = f6["decode"].get(g, {})
+        ms = f"{d['ms_per_token']:.2f}" if d.get("ms_per_token") else "-"
+        row += [
+            ms + ("" if d.get("reliable", True) else " (unreliable)"),
+            f"{d.get('kv_bytes_per_token', 0):,}",
+        ]
+    lines += _table(
+        ["model", "perplexity", "share of the MHA-MQA gap", "decode ms/token", "KV bytes/token"], rows
+    )
+    lines += ["", "The paper's Table 1 (its numbers: T5 on TPUv4, average score of its tasks):", ""]
+    lines += _table(["model", "time per sample (s)", "average score"],
+                    [[n, f"{t}", f"{sc}"] for n, t, sc in PAPER_TABLE_1])  # fmt: skip
+    lines += ["", "## Uptrained against trained from scratch", "", f"Paper: {PAPER_CLAIMS['scratch']}", ""]
+    rows = [[f"{g}", f"{v['scratch']:,.2f}", f"{v['uptrained']:,.2f}" if v["uptrained"] else "-"]
+            for g, v in sorted(f["scratch"].items())]  # fmt: skip
+    lines += _table(
+        ["K/V heads", "from scratch, same total tokens", f"uptrained from MHA, alpha {top:g}"], rows
+    )
+    lines += ["", f"Uptrained better than from scratch: {_yes(f['scratch_reproduced'])}.", "",
+              "## Figures", "", *(f"![{p.stem}]({p.name})" for p in figures), "",
+              f"Every number: `results.json`. gqakit {__version__}."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _alpha_figure(o: ReplicateOptions, f, path: Path) -> Path:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for meth, curve in f["fig5"]["curves"].items():
+        ax.plot(list(curve), list(curve.values()), marker="o", label=f"MQA from {meth}")
+    ax.axhline(f["mha_ppl"], color="black", linestyle="--", label="MHA")
+    ax.axhline(f["mha_continued_ppl"], color="black", linestyle="-.", label="MHA, + the largest alpha")
+    for g, v in f["scratch"].items():
+        ax.axhline(
+            v["scratch"], color="grey", linestyle=":", label=f"{'MQA' if g == 1 else f'GQA-{g}'} from scratch"
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("uptraining proportion alpha (of the pretraining tokens)")
+    ax.set_ylabel("test perplexity (log scale, lower is better)")
+    ax.set_title("Quality against uptraining (cf. the paper's Fig. 5)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def _groups_figure(o: ReplicateOptions, f, path: Path) -> Path:
+    plt = pyplot()
+    f6, heads = f["fig6"], o.model.heads
+    gs = sorted([heads, *f6["ppl"]])
+    ppl = [f["mha_continued_ppl"] if g == heads else f6["ppl"][g] for g in gs]
+    ms = [f6["decode"].get(g, {}).get("ms_per_token") or float("nan") for g in gs]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    axes[0].plot(gs, ppl, marker="o")
+    axes[0].set_ylabel(f"test perplexity (uptrained at alpha {max(o.alphas):g})")
+    axes[1].plot(gs, ms, marker="o", color="#c44e52")
+    axes[1].set_ylabel("decode ms per token (batch 8)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(gs, [str(g) for g in gs])
+        ax.set_xlabel("K/V heads G (G = H is MHA, 1 is MQA)")
+    fig.suptitle("Quality and decode time against the number of groups (cf. the paper's Fig. 6)")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+__all__ = ["PAPER_CLAIMS", "PAPER_TABLE_1", "findings", "write_report"]

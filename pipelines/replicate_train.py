@@ -1,0 +1,249 @@
+"""The cached steps of ``gqakit replicate``: tokenizer, random initialisation, training runs, conversions,
+perplexity and decode time. Each is keyed by exactly what it depends on (settings and the fingerprints of
+the checkpoints it reads), so a second run reuses it and a changed setting reruns only what depends on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gqakit.pipelines.replicate_options import ReplicateOptions
+from gqakit.pipelines.steps import Steps
+from gqakit.pipelines.store import ResultStore, fingerprint
+
+SPECIAL = ["<unk>", "<s>", "</s>"]
+
+
+@dataclass
+class Context:
+    """What every step needs: the options, the result store, step printing, where models go, the text."""
+
+    o: ReplicateOptions
+    store: ResultStore
+    steps: Steps
+    models: Path
+    corpus: tuple[Path, Path, Path]
+
+    @property
+    def train(self) -> Path:
+        return self.corpus[0]
+
+    @property
+    def validation(self) -> Path:
+        return self.corpus[1]
+
+    @property
+    def test(self) -> Path:
+        return self.corpus[2]
+
+
+def train_tokenizer(ctx: Context) -> Path:
+    """A byte-level BPE of ``vocab`` tokens trained on the train split (one document per line)."""
+    dst = ctx.models / "tokenizer"
+    key = {"train": fingerprint(ctx.train), "vocab": ctx.o.model.vocab}
+
+    def build() -> None:
+        from tokenizers import ByteLevelBPETokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        from gqakit.outputs import atomic_output_dir
+
+        bpe = ByteLevelBPETokenizer()
+        lines = ctx.train.read_text(encoding="utf-8").splitlines()
+        bpe.train_from_iterator(
+            lines, vocab_size=ctx.o.model.vocab, special_tokens=SPECIAL, show_progress=False
+        )
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=bpe._tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+        )
+        with atomic_output_dir(dst, force=True) as tmp:
+            tok.save_pretrained(tmp)
+
+    if not ctx.store.build_once(dst, key, build):
+        ctx.steps.note(f"reusing {dst}")
+    return dst
+
+
+def model_config(o: ReplicateOptions, kv_heads: int) -> dict[str, Any]:
+    """The Llama config of the pretrained model, with ``kv_heads`` K/V heads (= heads: MHA)."""
+    m = o.model
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": m.vocab,
+        "hidden_size": m.hidden,
+        "intermediate_size": m.intermediate,
+        "num_hidden_layers": m.layers,
+        "num_attention_heads": m.heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": m.seq_len,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def init_model(ctx: Context, tokenizer: Path, kv_heads: int, seed: int) -> Path:
+    """A randomly initialised checkpoint (transformers' own init, seeded) with the tokenizer."""
+    dst = ctx.models / f"init-g{kv_heads}-s{seed}"
+    cfg = model_config(ctx.o, kv_heads)
+    key = {"config": cfg, "seed": seed, "tokenizer": fingerprint(tokenizer)}
+
+    def build() -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from gqakit.outputs import atomic_output_dir
+
+        torch.manual_seed(seed)
+        config = AutoConfig.for_model(**cfg)
+        model = AutoModelForCausalLM.from_config(config)
+        with atomic_output_dir(dst, force=True) as tmp:
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
+
+    ctx.store.build_once(dst, key, build)
+    return dst
+
+
+def recipe_data(
+    ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int
+) -> dict:
+    """The uptraining recipe of one run: the LM objective on the train split, ``steps`` optimizer steps of
+    ``batch_size`` blocks, warmup then cosine, checkpoints every 100 steps (a killed run resumes)."""
+    o = ctx.o
+    return {
+        "model": {"path": str(start), "save_dtype": "float32"},
+        "data": {"files": [str(ctx.train)], "val_files": [str(ctx.validation)], "txt_docs": "line",
+                 "seq_len": o.model.seq_len, "max_val_blocks": 16},
+        "budget": {"steps": steps, "pretraining_tokens": pretraining},
+        "train": {"lr": lr, "warmup_fraction": 0.05, "min_lr_ratio": 0.1, "weight_decay": 0.01,
+                  "batch_size": o.batch_size, "grad_accum": 1, "max_grad_norm": 1.0,
+                  "precision": "fp32", "trainable": "all"},
+        "objective": {"kind": "lm"},
+        "eval": {"every": 0, "at_start": False},
+        "checkpoint": {"every": 100, "keep": 1},
+        "log": {"progress": o.progress, "tensorboard": False, "every": 10},
+        "output_dir": str(out),
+        "seed": seed,
+    }  # fmt: skip
+
+
+def train_run(
+    ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int
+) -> dict:
+    """Train ``start`` for ``steps`` steps into ``out`` with gqakit's loop; cached, resumed when killed."""
+    from gqakit.uptrain import recipe_from_dict, uptrain
+
+    recipe = recipe_from_dict(recipe_data(ctx, start, out, steps, lr, seed, pretraining))
+    key = {"start": fingerprint(start), "recipe": recipe.to_dict()}
+    name = "train-" + out.name
+    cached = ctx.store.get_output(name, key, out)
+    if cached is not None:
+        ctx.steps.note(f"reusing {out.name} ({cached['steps']} steps)")
+        return cached
+    resume = (out / "recipe.yaml").is_file() and (out / "recipe.yaml").read_text() == recipe.to_yaml()
+    resume = resume and not (out / "gqakit.json").is_file() and not ctx.o.fresh
+    res = uptrain(recipe, resume=resume, force=not resume)
+    summary = {
+        "steps": res.steps,
+        "tokens": res.tokens,
+        "alpha": res.alpha,
+        "elapsed_s": round(res.elapsed_s, 1),
+        "final_val_ppl": res.final_val_ppl,
+        "metrics": str(res.history),
+    }
+    ctx.steps.note(
+        f"{out.name}: {res.steps} steps, {res.tokens:,} tokens, validation {res.final_val_ppl:,.2f}"
+    )
+    return ctx.store.put_output(name, key, out, summary)
+
+
+def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
+    """``mha`` converted to ``groups`` K/V heads by ``method`` (``refined``: calibrated + refinement)."""
+    from gqakit.convert import ConvertOptions, convert_checkpoint
+
+    refined = method == "refined"
+    calibrated = method in ("calibrated", "refined")
+    opts = ConvertOptions(
+        groups=groups,
+        method="calibrated" if refined else method,
+        force=True,
+        calib_data=str(ctx.train) if calibrated else None,
+        calib_tokens=ctx.o.calib_tokens,
+        refine_steps=ctx.o.refine_steps if refined else 0,
+        device=ctx.o.device,
+    )
+    dst = ctx.models / f"start-g{groups}-{method}"
+    key = {"source": fingerprint(mha), "options": repr(opts)}
+    ctx.store.build_once(dst, key, lambda: convert_checkpoint(mha, dst, opts))
+    return dst
+
+
+def perplexity_of(ctx: Context, path: Path) -> float:
+    """Test perplexity of one checkpoint on the first ``eval_tokens`` test tokens (cached)."""
+    key = {"model": fingerprint(path), "test": fingerprint(ctx.test), "tokens": ctx.o.eval_tokens}
+    name = "ppl-" + path.name
+    cached = ctx.store.get(name, key)
+    if cached is not None:
+        return cached["ppl"]
+    from gqakit.eval import perplexity
+    from gqakit.models import load_causal_lm, load_tokenizer
+    from gqakit.text import load_texts
+
+    model = load_causal_lm(path, dtype="float32", device=ctx.o.device)
+    res = perplexity(
+        model, load_tokenizer(path), load_texts(ctx.test), seq_len=ctx.o.model.seq_len,
+        max_tokens=ctx.o.eval_tokens, progress=False,
+    )  # fmt: skip
+    ctx.store.put(name, key, {"ppl": res.ppl, "tokens": res.tokens})
+    return res.ppl
+
+
+def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any]]:
+    """Decode time per token (batch 8, the model's full context, interleaved rounds) and KV bytes per
+    token (float32) of one model per G."""
+    from gqakit.checkpoint import read_config
+    from gqakit.geometry import AttentionGeometry
+    from gqakit.pipelines.demo_decode import round_stats
+
+    key = {str(g): fingerprint(p) for g, p in by_g.items()} | {"rounds": ctx.o.decode_rounds}
+    cached = ctx.store.get("decode", key)
+    if cached is None:
+        from gqakit.eval import bench_decode
+        from gqakit.models import load_causal_lm
+
+        models = {g: load_causal_lm(p, dtype="float32", device=ctx.o.device) for g, p in by_g.items()}
+        context = ctx.o.model.seq_len - 16
+        rounds: dict[int, list[float | None]] = {g: [] for g in by_g}
+        for r in range(ctx.o.decode_rounds):
+            order = list(by_g)[r % len(by_g) :] + list(by_g)[: r % len(by_g)]
+            for g in order:
+                (p,) = bench_decode(models[g], batch_sizes=(8,), contexts=(context,), new_tokens=16,
+                                    warmup=1 if r == 0 else 0, progress=False, prefill="random")  # fmt: skip
+                rounds[g].append(p.tokens_per_s)
+        cached = {str(g): rounds[g] for g in by_g}
+        ctx.store.put("decode", key, cached)
+    out = {}
+    for g, path in by_g.items():
+        stats = round_stats(cached[str(g)])
+        geom = AttentionGeometry.from_config(read_config(path))
+        ms = 1000 / stats.median if stats.median else None
+        out[g] = {"ms_per_token": ms, "spread": stats.spread, "reliable": stats.reliable,
+                  "kv_bytes_per_token": geom.kv_bytes_per_token(dtype_bytes=4)}  # fmt: skip
+    return out
+
+
+__all__ = [
+    "Context",
+    "convert_arm",
+    "decode_times",
+    "init_model",
+    "perplexity_of",
+    "train_run",
+    "train_tokenizer",
+]

@@ -1,0 +1,149 @@
+"""``gqakit replicate`` on a toy corpus and a tiny model: the whole pipeline, alpha accounting, the cache
+(a changed setting reruns only what depends on it) and the report's figures."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gqakit.cli import main
+from gqakit.errors import GqakitError
+from gqakit.pipelines.replicate import _arm_plan, run_replicate
+from gqakit.pipelines.replicate_options import ModelShape, ReplicateOptions
+from gqakit.testing import TINY_TEXT
+
+TINY = ModelShape(vocab=300, layers=2, hidden=32, heads=4, intermediate=64, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("corpus")
+    sentences = [s.strip() + "." for s in TINY_TEXT.split(".") if s.strip()]
+    rng = random.Random(0)
+    files = []
+    for name, lines in (("train", 300), ("validation", 20), ("test", 30)):
+        files.append(root / f"{name}.txt")
+        files[-1].write_text("\n".join(" ".join(rng.sample(sentences, 4)) for _ in range(lines)) + "\n")
+    return tuple(files)  # type: ignore[return-value]
+
+
+def tiny(tmp_path: Path, corpus, messages: list[str], **kw) -> ReplicateOptions:
+    base = dict(
+        out=tmp_path / "report",
+        work_dir=tmp_path / "work",
+        device="cpu",
+        seeds=(0, 1),
+        alphas=(0.0, 0.5),
+        groups=(1, 2),
+        methods=("mean", "first", "random", "refined"),
+        shape=TINY,
+        pretrain_steps=8,
+        batch_size=4,
+        calib_tokens=256,
+        refine_steps=4,
+        eval_tokens=512,
+        decode_rounds=2,
+        corpus=corpus,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+        echo=messages.append,
+    )
+    return ReplicateOptions(**{**base, **kw})
+
+
+def test_the_pipeline_end_to_end_then_reused(tmp_path, corpus):
+    messages: list[str] = []
+    res = run_replicate(tiny(tmp_path, corpus, messages))
+    kinds = {a.kind for a in res.arms}
+    assert kinds == {"mha", "converted", "mha-continued", "scratch"}
+    # alpha accounting: pretraining 8 steps x 4 blocks x 32 tokens; alpha 0.5 uptrains half of that
+    assert res.pretrain_tokens == 8 * 4 * 32
+    up = next(a for a in res.arms if a.name == "g1-mean-a0.5-s0")
+    assert up.uptrain["tokens"] == 512 and up.uptrain["alpha"] == pytest.approx(0.5)
+    scratch = next(a for a in res.arms if a.name == "scratch-g1")
+    assert scratch.uptrain["tokens"] == 1024 + 512  # the same total budget as pretraining + uptraining
+    assert all(a.ppl and a.ppl > 1 for a in res.arms)
+    results = json.loads(res.results_json.read_text())
+    assert set(results["findings"]) >= {"fig4", "fig5", "fig6", "scratch"}
+    text = res.report.read_text()
+    for heading in (
+        "## Fig. 4",
+        "## Fig. 5",
+        "## Fig. 6 / Table 1",
+        "## Uptrained against trained from scratch",
+    ):
+        assert heading in text
+    assert "MHA-XXL | 1.51 | 47.2" in text  # the paper's own numbers, beside ours
+    for fig in res.figures:
+        assert fig.is_file() and fig.stat().st_size > 5000
+
+    # the pretrained MHA model is an asset now
+    listing = CliRunner().invoke(main, ["assets", "list", "--cache-dir", str(tmp_path / "cache")])
+    assert (
+        "replicate-mha" in listing.output
+        and str(tmp_path / "cache" / "replicate-mha" / "model") in listing.output
+    )
+    from gqakit.assets import fetch_asset
+
+    model = fetch_asset("replicate-mha", tmp_path / "cache")["model"]
+    assert json.loads((model / "config.json").read_text())["num_key_value_heads"] == TINY.heads
+
+    again: list[str] = []
+    res2 = run_replicate(tiny(tmp_path, corpus, again))
+    assert [a.ppl for a in res2.arms] == [a.ppl for a in res.arms]
+    assert not any("steps," in m and "tokens, validation" in m for m in again)  # no training ran
+
+
+def test_a_changed_setting_reruns_only_what_depends_on_it(tmp_path, corpus):
+    run_replicate(tiny(tmp_path, corpus, []))
+    messages: list[str] = []
+    run_replicate(tiny(tmp_path, corpus, messages, alphas=(0.0, 0.25, 0.5)))
+    trained = [m.split(":")[0].strip() for m in messages if "tokens, validation" in m]
+    # only the new alpha's arms train: one per method at seed 0, the paper's methods' second seed moved
+    # to the new middle alpha; pretraining, the other arms and the scratch models are reused
+    assert sorted(trained) == sorted(
+        ["g1-mean-a0.25-s0", "g1-first-a0.25-s0", "g1-random-a0.25-s0", "g1-refined-a0.25-s0",
+         "g1-mean-a0.25-s1", "g1-first-a0.25-s1", "g1-random-a0.25-s1"]
+    )  # fmt: skip
+
+
+def test_the_arm_plan_covers_the_papers_figures():
+    o = ReplicateOptions(seeds=(0, 1), alphas=(0.0, 0.05, 0.1), groups=(1, 2, 4))
+    names = {a.name for a in _arm_plan(o)}
+    assert {"g1-mean-a0", "g1-first-a0", "g1-random-a0", "g1-calibrated-a0", "g1-refined-a0"} <= names
+    assert {"g1-mean-a0.05-s0", "g1-mean-a0.05-s1", "g1-random-a0.05-s1"} <= names  # seeds: headline
+    assert "g1-calibrated-a0.05-s1" not in names  # a second seed only for the paper's methods
+    assert {"g2-mean-a0.1-s0", "g4-mean-a0.1-s0", "g4-mean-a0"} <= names
+    assert o.uptrain_steps(0.05) == round(0.05 * o.steps)
+
+
+def test_bad_options_are_reported_together(tmp_path, corpus):
+    with pytest.raises(GqakitError) as e:
+        run_replicate(
+            tiny(tmp_path, corpus, [], scale=0, groups=(3, 4), alphas=(0.5, 0.1), methods=("median",))
+        )
+    for fragment in (
+        "--scale must be positive",
+        "--groups 3,4",
+        "--alphas must be increasing",
+        "--methods median",
+    ):
+        assert fragment in e.value.message
+
+
+def test_scale_widens_and_deepens_the_model():
+    big = replace(ReplicateOptions(), scale=4.0)
+    assert big.model.hidden == 1024 and big.model.layers == 8 and big.model.heads == 8
+    assert big.steps == 4 * ReplicateOptions().steps
+
+
+def test_cli_help_and_bad_lists():
+    res = CliRunner().invoke(main, ["replicate", "--help"])
+    assert res.exit_code == 0 and "--scale" in res.output and "--alphas" in res.output
+    res = CliRunner().invoke(main, ["replicate", "--alphas", "a,b"])
+    assert res.exit_code != 0 and "comma-separated numbers" in res.output
