@@ -28,14 +28,13 @@ from pathlib import Path
 CONVERT = r"""
 import json, sys, time
 from gqakit.convert import ConvertOptions, convert_checkpoint
-src, dst, row, calib, tokens, steps, lr = sys.argv[1:8]
+src, dst, method, calib, tokens, steps, lr = sys.argv[1:8]
 t = time.perf_counter()
-method, _, inputs = row.partition("+")  # "refined+converted": calibrated on the converted model's states
 refined = method == "refined"  # the calibrated merge, then --refine-steps
 opts = ConvertOptions(groups=1, method="calibrated" if refined else method, force=True, device="cpu",
                       calib_data=calib if method in ("calibrated", "refined") else None,
                       calib_tokens=int(tokens), refine_steps=int(steps) if refined else 0,
-                      refine_lr=float(lr), calib_inputs=inputs or "original")
+                      refine_lr=float(lr))
 res = convert_checkpoint(src, dst, opts)
 print(json.dumps({"wall_s": time.perf_counter() - t,
                   "calib_s": res.provenance.get("calibration", {}).get("elapsed_s"),
@@ -149,12 +148,6 @@ def main() -> None:
         help="also convert with --method calibrated --refine-steps N (the 'refined' row); 0: skip",
     )
     ap.add_argument("--refine-lr", type=float, default=REFINE_LR)
-    ap.add_argument(
-        "--calib-inputs",
-        default="original",
-        help="comma list of what layers are calibrated on (original, converted): each beyond the first "
-        "adds calibrated+X (and refined+X) rows",
-    )
     ap.add_argument("--methods", default="mean,first,calibrated", help="plain rows to convert")
     args = ap.parse_args()
 
@@ -163,9 +156,7 @@ def main() -> None:
     data = wiki_splits(work, args.wheelhouse)
     print(f"data: train {data['train']}, test {data['test']}", flush=True)
 
-    inputs = args.calib_inputs.split(",")
     methods = tuple(args.methods.split(",")) + (("refined",) if args.refine_steps else ())
-    methods += tuple(f"{m}+{x}" for x in inputs[1:] for m in ("calibrated", "refined") if m in methods)
     timings: dict[str, list[dict]] = {m: [] for m in methods}
     for rep in range(args.repeats):  # interleaved, so load from other processes hits every method alike
         for method in timings:

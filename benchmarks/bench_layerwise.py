@@ -88,7 +88,6 @@ def main() -> None:
     ap.add_argument("--calib-data", default=str(Path.home() / ".cache/gqakit/wiki-en/train.txt"))
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--refine-steps", type=int, default=10)
-    ap.add_argument("--calib-inputs", default="original")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gqakit-bench-layerwise"))
     ap.add_argument("--whole-model", action="store_true", help="also run the whole-model calibration")
@@ -104,8 +103,7 @@ def main() -> None:
         *gqakit, "convert", str(args.src), str(dst), "--groups", str(args.groups),
         "--method", "calibrated",
         "--calib-data", args.calib_data, "--calib-tokens", str(args.calib_tokens),
-        "--refine-steps", str(args.refine_steps), "--calib-inputs", args.calib_inputs,
-        "--device", args.device,
+        "--refine-steps", str(args.refine_steps), "--device", args.device,
     ]  # fmt: skip
     print("layer by layer:", shlex.join(cmd), flush=True)
     res = {"layerwise": run_child(cmd), "budget": budget(config, args.calib_tokens), "config": config}

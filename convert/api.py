@@ -15,7 +15,6 @@ from typing import Any
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.convert.inspect import Inspection, inspect_checkpoint
 from gqakit.convert.options import (
-    CALIB_INPUTS,
     CONVERT_METHODS,
     DTYPE_CHOICES,
     SIMILARITY_METHODS,
@@ -140,7 +139,6 @@ def expand_checkpoint(
 
 
 __all__ = [
-    "CALIB_INPUTS",
     "CONVERT_METHODS",
     "DTYPE_CHOICES",
     "DTYPES",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import click
 
 from gqakit.convert.api import (
-    CALIB_INPUTS,
     CONVERT_METHODS,
     DTYPE_CHOICES,
     ConvertOptions,
@@ -72,14 +71,6 @@ from gqakit.convert.refine import REFINE_LR
 @click.option(
     "--refine-lr", type=float, default=REFINE_LR, show_default=True, help="Learning rate of --refine-steps."
 )
-@click.option(
-    "--calib-inputs",
-    type=click.Choice(CALIB_INPUTS),
-    default="original",
-    show_default=True,
-    help="What each decoder layer is calibrated (and refined) on, layer by layer: the original model's "
-    "hidden states, or those of the model converted so far (later layers then see earlier layers' errors).",
-)
 @click.option("--device", default="auto", show_default=True, help="Where calibration runs (auto, cpu, cuda).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty.")
 def convert_cmd(
@@ -94,7 +85,6 @@ def convert_cmd(
     grouping: str,
     refine_steps: int,
     refine_lr: float,
-    calib_inputs: str,
     device: str,
     force: bool,
 ) -> None:
@@ -111,7 +101,6 @@ def convert_cmd(
         device,
         refine_steps=refine_steps,
         refine_lr=refine_lr,
-        calib_inputs=calib_inputs,
     )
     res = convert_checkpoint(src, dst, options)
     extra = f", {grouping} grouping" if grouping != "contiguous" else ""

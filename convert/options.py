@@ -13,8 +13,6 @@ from gqakit.geometry import AttentionGeometry
 
 # Every --method of convert: the pooling methods, and the activation-aware merge (gqakit.convert.merge).
 CONVERT_METHODS: tuple[str, ...] = (*METHODS, "calibrated")
-# What each layer is calibrated on when converting layer by layer (gqakit.convert.layerwise).
-CALIB_INPUTS: tuple[str, ...] = ("original", "converted")
 # Methods that --grouping similarity can combine with (random ignores the weights, so grouping is moot).
 SIMILARITY_METHODS: tuple[str, ...] = ("mean", "first", "calibrated")
 
@@ -43,9 +41,6 @@ class ConvertOptions:
         refine_steps: Adam steps per layer fitting each converted attention block to the original's
             output on the calibration data (``gqakit.convert.refine``); 0 skips it. Needs ``calib_data``.
         refine_lr: the learning rate of those steps.
-        calib_inputs: what each layer is calibrated on, layer by layer: ``original`` (the original
-            model's hidden states) or ``converted`` (those of the model converted so far); see
-            :mod:`gqakit.convert.layerwise`.
     """
 
     groups: int
@@ -59,7 +54,6 @@ class ConvertOptions:
     device: str = "auto"
     refine_steps: int = 0
     refine_lr: float = REFINE_LR
-    calib_inputs: str = "original"
 
     @property
     def merged(self) -> bool:
@@ -83,10 +77,6 @@ class ConvertOptions:
         if self.refine_steps < 0:
             problems.append(
                 f"--refine-steps must be 0 (off) or a positive step count, got {self.refine_steps}."
-            )
-        if self.calib_inputs not in CALIB_INPUTS:
-            problems.append(
-                f"--calib-inputs {self.calib_inputs!r} is unknown; choose one of {', '.join(CALIB_INPUTS)}."
             )
         if not self.refine_lr > 0:
             problems.append(f"--refine-lr must be a positive learning rate, got {self.refine_lr}.")

@@ -182,12 +182,12 @@ def llamacpp_decode(
             t0 = time.perf_counter()
             llm.eval(rng.integers(3, vocab, context).tolist())
             prefill_s = time.perf_counter() - t0
-            token, steps = int(np.argmax(llm.scores[llm.n_tokens - 1])), []
+            token, steps = _greedy(llm), []
             for _ in range(new_tokens - 1):
                 t0 = time.perf_counter()
                 llm.eval([token])
                 steps.append(time.perf_counter() - t0)
-                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                token = _greedy(llm)
             ms = 1000 * statistics.median(steps)
             points.append(
                 DecodePoint(
@@ -205,6 +205,14 @@ def llamacpp_decode(
     finally:
         llm.close()
     return points, kv_bytes
+
+
+def _greedy(llm) -> int:
+    """The argmax of the last evaluated token's logits (the binding keeps no copy of them unless it was
+    opened with ``logits_all``)."""
+    import numpy as np
+
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
 
 def measure_llamacpp_model(

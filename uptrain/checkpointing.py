@@ -1,12 +1,11 @@
 """Checkpoints of an uptraining run, and resuming from them without unpickling anything.
 
-A checkpoint is ``OUTPUT_DIR/checkpoints/step-NNNNNNNN/``: accelerate's ``save_state`` of the model
-(safetensors), optimizer, gradient scaler, samplers and RNG states, and gqakit's own training state as
-JSON (``trainer_state.json``: step, data position, learning-rate scale, counters). Run directories are
-shared and downloaded, so nothing in one may run code on resume: gqakit registers no custom objects
-with accelerate (whose custom-state files are unpickled with ``weights_only=False``), and everything
-accelerate reads back it reads with ``torch.load(weights_only=True)``, which refuses pickled code. The
-learning-rate schedule is a pure function of the step, so it needs no saved state.
+A checkpoint is ``OUTPUT_DIR/checkpoints/step-NNNNNNNN/``: the model, optimizer, gradient scaler and RNG
+states (:mod:`gqakit.uptrain.state_files`: safetensors, ``torch.load(weights_only=True)`` and JSON, never
+accelerate's pickles) and gqakit's own training state as JSON (``trainer_state.json``: step, data
+position, learning-rate scale, counters, processes). It is written into a hidden directory and renamed
+into place, so a kill leaves either a whole checkpoint or none. The learning-rate schedule is a pure
+function of the step, so it needs no saved state.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from typing import Any
 
 from gqakit.checkpoint import write_json
 from gqakit.errors import GqakitError
+from gqakit.uptrain.state_files import load_training_state, save_training_state
 
 log = logging.getLogger("gqakit.uptrain")
 
@@ -55,44 +55,39 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def read_train_state(path: Path) -> dict[str, Any]:
-    """``trainer_state.json`` of the checkpoint ``path``, checked: plain numbers, nothing else."""
+def _counter_ok(value: Any, default: Any) -> bool:
+    """A non-negative number of the counter's kind (an int where the default is one), or None."""
+    if value is None:
+        return default is None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return False
+    return isinstance(value, int) or not isinstance(default, int)
+
+
+def read_checkpoint_record(path: Path) -> dict[str, Any]:
+    """``trainer_state.json`` of the checkpoint ``path``, checked: the counters are plain numbers."""
+    file = path / STATE_FILE
     try:
-        data = json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise GqakitError(
-            f"{path / STATE_FILE} cannot be read ({e}): the checkpoint is incomplete or damaged. Remove "
+            f"{file} cannot be read ({type(e).__name__}): the checkpoint is incomplete or damaged. Remove "
             f"{path} to resume from the one before it, or start over without --resume."
         ) from None
-    want = set(vars(TrainState()))
-    if not isinstance(data, dict) or not want <= set(data):
-        raise GqakitError(f"{path / STATE_FILE} is not a gqakit training state (keys {sorted(want)}).")
-    return {k: data[k] for k in want}
-
-
-def _check_pickles(path: Path, process_index: int) -> None:
-    """Refuse what accelerate would unpickle unsafely or skip silently: custom-state pickles (read with
-    ``weights_only=False``; gqakit writes none), and an RNG file that a ``weights_only`` load refuses
-    (accelerate would go on without it, and the resumed run would differ from an uninterrupted one)."""
-    from accelerate.utils import load
-
-    custom = sorted(p.name for p in path.glob("custom_checkpoint_*.pkl"))
-    if custom:
+    want = vars(TrainState())
+    numbers = isinstance(data, dict) and all(k in data and _counter_ok(data[k], d) for k, d in want.items())
+    if not numbers:
         raise GqakitError(
-            f"The checkpoint {path} holds {', '.join(custom)}: pickles that could run code when loaded, "
-            "which gqakit never reads (an older gqakit wrote them, or someone planted them). Its training "
-            f"state is in {STATE_FILE}: remove those files and resume again."
+            f"{file} is not a gqakit training state (non-negative numbers under {', '.join(want)}). Remove "
+            f"{path} to resume from the one before it, or start over without --resume."
         )
-    rng = path / f"random_states_{process_index}.pkl"
-    if rng.is_file():
-        try:
-            load(rng)  # weights_only=True, with numpy's array types allowed
-        except Exception as e:
-            raise GqakitError(
-                f"The checkpoint {path} could not be loaded safely: {rng.name} is not plain RNG state "
-                f"({type(e).__name__}). gqakit loads checkpoints without running code from them; remove "
-                "the checkpoint to resume from an earlier one, or start over without --resume."
-            ) from None
+    return data
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    """The :class:`TrainState` counters of the checkpoint ``path``."""
+    data = read_checkpoint_record(path)
+    return {k: data[k] for k in vars(TrainState())}
 
 
 class CheckpointMixin:
@@ -106,10 +101,11 @@ class CheckpointMixin:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
+        save_training_state(acc, self.model, self.optimizer, tmp)
         acc.wait_for_everyone()
         if acc.is_main_process:
-            write_json(tmp / STATE_FILE, {**self.state.state_dict(), "tokens": self.budget.tokens(step)})
+            extra = {"tokens": self.budget.tokens(step), "processes": acc.num_processes}
+            write_json(tmp / STATE_FILE, {**self.state.state_dict(), **extra})
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             for old in sorted(root.glob("step-*"))[: -self.recipe.checkpoint.keep or None]:
@@ -117,23 +113,17 @@ class CheckpointMixin:
         acc.wait_for_everyone()
 
     def _load_checkpoint(self, path: Path, counters: bool = True) -> None:
-        """Restore the model, optimizer and RNG (accelerate, ``weights_only`` loads) and the training state
-        (JSON); with ``counters=False`` only the step comes back (a rollback keeps its counters)."""
+        """Restore the model, optimizer, scaler and RNG (:mod:`~gqakit.uptrain.state_files`) and the
+        training state (JSON); with ``counters=False`` only the step comes back (a rollback keeps its
+        counters)."""
         state = read_train_state(path)
-        _check_pickles(path, self.acc.process_index)
-        try:
-            self.acc.load_state(str(path))
-        except Exception as e:  # torch refuses a pickle with code in it: UnpicklingError and friends
-            raise GqakitError(
-                f"The checkpoint {path} could not be loaded safely ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}). gqakit loads checkpoints without running "
-                "code from them; this one holds something gqakit did not write. Remove it to resume from "
-                "an earlier one, or start over without --resume."
-            ) from None
+        load_training_state(self.acc, self.model, self.optimizer, path)
         if counters:
             self.state.load_state_dict(state)
         else:
             self.state.step = state["step"]
+        # accelerate counts micro-steps to know when gradients sync; a step is grad_accum of them.
+        self.acc.step = self.state.step * self.recipe.train.grad_accum
         self.scheduler.last_epoch = self.state.step  # the schedule is a function of the step
         self._apply_lr()
 

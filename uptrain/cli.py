@@ -53,7 +53,8 @@ def uptrain_cmd(
         from gqakit.errors import GqakitError
         from gqakit.uptrain.launch import accelerate_config_problems, launch_argv, read_accelerate_config
 
-        problems = accelerate_config_problems(read_accelerate_config(accelerate_config), main_process_ip)
+        config = read_accelerate_config(accelerate_config)
+        problems = accelerate_config_problems(config, main_process_ip, rec)
         if problems:
             raise GqakitError(f"--accelerate-config {accelerate_config}: " + " ".join(problems))
         argv = launch_argv(

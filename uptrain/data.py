@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.text import load_texts
 from gqakit.uptrain.recipe import DataConfig, expand
 
 # File suffix -> datasets builder.
@@ -72,8 +71,6 @@ def resolve_files(patterns: list[str], key: str, problems: list[str]) -> list[st
 def _load_files(files: list[str], cfg: DataConfig, key: str):
     import datasets
 
-    for f in files:  # gqakit's one text loader first: its messages for empty, binary or malformed files
-        load_texts(f, cfg.text_field, option=key)
     builders = {BUILDERS[Path(f).suffix.lower()] for f in files}
     if len(builders) > 1:
         raise GqakitError(f"{key} mixes file types ({', '.join(files)}); give files of one type.")

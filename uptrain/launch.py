@@ -16,6 +16,8 @@ from typing import Any
 import yaml
 
 from gqakit.errors import GqakitError
+from gqakit.uptrain.preflight import deepspeed_problems
+from gqakit.uptrain.recipe import Recipe
 
 # The address recipes/accelerate/multi-node.yaml ships with: to be replaced by machine 0's.
 PLACEHOLDER_IPS = ("10.0.0.1", "", "MACHINE_0_ADDRESS")
@@ -34,16 +36,23 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def accelerate_config_problems(config: dict[str, Any], main_process_ip: str | None = None) -> list[str]:
-    """What stops ``config`` from running here, each with its fix; empty when it can be launched."""
+def accelerate_config_problems(
+    config: dict[str, Any], main_process_ip: str | None = None, recipe: Recipe | None = None
+) -> list[str]:
+    """What stops ``config`` (with ``recipe``) from running here, each with its fix; empty when it can be
+    launched."""
     problems = []
-    if str(config.get("distributed_type", "")).upper() == "DEEPSPEED" and not importlib.util.find_spec(
-        "deepspeed"
-    ):
+    deepspeed = str(config.get("distributed_type", "")).upper() == "DEEPSPEED"
+    if deepspeed and not importlib.util.find_spec("deepspeed"):
         problems.append(
             "distributed_type DEEPSPEED needs DeepSpeed, which is not installed: pip install deepspeed."
         )
-    machines = int(config.get("num_machines", 1) or 1)
+    if deepspeed and recipe is not None:
+        problems += deepspeed_problems(recipe)
+    try:
+        machines = int(config.get("num_machines", 1) or 1)
+    except (TypeError, ValueError):
+        return [*problems, f"num_machines must be a whole number, got {config.get('num_machines')!r}."]
     ip = main_process_ip if main_process_ip is not None else str(config.get("main_process_ip") or "")
     if machines > 1 and ip in PLACEHOLDER_IPS:
         problems.append(

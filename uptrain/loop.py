@@ -35,12 +35,11 @@ from gqakit.checkpoint import copy_non_weight_files, write_json
 from gqakit.uptrain.checkpointing import CHECKPOINTS, CheckpointMixin, TrainState, latest_checkpoint
 from gqakit.uptrain.metrics import METRICS, MetricsMixin, read_history
 from gqakit.uptrain.objectives import Objective, lm_loss_per_sequence
+from gqakit.uptrain.preflight import PROVENANCE
 from gqakit.uptrain.recipe import Recipe
 from gqakit.uptrain.setup import SetupMixin
 
 log = logging.getLogger("gqakit.uptrain")
-
-PROVENANCE = "gqakit.json"
 
 
 @dataclass

@@ -28,14 +28,20 @@ class MetricsLog:
                 fh.write(json.dumps(record) + "\n")
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` (a resumed run writes them again)."""
+        """Drop records past ``step`` (a resumed run writes them again), and a line a kill cut short."""
         if self.enabled and self.path.is_file():
-            keep = [
-                ln
-                for ln in self.path.read_text().splitlines()
-                if ln and json.loads(ln).get("step", 0) <= step
-            ]
+            keep = [ln for ln in self.path.read_text().splitlines() if _step(ln) <= step]
             self.path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _step(line: str) -> float:
+    """The step of one ``metrics.jsonl`` line; infinity for a line that is not a whole record."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return float("inf")
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    return step if isinstance(step, int | float) else float("inf")
 
 
 def read_history(output_dir: str | Path) -> list[dict[str, Any]]:

@@ -201,7 +201,10 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Resumable checkpoints under ``OUTPUT_DIR/checkpoints`` (model, optimizer, scheduler, RNG, data).
+    """Resumable checkpoints under ``OUTPUT_DIR/checkpoints`` (model, optimizer, RNG, data position).
+
+    Written and read without pickled code (safetensors, ``torch.load(weights_only=True)``, JSON); not
+    under DeepSpeed, whose checkpoints only its unpickling loader reads (``every`` must be 0 there).
 
     Attributes:
         every: steps between checkpoints (0: none, so no ``--resume`` and no rollback).
@@ -242,7 +245,7 @@ class LogConfig:
         tensorboard: also log to TensorBoard (if the package is installed).
         progress: show a progress bar.
         all_ranks: log from every process of a distributed run (default: the main process only; the
-            others log warnings and errors).
+            others log errors only and show no progress bars).
     """
 
     every: int = 1

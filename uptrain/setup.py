@@ -10,6 +10,7 @@ import torch
 from gqakit.errors import GqakitError
 from gqakit.uptrain.data import build_blocks
 from gqakit.uptrain.metrics import METRICS, MetricsLog
+from gqakit.uptrain.preflight import environment_problems
 from gqakit.uptrain.schedule import Budget, lr_multiplier, resolve_budget
 from gqakit.uptrain.trainable import apply_trainable
 
@@ -50,14 +51,12 @@ class SetupMixin:
                 ),
                 step_scheduler_with_optimizer=False,
             )
-        except ValueError as e:  # e.g. fp16 without a GPU
+        except ValueError as e:  # e.g. bf16 on a GPU without it
             raise GqakitError(f"train.precision={r.train.precision} cannot run here: {e}") from None
-        if r.train.precision == "fp16" and self.acc.device.type == "cpu":
-            # accelerate would quietly train in float32 and the run would be recorded as fp16
-            raise GqakitError(
-                "train.precision=fp16 needs a CUDA GPU; on a CPU set train.precision=fp32 (or bf16, which "
-                "CPUs run through autocast)."
-            )
+        # Checked before any work (gqakit.uptrain.preflight); again here for callers of UptrainLoop.
+        problems = environment_problems(r, self.acc.distributed_type.value, self.acc.device.type)
+        if problems:
+            raise GqakitError(" ".join(problems))
         self.precision = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(
             str(self.acc.mixed_precision), str(self.acc.mixed_precision)
         )  # what runs, recorded in gqakit.json and the log
@@ -90,8 +89,6 @@ class SetupMixin:
         self.model = model
 
     def _setup_teacher(self) -> None:
-        from accelerate.utils import DistributedType
-
         from gqakit.models import load_causal_lm
 
         r = self.recipe
@@ -100,11 +97,6 @@ class SetupMixin:
             if r.teacher:
                 log.warning("teacher %s is not used: objective.kind is lm", r.teacher)
             return
-        if self.acc.distributed_type == DistributedType.DEEPSPEED:
-            raise GqakitError(
-                "objective.kind=distill/mix is not supported under DeepSpeed (ZeRO-3 would partition the "
-                "teacher too). Use recipes/accelerate/fsdp.yaml or ddp.yaml, or objective.kind=lm."
-            )
         dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[r.train.precision]
         self.teacher = load_causal_lm(r.teacher, dtype=dtype, device=str(self.acc.device))
         self.teacher.requires_grad_(False)
@@ -158,5 +150,5 @@ class SetupMixin:
             self.model, self.optimizer, self.train_loader, self.val_loader
         )
         # The schedule counts global optimizer steps; accelerate's scheduler wrapper would step it once
-        # per process, so it stays unwrapped. Nothing is registered for checkpointing: accelerate unpickles
-        # registered objects with weights_only=False (see gqakit.uptrain.checkpointing).
+        # per process, so it stays unwrapped. Nothing is registered with accelerate for checkpointing:
+        # gqakit writes and reads its checkpoints itself (gqakit.uptrain.state_files).

@@ -69,25 +69,7 @@ def test_layerwise_writes_exactly_what_calibrating_the_whole_model_writes(
         assert torch.equal(got[name], t), name
     a, b = layerwise.provenance, whole.provenance
     assert a["reconstruction_error"] == b["reconstruction_error"] and a["key_merge"] == b["key_merge"]
-    assert len(a["layerwise"]["seconds_per_layer"]) == 3 and a["layerwise"]["calib_inputs"] == "original"
-
-
-def test_following_the_converted_model_changes_what_later_layers_see(tmp_path, calib_txt):
-    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=3)
-    base = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=1024, refine_steps=4)
-    orig = convert_checkpoint(src, tmp_path / "orig", ConvertOptions(**base))
-    conv = convert_checkpoint(src, tmp_path / "conv", ConvertOptions(calib_inputs="converted", **base))
-    assert conv.provenance["layerwise"]["calib_inputs"] == "converted"
-    err_o, err_c = orig.provenance["reconstruction_error"], conv.provenance["reconstruction_error"]
-    assert err_o[0] == err_c[0]  # layer 0 sees the embedding either way
-    assert err_o[1:] != err_c[1:]  # later layers are calibrated on the converted model's states
-    a, b = _tensors(tmp_path / "orig"), _tensors(tmp_path / "conv")
-    assert torch.equal(
-        a["model.layers.0.self_attn.k_proj.weight"], b["model.layers.0.self_attn.k_proj.weight"]
-    )
-    assert not torch.equal(
-        a["model.layers.2.self_attn.k_proj.weight"], b["model.layers.2.self_attn.k_proj.weight"]
-    )
+    assert len(a["layerwise"]["seconds_per_layer"]) == 3
 
 
 def test_a_layer_missing_from_the_shards_is_a_clear_error(tmp_path, calib_txt):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -30,25 +31,91 @@ def _file(root: Path, name: str, data: bytes) -> Path:
     return root / name
 
 
-# (id, overrides built from the test's tmp_path, message fragment)
+def _data(root: Path, name: str, content: bytes, key: str = "data.files") -> str:
+    """The override ``key=[FILE]`` for a new data file ``name`` holding ``content``."""
+    return f"{key}=[{_file(root, name, content)}]"
+
+
+BINARY = bytes(range(256)) * 8
+MALFORMED_JSONL = b'{"text": "a b"}\n{oops\n'
+OTHER_FIELD_JSONL = b'{"body": "a b"}\n'
+
+# (id, overrides built from the test's tmp_path, message fragment). Each is refused before any model
+# loads or conversion starts.
 CASES = [
     ("seq-len-beyond-positions", lambda t: ["data.seq_len=4096"],
      "data.seq_len 4096 is more than the 256 positions"),
     ("teacher-is-an-encoder", lambda t: [f"teacher={_bert(t)}", "objective.kind=distill"],
-     "teacher: The teacher"),
-    ("empty-data-file", lambda t: [f"data.files=[{_file(t, 'empty.txt', b'')}]"],
-     "holds no text"),
-    ("binary-data-file", lambda t: [f"data.files=[{_file(t, 'bin.txt', bytes(range(256)) * 8)}]"],
-     "is not UTF-8 text"),
+     "teacher: The teacher .* is a 'bert' checkpoint"),
+    ("model-is-an-encoder", lambda t: [f"model.path={_bert(t)}", "model.convert=null"],
+     "model.path: The model .* is a 'bert' checkpoint"),
+    ("empty-data-file", lambda t: [_data(t, "empty.txt", b"")],
+     "data.files .*empty.txt holds no text"),
+    ("blank-data-file", lambda t: [_data(t, "blank.txt", b"  \n\n")],
+     "data.files .*blank.txt holds no text"),
+    ("binary-data-file", lambda t: [_data(t, "bin.txt", BINARY)],
+     "data.files .*bin.txt is not UTF-8 text"),
+    ("binary-val-file", lambda t: [_data(t, "vbin.txt", BINARY, "data.val_files")],
+     "data.val_files .*vbin.txt is not UTF-8 text"),
+    ("malformed-jsonl", lambda t: [_data(t, "bad.jsonl", MALFORMED_JSONL)],
+     "data.files .*bad.jsonl could not be loaded"),
+    ("jsonl-without-the-text-field", lambda t: [_data(t, "f.jsonl", OTHER_FIELD_JSONL)],
+     "has no field 'text'; its fields are body"),
+    ("mixed-file-types", lambda t: [f"data.files=[{_file(t, 'a.txt', b'x y')}, {_file(t, 'b.jsonl', b'')}]"],
+     "data.files mixes file types"),
     ("fp16-on-a-cpu", lambda t: ["train.precision=fp16"],
      "train.precision=fp16 needs a CUDA GPU"),
+    ("output-dir-is-a-file", lambda t: [f"output_dir={_file(t, 'out', b'x')}"],
+     "output_dir .*out is a file"),
 ]  # fmt: skip
 
 
+def _forbid_work(monkeypatch) -> None:
+    """Fail the test if the run gets as far as converting or loading a model."""
+    import gqakit.uptrain.api as api
+
+    def fail(*a, **k):
+        pytest.fail("validation came after the expensive part")
+
+    monkeypatch.setattr(api, "_convert_first", fail)
+    monkeypatch.setattr(UptrainLoop, "_setup_model", fail)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    _forbid_work(monkeypatch)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clear_message(recipe, tmp_path, overrides, message):
+def test_bad_input_is_one_clear_message_before_any_work(recipe, tmp_path, no_work, overrides, message):
     with pytest.raises(GqakitError, match=message):
         uptrain(recipe(*overrides(tmp_path)))
+
+
+def test_every_problem_is_reported_together(recipe, tmp_path, no_work):
+    empty = _file(tmp_path, "empty.txt", b"")
+    r = recipe("data.seq_len=4096", f"data.files=[{empty}]", "train.precision=fp16")
+    with pytest.raises(GqakitError) as e:
+        uptrain(r)
+    lines = e.value.message.splitlines()
+    assert lines[0] == "The recipe's inputs have problems:"
+    assert len([ln for ln in lines if ln.startswith("  - ")]) == 3, e.value.message
+
+
+@pytest.mark.parametrize(
+    ("distributed", "device", "overrides", "message"),
+    [
+        ("NO", "cpu", ["train.precision=fp16"], "train.precision=fp16 needs a CUDA GPU"),
+        ("DEEPSPEED", "cuda", ["checkpoint.every=10"], "checkpoint.every=10 under DeepSpeed: .* unpickles"),
+        ("DEEPSPEED", "cuda", ["objective.kind=distill"], "objective.kind=distill is not supported under"),
+    ],
+)
+def test_what_the_machine_cannot_run_is_refused(recipe, distributed, device, overrides, message):
+    from gqakit.uptrain.preflight import environment_problems
+
+    problems = environment_problems(recipe("checkpoint.every=0", *overrides), distributed, device)
+    assert len(problems) == 1 and re.search(message, problems[0]), problems
+    assert environment_problems(recipe("checkpoint.every=0"), distributed, device) == []
 
 
 def test_an_unwritable_output_dir_is_one_message(recipe):
@@ -63,28 +130,47 @@ def test_an_unwritable_output_dir_is_one_message(recipe):
         uptrain(recipe("output_dir=/sys/run"))
 
 
-def test_resume_with_a_changed_recipe_names_the_keys(recipe, tmp_path, monkeypatch):
-    common = ("budget.steps=4", "checkpoint.every=2")
-    r = recipe(*common)
+class _Killed(Exception):
+    pass
 
-    class Killed(Exception):
-        pass
 
+def _kill_at(step: int, r, monkeypatch) -> None:
+    """Run ``r`` and stop it with an exception right after step ``step`` is logged (a kill)."""
     log_train = UptrainLoop._log_train
 
     def die(self, *a, **k):
         log_train(self, *a, **k)
-        if self.state.step == 3:
-            raise Killed
+        if self.state.step == step:
+            raise _Killed
 
     monkeypatch.setattr(UptrainLoop, "_log_train", die)
-    with pytest.raises(Killed):
+    with pytest.raises(_Killed):
         uptrain(r)
     monkeypatch.setattr(UptrainLoop, "_log_train", log_train)
+
+
+def test_resume_with_a_changed_recipe_or_world_names_what_differs(recipe, tmp_path, monkeypatch):
+    common = ("budget.steps=4", "checkpoint.every=2")
+    _kill_at(3, recipe(*common), monkeypatch)
+    _forbid_work(monkeypatch)  # every refusal below comes before any model loads
     changed = recipe(*common, "train.lr=1e-2", "data.seq_len=16")
     with pytest.raises(GqakitError, match=r"data.seq_len \(32 -> 16\), train.lr") as e:
         uptrain(changed, resume=True)
     assert "only budget.steps/tokens/alpha" in e.value.message
+    with pytest.raises(GqakitError, match="budget is 1 steps but the checkpoint step-00000002 has already"):
+        uptrain(recipe("budget.steps=1", "checkpoint.every=2"), resume=True)
+    state_file = tmp_path / "run" / "checkpoints" / "step-00000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["processes"] == 1
+    state_file.write_text(json.dumps({**state, "processes": 2}))
+    with pytest.raises(GqakitError, match="written by 2 process.* this run has 1: .* --num_processes 2"):
+        uptrain(recipe(*common), resume=True)
+
+
+def test_resume_with_a_longer_budget_goes_on_and_drops_a_torn_record(recipe, tmp_path, monkeypatch):
+    _kill_at(3, recipe("budget.steps=4", "checkpoint.every=2"), monkeypatch)
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 4, "loss": 1.2')  # a kill in the middle of writing a record
     longer = recipe("budget.steps=5", "checkpoint.every=2", "log.every=1")  # a safe change: more steps
     res = uptrain(longer, resume=True)
     assert res.steps == 5
@@ -93,21 +179,7 @@ def test_resume_with_a_changed_recipe_names_the_keys(recipe, tmp_path, monkeypat
 
 def test_a_run_killed_before_its_first_checkpoint_does_not_duplicate_its_records(recipe, monkeypatch):
     r = recipe("budget.steps=3", "checkpoint.every=0", "model.convert.groups=2")
-
-    class Killed(Exception):
-        pass
-
-    log_train = UptrainLoop._log_train
-
-    def die(self, *a, **k):
-        log_train(self, *a, **k)
-        if self.state.step == 2:
-            raise Killed
-
-    monkeypatch.setattr(UptrainLoop, "_log_train", die)
-    with pytest.raises(Killed):
-        uptrain(r)  # its conversion is kept for --resume; its two logged steps too
-    monkeypatch.setattr(UptrainLoop, "_log_train", log_train)
+    _kill_at(2, r, monkeypatch)  # its conversion is kept for --resume; its two logged steps too
     res = uptrain(r, resume=True)
     assert [h["step"] for h in read_history(res.output_dir) if "loss" in h] == [1, 2, 3]
 
@@ -118,7 +190,10 @@ def test_the_precision_that_ran_is_recorded(recipe):
     assert prov["precision"] == "bf16"  # a CPU runs bf16 through autocast
 
 
-def test_other_ranks_log_warnings_only(recipe, monkeypatch):
+def test_other_ranks_log_errors_only_and_show_no_progress_bars(recipe, monkeypatch):
+    import datasets
+    import transformers
+
     import gqakit.uptrain.api as api
 
     class Rank1:
@@ -133,9 +208,17 @@ def test_other_ranks_log_warnings_only(recipe, monkeypatch):
     try:
         with pytest.raises(GqakitError):  # stops at its inputs; the logging is set by then
             uptrain(recipe("data.files=[/nonexistent.txt]"))
-        assert logger.level == logging.WARNING
+        assert logger.level == logging.ERROR
+        assert not datasets.is_progress_bar_enabled()
+        assert transformers.utils.logging.is_progress_bar_enabled() is False
+        logger.setLevel(before)
+        with pytest.raises(GqakitError):  # asked for: every rank logs
+            uptrain(recipe("data.files=[/nonexistent.txt]", "log.all_ranks=true"))
+        assert logger.level == before
     finally:
         logger.setLevel(before)
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
 
 
 @pytest.mark.parametrize(
@@ -143,6 +226,7 @@ def test_other_ranks_log_warnings_only(recipe, monkeypatch):
     [
         ("deepspeed-zero3.yaml", None, "needs DeepSpeed, which is not installed: pip install deepspeed"),
         ("multi-node.yaml", None, "main_process_ip is '10.0.0.1', the shipped placeholder"),
+        ("deepspeed-zero3.yaml", None, "checkpoint.every=10 under DeepSpeed: DeepSpeed's checkpoints"),
     ],
 )
 def test_shipped_accelerate_configs_fail_fast_with_the_fix(name, ip, message, monkeypatch):

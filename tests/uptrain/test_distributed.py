@@ -1,9 +1,11 @@
-"""Two CPU processes (gloo, through ``accelerate launch``) train like one with the same global batch."""
+"""Two CPU processes (gloo, through ``accelerate launch``) train like one with the same global batch, log
+once, and resume from a checkpoint to bitwise the same weights."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,18 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_with_the_same_global_batch(recipe, assets, tmp_path):
-    common = ["budget.steps=6", "eval.every=3", "checkpoint.every=3", "checkpoint.keep_after_finish=true"]
-    one = uptrain(recipe(*common, "train.batch_size=4", f"output_dir={tmp_path / 'one'}"))
-
-    two_dir = tmp_path / "two"
-    overrides = [
-        f"model.path={assets['mha']}",
-        f"data.files=[{assets['train']}]",
-        f"output_dir={two_dir}",
-        "train.batch_size=2",  # x 2 processes = the single run's 4
-        *common,
-    ]
+def _launch_two(args: list[str]) -> subprocess.CompletedProcess:
     # `--cpu --num_processes 2` starts one process; `--multi_gpu` + ACCELERATE_USE_CPU starts two (gloo).
     cmd = [
         sys.executable,
@@ -53,19 +44,32 @@ def test_two_processes_match_one_with_the_same_global_batch(recipe, assets, tmp_
         "-m",
         "gqakit.uptrain",
         str(RECIPES_DIR / "tiny.yaml"),
-        *overrides,
+        *args,
     ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_two_processes_match_one_with_the_same_global_batch(recipe, assets, tmp_path):
+    common = ["budget.steps=6", "eval.every=3", "checkpoint.every=3", "checkpoint.keep_after_finish=true"]
+    one = uptrain(recipe(*common, "train.batch_size=4", f"output_dir={tmp_path / 'one'}"))
+
+    two_dir = tmp_path / "two"
+    overrides = [
+        f"model.path={assets['mha']}",
+        f"data.files=[{assets['train']}]",
+        f"output_dir={two_dir}",
+        "train.batch_size=2",  # x 2 processes = the single run's 4
+        *common,
+    ]
+    proc = _launch_two(overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("gqakit.uptrain: budget:") == 1, proc.stderr[-3000:]  # main process only
 
     prov = json.loads((two_dir / "gqakit.json").read_text())
     assert prov["processes"] == 2 and prov["distributed_type"] == "MULTI_CPU"
     ckpt = next((two_dir / "checkpoints").iterdir())
-    assert {p.name for p in ckpt.glob("random_states_*.pkl")} == {
-        "random_states_0.pkl",
-        "random_states_1.pkl",
-    }
+    assert {p.name for p in ckpt.glob("rng_state_*.json")} == {"rng_state_0.json", "rng_state_1.json"}
     assert prov["tokens"] == one.tokens
 
     loss_one = [h["loss"] for h in read_history(one.output_dir) if "loss" in h]
@@ -78,3 +82,19 @@ def test_two_processes_match_one_with_the_same_global_batch(recipe, assets, tmp_
         prov["final_val_ppl"] == torch.tensor(one.final_val_ppl).item()
         or abs(prov["final_val_ppl"] - one.final_val_ppl) < 1e-3 * one.final_val_ppl
     )
+
+    # Resume the two-process run from its step-3 checkpoint, as after a kill at step 5: bitwise the same.
+    cut = tmp_path / "cut"
+    shutil.copytree(two_dir, cut)
+    for name in ("gqakit.json", "model.safetensors"):  # the finished model: not there yet at step 5
+        (cut / name).unlink()
+    proc = _launch_two([*overrides[:2], f"output_dir={cut}", *overrides[3:], "--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr
+    c = load_file(str(cut / "model.safetensors"))
+    assert all(torch.equal(c[k], b[k]) for k in b)
+
+    def numbers(run):
+        return [(h["step"], h["loss"], h["lr"], h["grad_norm"]) for h in read_history(run) if "loss" in h]
+
+    assert numbers(cut) == numbers(two_dir)

@@ -1,0 +1,318 @@
+"""Everything an uptraining run checks before it converts, loads a model or trains: one message, every
+problem in it.
+
+The recipe's own keys and types are checked when it is loaded (:mod:`gqakit.uptrain.recipe`); this
+module checks what the recipe points at and where it runs: the model and teacher (causal LMs, enough
+positions, one vocabulary), the data files (present, UTF-8 text, not empty), the output directory (free
+or resumable, writable), the machine (the precision it can run, what DeepSpeed allows) and, for
+``--resume``, that the run being continued is the one the recipe describes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from gqakit.errors import GqakitError
+from gqakit.models import check_causal_lm, max_positions
+from gqakit.outputs import writable_dir
+from gqakit.text import load_texts
+from gqakit.uptrain.checkpointing import latest_checkpoint, read_checkpoint_record
+from gqakit.uptrain.data import BUILDERS, resolve_files
+from gqakit.uptrain.recipe import Recipe, expand
+from gqakit.uptrain.schedule import resolve_budget
+from gqakit.uptrain.state_files import deepspeed_problem
+
+PROVENANCE = "gqakit.json"  # its presence marks a finished run (gqakit.uptrain.loop writes it last)
+
+# What a resumed run may change: how long it trains (a longer budget stretches the cosine schedule from
+# the resumed step on), how often it evaluates, logs and checkpoints, the saved dtype, tokenization
+# workers and where the run directory now lies. Anything else (data, batch, lr, schedule shape,
+# objective, model, seed...) would make the resumed run another run than its checkpoints', with wrong
+# token counts.
+RESUME_SAFE: tuple[str, ...] = (
+    "budget.steps",
+    "budget.tokens",
+    "budget.alpha",
+    "eval.",
+    "log.",
+    "checkpoint.",
+    "model.save_dtype",
+    "data.num_proc",
+    "output_dir",
+)
+_SAFE_TEXT = (
+    "only budget.steps/tokens/alpha, eval.*, log.*, checkpoint.*, model.save_dtype, data.num_proc and "
+    "output_dir may change"
+)
+
+
+def process_state():
+    """accelerate's per-process state (rank, world size, device, barriers), as ``Accelerator`` will see it.
+
+    ``PartialState()`` alone ignores ``ACCELERATE_USE_CPU`` (only ``AcceleratorState`` reads it), and the
+    first call fixes the state for the whole process: a 2-process CPU launch would then run as two
+    independent single processes.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model, teacher, data
+# ---------------------------------------------------------------------------------------------------
+
+
+def _hub_like(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def _config(path: str, key: str, problems: list[str]) -> dict[str, Any] | None:
+    """``config.json`` of a local checkpoint (None for a hub id); record a problem when it is unusable."""
+    p = Path(expand(path))
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            problems.append(f"{key}: {p} has no config.json; point at a Hugging Face model directory.")
+            return None
+        try:
+            return json.loads(cfg.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            problems.append(f"{key}: {cfg} is not valid JSON ({e}).")
+            return None
+    if p.exists():
+        problems.append(f"{key}: {p} is a file; give a checkpoint directory.")
+    elif not _hub_like(path):
+        problems.append(f"{key}: {path} does not exist.")
+    return None
+
+
+def input_problems(recipe: Recipe) -> list[str]:
+    """What is wrong with the model, teacher and data files the recipe names."""
+    problems: list[str] = []
+    uses_teacher = bool(recipe.teacher) and recipe.objective.kind != "lm"
+    model_cfg = _config(recipe.model.path, "model.path", problems)
+    teacher_cfg = _config(recipe.teacher, "teacher", problems) if uses_teacher else None
+    seq_len = recipe.data.seq_len
+    for cfg, key, what, path in (
+        (model_cfg, "model.path", "model", recipe.model.path),
+        (teacher_cfg, "teacher", "teacher", recipe.teacher),
+    ):
+        if cfg is None:
+            continue
+        try:
+            check_causal_lm(cfg, path, what=what)
+        except GqakitError as e:
+            problems.append(f"{key}: {e.message}")
+        limit = max_positions(SimpleNamespace(**cfg))
+        if limit is not None and seq_len > limit:
+            problems.append(
+                f"data.seq_len {seq_len} is more than the {limit} positions of {path} "
+                f"(max_position_embeddings); set data.seq_len={limit} or less."
+            )
+    if model_cfg and teacher_cfg and model_cfg.get("vocab_size") != teacher_cfg.get("vocab_size"):
+        problems.append(
+            f"teacher {recipe.teacher} has a vocabulary of {teacher_cfg.get('vocab_size')} tokens and the "
+            f"model {recipe.model.path} one of {model_cfg.get('vocab_size')}: distillation compares their "
+            "logits token by token, so the teacher must share the model's tokenizer (use the checkpoint the "
+            "model was converted from)."
+        )
+    if model_cfg and recipe.model.convert is not None:
+        from gqakit.convert.api import check_groups
+        from gqakit.geometry import AttentionGeometry
+
+        try:
+            check_groups(AttentionGeometry.from_config(model_cfg), recipe.model.convert.groups)
+        except GqakitError as e:
+            problems.append(f"model.convert.groups: {e.message}")
+    if not recipe.data.hub:
+        d = recipe.data
+        for key, patterns in (("data.files", d.files), ("data.val_files", d.val_files)):
+            files = resolve_files(patterns, key, problems)
+            if len({BUILDERS[Path(f).suffix.lower()] for f in files}) > 1:
+                problems.append(f"{key} mixes file types ({', '.join(files)}); give files of one type.")
+            for file in files:
+                try:  # gqakit's one text loader: the same messages as eval for empty, binary, malformed
+                    load_texts(file, d.text_field, option=key)
+                except GqakitError as e:
+                    problems.append(e.message)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# The machine
+# ---------------------------------------------------------------------------------------------------
+
+
+def precision_problem(precision: str, device_type: str) -> str | None:
+    """Why ``train.precision`` cannot run on this device, or None. A run records the precision that ran,
+    so a precision the device would quietly replace is refused rather than misrecorded."""
+    if precision == "fp16" and device_type == "cpu":
+        # accelerate would train in float32 under the name fp16
+        return (
+            "train.precision=fp16 needs a CUDA GPU; on a CPU set train.precision=fp32 (or bf16, which "
+            "CPUs run through autocast)."
+        )
+    if precision == "bf16" and device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            return "train.precision=bf16 needs a GPU with bfloat16 (Ampere or newer); use fp16 or fp32."
+    return None
+
+
+def deepspeed_problems(recipe: Recipe) -> list[str]:
+    """What of the recipe DeepSpeed cannot run: resumable checkpoints, a teacher."""
+    problems = [deepspeed_problem(recipe.checkpoint.every)]
+    if recipe.objective.kind != "lm":
+        problems.append(
+            f"objective.kind={recipe.objective.kind} is not supported under DeepSpeed (ZeRO-3 would "
+            "partition the teacher too). Use recipes/accelerate/fsdp.yaml or ddp.yaml, or objective.kind=lm."
+        )
+    return [p for p in problems if p]
+
+
+def environment_problems(recipe: Recipe, distributed_type: str, device_type: str) -> list[str]:
+    """What this machine and launch cannot run of the recipe (precision, DeepSpeed's limits)."""
+    problems = deepspeed_problems(recipe) if distributed_type == "DEEPSPEED" else []
+    precision = precision_problem(recipe.train.precision, device_type)
+    return [precision, *problems] if precision else problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run directory, and the run a --resume continues
+# ---------------------------------------------------------------------------------------------------
+
+
+def output_problems(out: Path, resume: bool, force: bool, inputs: Sequence[str] = ()) -> list[str]:
+    """Refuse a non-empty run directory unless resuming or forcing, a finished run to resume, inputs
+    inside it (``force`` would delete them) and a directory that cannot be written."""
+    if out.exists() and not out.is_dir():
+        return [f"output_dir {out} is a file: choose a directory path."]
+    problems = []
+    for item in inputs:
+        path = Path(expand(item)).resolve()
+        if path == out or out in path.parents:
+            problems.append(f"{item} is inside output_dir {out}: choose an output_dir outside the inputs.")
+    busy = out.is_dir() and any(out.iterdir())
+    if busy and resume and (out / PROVENANCE).is_file():
+        problems.append(
+            f"{out} holds a finished run ({PROVENANCE} is there): nothing to resume. Pass --force to train "
+            "again from scratch, or choose another output_dir."
+        )
+    if busy and not (resume or force):
+        problems.append(
+            f"output_dir {out} exists and is not empty. Pass --resume to continue the run in it, --force to "
+            "delete it and start over, or choose another output_dir (override output_dir=DIR)."
+        )
+    try:
+        writable_dir(out, "output_dir")
+    except GqakitError as e:
+        problems.append(e.message)
+    return problems
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def resume_problems(recipe: Recipe, out: Path, processes: int) -> list[str]:
+    """Why ``--resume`` with ``recipe`` on ``processes`` processes would not continue the run in ``out``:
+    a recipe that differs from the run's own (``OUTPUT_DIR/recipe.yaml``) outside :data:`RESUME_SAFE`,
+    another number of processes, a budget the checkpoint has already passed."""
+    import yaml
+
+    problems = []
+    saved_file = out / "recipe.yaml"
+    if saved_file.is_file():
+        try:
+            saved = _flat(yaml.safe_load(saved_file.read_text()) or {})
+        except (yaml.YAMLError, UnicodeDecodeError, AttributeError):
+            saved = None
+            problems.append(f"{saved_file} is not the recipe gqakit wrote: start over with --force.")
+        now = _flat(recipe.to_dict())
+        changed = sorted(
+            k
+            for k in (saved or {}).keys() | now.keys()
+            if saved is not None and saved.get(k) != now.get(k) and not k.startswith(RESUME_SAFE)
+        )
+        if changed:
+            diffs = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in changed)
+            problems.append(
+                f"--resume continues the run in {out}, but the recipe differs from the one it started with "
+                f"in {diffs}: the resumed run would not be the run its checkpoints belong to. Resume with "
+                f"the same recipe ({_SAFE_TEXT}; a longer budget stretches the cosine schedule from the "
+                "resumed step on), or start over with --force or another output_dir."
+            )
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        return problems
+    try:
+        record = read_checkpoint_record(ckpt)
+    except GqakitError as e:
+        return [*problems, e.message]
+    saved_processes = record.get("processes")
+    if saved_processes is not None and saved_processes != processes:
+        problems.append(
+            f"The checkpoint {ckpt} was written by {saved_processes} process(es) and this run has "
+            f"{processes}: the global batch, each process's data and its RNG state would differ. Resume "
+            f"with {saved_processes} processes (accelerate launch --num_processes {saved_processes}), or "
+            "start over with --force."
+        )
+    t = recipe.train
+    per_step = t.batch_size * t.grad_accum * processes * recipe.data.seq_len
+    steps = resolve_budget(recipe.budget, per_step).steps
+    if steps < record["step"]:
+        problems.append(
+            f"The budget is {steps} steps but the checkpoint {ckpt.name} has already trained "
+            f"{record['step']}: raise the budget (budget.steps={record['step'] + 1} or more) to go on."
+        )
+    return problems
+
+
+def check_inputs(recipe: Recipe, *, resume: bool = False, force: bool = False) -> None:
+    """Check everything a run needs before any work: the model, teacher and data files the recipe names,
+    the machine, the output directory and (``resume``) the run being continued. All problems in one
+    :class:`~gqakit.errors.GqakitError`."""
+    state = process_state()
+    out = Path(expand(recipe.output_dir)).resolve()
+    inputs = [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *recipe.data.files]
+    problems = [
+        *input_problems(recipe),
+        *environment_problems(recipe, state.distributed_type.value, state.device.type),
+        *output_problems(out, resume, force, [*inputs, *recipe.data.val_files]),
+    ]
+    if resume and out.is_dir():
+        problems += resume_problems(recipe, out, state.num_processes)
+    if problems:
+        lines = ["The recipe's inputs have problems:", *(f"  - {p}" for p in problems)]
+        cache = os.environ.get("GQAKIT_CACHE")
+        if any(".cache/gqakit" in p or (cache and cache in p) for p in problems):
+            lines.append(
+                "The shipped recipes read the demo assets: run `gqakit assets fetch` first, or override "
+                "the paths (model.path=DIR teacher=DIR data.files=[...] data.val_files=[...])."
+            )
+        raise GqakitError("\n".join(lines))
+
+
+__all__ = [
+    "RESUME_SAFE",
+    "check_inputs",
+    "deepspeed_problems",
+    "environment_problems",
+    "input_problems",
+    "output_problems",
+    "precision_problem",
+    "process_state",
+    "resume_problems",
+]
