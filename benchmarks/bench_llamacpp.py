@@ -110,7 +110,7 @@ def speed(forms: dict[str, Path], work: Path, contexts: list[int], new_tokens: i
             spread = (max(tps[name][c]) - min(tps[name][c])) / med
             out["points"].append(
                 {"model": name, "context": c, "tokens_per_s": med, "spread": spread, "speedup": med / base,
-                 "bound": bound, "of_bound": (med / base - 1) / (bound - 1) if bound > 1 else None}
+                 "bound": bound, "of_bound": (med / base) / bound if bound > 1 else None}
             )  # fmt: skip
     return out
 

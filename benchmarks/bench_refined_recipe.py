@@ -23,11 +23,12 @@ import time
 from pathlib import Path
 
 # name -> overrides of recipes/smollm2-135m-mqa-refined.yaml
+# (the schedule is spelled out in every candidate, so they do not depend on what the recipe ships with)
 CANDIDATES: dict[str, list[str]] = {
-    "30 steps, cosine (the mean-pool recipe's schedule)": ["budget.tokens=30720"],
-    "15 steps, cosine": ["budget.tokens=15360"],
+    "30 steps, cosine (the mean-pool recipe's schedule)": ["budget.tokens=30720", "train.min_lr_ratio=0.1"],
+    "15 steps, cosine": ["budget.tokens=15360", "train.min_lr_ratio=0.1"],
     "15 steps, constant lr": ["budget.tokens=15360", "train.min_lr_ratio=1.0"],
-    "15 steps, cosine, lr 1e-4": ["budget.tokens=15360", "train.lr=1e-4"],
+    "15 steps, cosine, lr 1e-4": ["budget.tokens=15360", "train.min_lr_ratio=0.1", "train.lr=1e-4"],
 }
 
 

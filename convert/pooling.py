@@ -68,9 +68,10 @@ def regroup(
         return x.repeat_interleave(target // k, dim=0)
     if k % target:
         raise ValueError(f"cannot pool {k} heads into {target} groups: {target} does not divide {k}")
-    grouped = x.float().reshape(target, k // target, *rest)
+    grouped = x.reshape(target, k // target, *rest)
     if method == "mean":
-        out = grouped.mean(dim=1)
+        # summed in float32 straight from the stored dtype: no float32 copy of the whole tensor first
+        out = grouped.sum(dim=1, dtype=torch.float32) / (k // target)
     elif method == "first":
         out = grouped[:, 0]
     else:

@@ -63,20 +63,11 @@ def measure_hf_model(
     load_s = time.perf_counter() - start
     geom = AttentionGeometry.from_config(config.to_dict())
     dtype = next(model.parameters()).dtype
-    res = ModelResult(
-        label=label,
-        path=str(path),
-        model_type=geom.model_type,
-        num_layers=geom.num_layers,
-        num_heads=geom.num_heads,
-        num_kv_heads=geom.num_kv_heads,
-        head_dim=geom.head_dim,
-        parameters=sum(p.numel() for p in model.parameters()),
-        dtype=str(dtype).removeprefix("torch."),
-        kv_bytes_per_token=geom.kv_bytes_per_token(dtype_bytes=dtype_bytes(dtype)),
-        weight_bytes=weight_bytes_per_step(model),
-        load_s=load_s,
-    )
+    res = ModelResult.of(
+        label, path, geom, parameters=sum(p.numel() for p in model.parameters()),
+        dtype=str(dtype).removeprefix("torch."), kv_dtype_bytes=dtype_bytes(dtype),
+        weight_bytes=weight_bytes_per_step(model), load_s=load_s,
+    )  # fmt: skip
     if texts is not None:
         res.perplexity = perplexity(
             model,

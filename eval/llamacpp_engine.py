@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import re
 import statistics
@@ -142,22 +141,10 @@ def llamacpp_perplexity(gguf: Path, tokenizer, texts: list[str], options: EvalOp
             nll_sum += float((logz - logits[np.arange(len(targets)), targets]).sum())
     finally:
         llm.close()
-    elapsed = time.perf_counter() - start
-    tokens = len(stream) - 1
-    return PerplexityResult(
-        ppl=math.exp(nll_sum / tokens),
-        nll=nll_sum / tokens,
-        bits_per_byte=nll_sum / (math.log(2) * n_bytes),
-        tokens=tokens,
-        bytes=n_bytes,
-        seq_len=options.seq_len,
-        stride=stride,
-        nll_sum=nll_sum,
-        windows=len(windows),
-        documents=len(texts),
-        elapsed_s=elapsed,
-        tokens_per_s=tokens / elapsed if elapsed > 0 else float("inf"),
-    )
+    return PerplexityResult.from_sum(
+        nll_sum, len(stream) - 1, n_bytes, seq_len=options.seq_len, stride=stride, windows=len(windows),
+        documents=len(texts), elapsed_s=time.perf_counter() - start,
+    )  # fmt: skip
 
 
 def llamacpp_decode(
@@ -228,23 +215,12 @@ def measure_llamacpp_model(
     geom = AttentionGeometry.from_config(config.to_dict())
     f32_kv = options.gguf_type == "f32"
     weight_bytes = gguf.stat().st_size
-    res = ModelResult(
-        label=label,
-        path=str(path),
-        model_type=geom.model_type,
-        num_layers=geom.num_layers,
-        num_heads=geom.num_heads,
-        num_kv_heads=geom.num_kv_heads,
-        head_dim=geom.head_dim,
-        parameters=0,
-        dtype=f"gguf {options.gguf_type}",
-        kv_bytes_per_token=geom.kv_bytes_per_token(dtype_bytes=4 if f32_kv else 2),
-        weight_bytes=weight_bytes,
-        load_s=time.perf_counter() - start,
-    )
     from gqakit.gguf import read_gguf_header
 
-    res.parameters = read_gguf_header(gguf).parameters
+    res = ModelResult.of(
+        label, path, geom, parameters=read_gguf_header(gguf).parameters, dtype=f"gguf {options.gguf_type}",
+        kv_dtype_bytes=4 if f32_kv else 2, weight_bytes=weight_bytes, load_s=time.perf_counter() - start,
+    )  # fmt: skip
     if texts is not None:
         res.perplexity = llamacpp_perplexity(gguf, load_tokenizer(path), texts, options)
         log.info(

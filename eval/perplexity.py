@@ -80,6 +80,28 @@ class PerplexityResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_sum(
+        cls, nll_sum: float, tokens: int, n_bytes: int, *, seq_len: int, stride: int, windows: int,
+        documents: int, elapsed_s: float,
+    ) -> PerplexityResult:  # fmt: skip
+        """The result of ``nll_sum`` nats over ``tokens`` tokens covering ``n_bytes`` bytes of text."""
+        mean = nll_sum / tokens
+        return cls(
+            ppl=math.exp(mean),
+            nll=mean,
+            bits_per_byte=nll_sum / (math.log(2) * n_bytes),
+            tokens=tokens,
+            bytes=n_bytes,
+            seq_len=seq_len,
+            stride=stride,
+            nll_sum=nll_sum,
+            windows=windows,
+            documents=documents,
+            elapsed_s=elapsed_s,
+            tokens_per_s=tokens / elapsed_s if elapsed_s > 0 else float("inf"),
+        )
+
 
 @dataclass(frozen=True)
 class Window:
@@ -279,19 +301,7 @@ def perplexity(
     bar.close()
     nll_sum = float(total)  # the one device sync
     elapsed = time.perf_counter() - start
-    tokens = len(stream) - 1
-    mean = nll_sum / tokens
-    return PerplexityResult(
-        ppl=math.exp(mean),
-        nll=mean,
-        bits_per_byte=nll_sum / (math.log(2) * n_bytes),
-        tokens=tokens,
-        bytes=n_bytes,
-        seq_len=seq_len,
-        stride=stride,
-        nll_sum=nll_sum,
-        windows=len(windows),
-        documents=len(texts),
-        elapsed_s=elapsed,
-        tokens_per_s=tokens / elapsed if elapsed > 0 else float("inf"),
-    )
+    return PerplexityResult.from_sum(
+        nll_sum, len(stream) - 1, n_bytes, seq_len=seq_len, stride=stride, windows=len(windows),
+        documents=len(texts), elapsed_s=elapsed,
+    )  # fmt: skip

@@ -16,6 +16,7 @@ from gqakit import __version__
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import PerplexityResult
+from gqakit.geometry import AttentionGeometry
 
 
 @dataclass
@@ -51,6 +52,28 @@ class ModelResult:
     perplexity: PerplexityResult | None = None
     decode: list[DecodePoint] = field(default_factory=list)
     lm_eval: dict[str, Any] | None = None
+
+    @classmethod
+    def of(
+        cls, label: str, path: str, geom: AttentionGeometry, *, parameters: int, dtype: str,
+        kv_dtype_bytes: int, weight_bytes: int, load_s: float,
+    ) -> ModelResult:  # fmt: skip
+        """A result for a model of attention geometry ``geom``, before anything is measured on it (every
+        engine starts from this)."""
+        return cls(
+            label=label,
+            path=str(path),
+            model_type=geom.model_type,
+            num_layers=geom.num_layers,
+            num_heads=geom.num_heads,
+            num_kv_heads=geom.num_kv_heads,
+            head_dim=geom.head_dim,
+            parameters=parameters,
+            dtype=dtype,
+            kv_bytes_per_token=geom.kv_bytes_per_token(dtype_bytes=kv_dtype_bytes),
+            weight_bytes=weight_bytes,
+            load_s=load_s,
+        )
 
     def point(self, batch: int, context: int) -> DecodePoint | None:
         return next((p for p in self.decode if p.batch == batch and p.context == context), None)
