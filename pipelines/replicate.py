@@ -76,24 +76,16 @@ def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
     return wiki["train"], wiki["validation"], wiki["test"]
 
 
-def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
-    """Run the experiments (see the module docstring) and write the report.
-
-    Args:
-        options: sizes, grids, seeds and places; the defaults run in under an hour on 2 CPU cores.
-
-    Returns:
-        A :class:`ReplicateResult`; the report is at ``result.report``.
-    """
+def _setup(o: ReplicateOptions, total_steps: int) -> tuple[Context, Path, Arm, float]:
+    """Steps 1-3: the corpus, the tokenizer and the pretrained MHA model (published as an asset)."""
     import time
 
-    o = options or ReplicateOptions()
     o.validate()
     quiet_transformers()
     start = time.perf_counter()
     work = Path(o.work_dir).resolve()
     store = ResultStore(work / "results", o.fresh)
-    steps = Steps(STEPS, o.echo)
+    steps = Steps(total_steps, o.echo)
     m = o.model
     o.echo(
         f"gqakit replicate: {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab}; "
@@ -106,13 +98,37 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
     ctx = Context(o, store, steps, work / "models", corpus)
     with steps.step(f"Tokenizer: byte-level BPE, {m.vocab:,} tokens, trained on the train split"):
         tok = train_tokenizer(ctx)
-    arms: list[Arm] = []
     with steps.step(f"Pretrain the MHA model ({m.heads} query and {m.heads} K/V heads) from scratch"):
         init = init_model(ctx, tok, m.heads, seed=0)
         mha = ctx.models / MHA
         summary = train_run(ctx, init, mha, o.steps, o.lr, seed=0, pretraining=o.pretrain_tokens)
-        arms.append(Arm(MHA, "mha", m.heads, path=str(mha), uptrain=summary))
         _publish(ctx, mha, summary)
+    return ctx, tok, Arm(MHA, "mha", m.heads, path=str(mha), uptrain=summary), start
+
+
+def pretrain_mha(options: ReplicateOptions | None = None) -> Path:
+    """Only steps 1-3: train the tokenizer and the MHA model (``recipes/replicate-mha.yaml``) and make it
+    the asset ``replicate-mha``; return the model's directory. ``gqakit replicate --pretrain-only``."""
+    _, _, mha, _ = _setup(options or ReplicateOptions(), 3)
+    return Path(mha.path)
+
+
+def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
+    """Run the experiments (see the module docstring) and write the report.
+
+    Args:
+        options: sizes, grids, seeds and places; the defaults run in under an hour on 2 CPU cores.
+
+    Returns:
+        A :class:`ReplicateResult`; the report is at ``result.report``.
+    """
+    import time
+
+    o = options or ReplicateOptions()
+    ctx, tok, mha_arm, start = _setup(o, STEPS)
+    steps, m, store = ctx.steps, o.model, ctx.store
+    mha = Path(mha_arm.path)
+    arms: list[Arm] = [mha_arm]
 
     jobs = _arm_plan(o)
     with steps.step(f"Convert MHA -> {len({(j.method, j.groups) for j in jobs})} starts"):
@@ -194,4 +210,4 @@ def arms_json(arms: list[Arm]) -> list[dict[str, Any]]:
     return [asdict(a) for a in arms]
 
 
-__all__ = ["Arm", "ReplicateOptions", "ReplicateResult", "arms_json", "run_replicate"]
+__all__ = ["Arm", "ReplicateOptions", "ReplicateResult", "arms_json", "pretrain_mha", "run_replicate"]

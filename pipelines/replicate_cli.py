@@ -48,6 +48,12 @@ def _ints(text: str) -> tuple[int, ...]:
     help="Conversion methods of the MQA arms (refined: calibrated + layer-wise refinement).",
 )
 @click.option("--fresh", is_flag=True, help="Recompute everything instead of reusing --work-dir.")
+@click.option(
+    "--pretrain-only",
+    is_flag=True,
+    help="Only train the tokenizer and the MHA model (recipes/replicate-mha.yaml) and make it the asset "
+    "replicate-mha.",
+)
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Asset cache [default: $GQAKIT_CACHE].")
 @click.option("--wheelhouse", type=click.Path(file_okay=False), help="Asset wheels from this directory.")
 def replicate_cmd(
@@ -60,6 +66,7 @@ def replicate_cmd(
     groups: str,
     methods: str,
     fresh: bool,
+    pretrain_only: bool,
     cache_dir: str | None,
     wheelhouse: str | None,
 ) -> None:
@@ -67,7 +74,7 @@ def replicate_cmd(
     start (Fig. 4), how much uptraining (Fig. 5), how many groups (Fig. 6, Table 1), uptrained against
     trained from scratch; with gqakit's calibrated merge and refinement beside the paper's methods."""
     from gqakit.errors import GqakitError
-    from gqakit.pipelines.replicate import run_replicate
+    from gqakit.pipelines.replicate import pretrain_mha, run_replicate
     from gqakit.pipelines.replicate_options import ReplicateOptions
 
     try:
@@ -76,16 +83,18 @@ def replicate_cmd(
         raise GqakitError(
             f"--seeds {seeds!r}, --alphas {alphas!r} and --groups {groups!r} are comma-separated numbers."
         ) from None
-    run_replicate(
-        ReplicateOptions(
-            out=Path(out),
-            work_dir=Path(work_dir),
-            scale=scale,
-            device=device,
-            methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-            fresh=fresh,
-            cache_dir=Path(cache_dir) if cache_dir else None,
-            wheelhouse=Path(wheelhouse) if wheelhouse else None,
-            **lists,
-        )
+    options = ReplicateOptions(
+        out=Path(out),
+        work_dir=Path(work_dir),
+        scale=scale,
+        device=device,
+        methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        fresh=fresh,
+        cache_dir=Path(cache_dir) if cache_dir else None,
+        wheelhouse=Path(wheelhouse) if wheelhouse else None,
+        **lists,
     )
+    if pretrain_only:
+        click.echo(f"MHA model: {pretrain_mha(options)}")
+        return
+    run_replicate(options)

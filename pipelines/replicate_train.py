@@ -5,6 +5,7 @@ the checkpoints it reads), so a second run reuses it and a changed setting rerun
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,25 +113,29 @@ def init_model(ctx: Context, tokenizer: Path, kv_heads: int, seed: int) -> Path:
 
 def recipe_data(
     ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int
-) -> dict:
-    """The uptraining recipe of one run: the LM objective on the train split, ``steps`` optimizer steps of
-    ``batch_size`` blocks, warmup then cosine, checkpoints every 100 steps (a killed run resumes)."""
+) -> dict[str, Any]:
+    """The recipe of one run: ``recipes/replicate-mha.yaml`` (the LM objective on the train split,
+    warmup then cosine, checkpoints every 100 steps) with this run's start, steps, lr, seed and sizes."""
+    from gqakit.uptrain import load_recipe
+
     o = ctx.o
-    return {
-        "model": {"path": str(start), "save_dtype": "float32"},
-        "data": {"files": [str(ctx.train)], "val_files": [str(ctx.validation)], "txt_docs": "line",
-                 "seq_len": o.model.seq_len, "max_val_blocks": 16},
-        "budget": {"steps": steps, "pretraining_tokens": pretraining},
-        "train": {"lr": lr, "warmup_fraction": 0.05, "min_lr_ratio": 0.1, "weight_decay": 0.01,
-                  "batch_size": o.batch_size, "grad_accum": 1, "max_grad_norm": 1.0,
-                  "precision": "fp32", "trainable": "all"},
-        "objective": {"kind": "lm"},
-        "eval": {"every": 0, "at_start": False},
-        "checkpoint": {"every": 100, "keep": 1},
-        "log": {"progress": o.progress, "tensorboard": False, "every": 10},
-        "output_dir": str(out),
-        "seed": seed,
-    }  # fmt: skip
+    recipe = load_recipe(
+        "replicate-mha",
+        [
+            f"model.path={json.dumps(str(start))}",
+            f"data.files={json.dumps([str(ctx.train)])}",
+            f"data.val_files={json.dumps([str(ctx.validation)])}",
+            f"data.seq_len={o.model.seq_len}",
+            f"budget.steps={steps}",
+            f"budget.pretraining_tokens={pretraining}",
+            f"train.lr={lr}",
+            f"train.batch_size={o.batch_size}",
+            f"log.progress={json.dumps(o.progress)}",
+            f"output_dir={json.dumps(str(out))}",
+            f"seed={seed}",
+        ],
+    )
+    return recipe.to_dict()
 
 
 def train_run(

@@ -112,6 +112,17 @@ def test_a_changed_setting_reruns_only_what_depends_on_it(tmp_path, corpus):
     )  # fmt: skip
 
 
+def test_pretrain_only_builds_and_publishes_the_mha_model(tmp_path, corpus):
+    from gqakit.pipelines.replicate import pretrain_mha
+
+    messages: list[str] = []
+    mha = pretrain_mha(tiny(tmp_path, corpus, messages))
+    config = json.loads((mha / "config.json").read_text())
+    assert config["num_key_value_heads"] == config["num_attention_heads"] == TINY.heads
+    assert (tmp_path / "cache" / "replicate-mha" / "model" / "config.json").is_file()
+    assert any(m.startswith("[3/3]") for m in messages) and not any(m.startswith("[4/") for m in messages)
+
+
 def test_the_arm_plan_covers_the_papers_figures():
     o = ReplicateOptions(seeds=(0, 1), alphas=(0.0, 0.05, 0.1), groups=(1, 2, 4))
     names = {a.name for a in _arm_plan(o)}
