@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 INSTALL = (
     'pip install -e ".[llamacpp]" (it builds llama.cpp from source with the compiler and cmake on the '
-    "machine: about 20 minutes on 2 CPU cores)"
+    "machine: 5-20 minutes on 2 CPU cores)"
 )
 GGML_TYPE_F32 = 0  # ggml_type of a float32 KV cache
 # llama.cpp logs the cache it allocates: "llama_kv_cache: size =   90.00 MiB (  4096 cells, ...". It

@@ -133,7 +133,7 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
     jobs = _arm_plan(o)
     with steps.step(f"Convert MHA -> {len({(j.method, j.groups) for j in jobs})} starts"):
         starts = {(j.method, j.groups): convert_arm(ctx, mha, j.method, j.groups) for j in jobs}  # type: ignore[arg-type]
-    with steps.step("Uptrain every arm; pretrain MQA and GQA from scratch on the same total budget"):
+    with steps.step("Uptrain every arm; pretrain MQA, GQA and MHA from scratch on the same total budget"):
         for j in jobs:
             start_dir = starts[(j.method, j.groups)]
             if j.alpha == 0:
@@ -153,7 +153,9 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
             )
             arms.append(Arm(dst.name, "mha-continued", m.heads, alpha=top, path=str(dst), uptrain=summary))
         total = o.steps + o.uptrain_steps(top)
-        for g in (1, max(o.groups)):
+        # MQA and the largest GQA from scratch, and MHA too: what the same total tokens in one schedule
+        # buy by themselves, apart from the number of K/V heads
+        for g in dict.fromkeys((1, max(o.groups), m.heads)):
             init_g = init_model(ctx, tok, g, seed=0)
             dst = ctx.models / f"scratch-g{g}"
             summary = train_run(ctx, init_g, dst, total, o.lr, seed=0, pretraining=o.pretrain_tokens)

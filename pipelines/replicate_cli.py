@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from gqakit.pipelines.replicate_options import ReplicateOptions
+
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
@@ -47,6 +49,13 @@ def _ints(text: str) -> tuple[int, ...]:
     show_default=True,
     help="Conversion methods of the MQA arms (refined: calibrated + layer-wise refinement).",
 )
+@click.option(
+    "--uptrain-lr",
+    type=float,
+    default=ReplicateOptions.uptrain_lr,
+    show_default=True,
+    help="Peak learning rate of the uptraining runs (and the MHA model's continued training).",
+)
 @click.option("--fresh", is_flag=True, help="Recompute everything instead of reusing --work-dir.")
 @click.option(
     "--pretrain-only",
@@ -65,6 +74,7 @@ def replicate_cmd(
     alphas: str,
     groups: str,
     methods: str,
+    uptrain_lr: float,
     fresh: bool,
     pretrain_only: bool,
     cache_dir: str | None,
@@ -75,7 +85,6 @@ def replicate_cmd(
     trained from scratch; with gqakit's calibrated merge and refinement beside the paper's methods."""
     from gqakit.errors import GqakitError
     from gqakit.pipelines.replicate import pretrain_mha, run_replicate
-    from gqakit.pipelines.replicate_options import ReplicateOptions
 
     try:
         lists = dict(seeds=_ints(seeds), alphas=_floats(alphas), groups=_ints(groups))
@@ -89,6 +98,7 @@ def replicate_cmd(
         scale=scale,
         device=device,
         methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        uptrain_lr=uptrain_lr,
         fresh=fresh,
         cache_dir=Path(cache_dir) if cache_dir else None,
         wheelhouse=Path(wheelhouse) if wheelhouse else None,

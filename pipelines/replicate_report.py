@@ -65,9 +65,10 @@ def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> di
     gaps = {g: (p - mha) / (mqa - mha) if mqa and mqa != mha else None for g, p in gqa.items()}
     out["fig6"] = {"ppl": gqa, "share_of_mha_mqa_gap": gaps, "decode": decode}
     scratch = {a.groups: a.ppl for a in arms if a.kind == "scratch"}
-    out["scratch"] = {g: {"scratch": p, "uptrained": gqa.get(g)} for g, p in scratch.items()}
+    uptrained = {**gqa, o.model.heads: mha}  # MHA's "uptrained" counterpart: the continued MHA model
+    out["scratch"] = {g: {"scratch": p, "uptrained": uptrained.get(g)} for g, p in scratch.items()}
     out["scratch_reproduced"] = all(v["uptrained"] is not None and v["uptrained"] < v["scratch"]
-                                    for v in out["scratch"].values())  # fmt: skip
+                                    for g, v in out["scratch"].items() if g != o.model.heads)  # fmt: skip
     return out
 
 
@@ -134,8 +135,11 @@ def _markdown(o: ReplicateOptions, f, elapsed_s: float, reused: int, figures: li
     lines += _table(["MQA from", *(f"alpha {a:g}" for a in o.alphas)], rows)
     gains = ", ".join(f"{g:,.2f}" for g in f5["mean_gains"])
     lines += ["", f"Gains of mean pooling from one alpha to the next: {gains}; levelling off "
-              f"{_yes(f5['levels_off'])}. gqakit's calibrated merge and refinement start where mean pooling "
-              "ends much later, and the gap closes with uptraining (the rows above).", ""]  # fmt: skip
+              f"{_yes(f5['levels_off'])}.", ""]  # fmt: skip
+    lines += [_recovered(o, f), ""] if "mean" in f5["curves"] else []
+    lines += [_start_against_mean(o, f5["curves"], meth) for meth in ("calibrated", "refined")
+              if meth in f5["curves"] and "mean" in f5["curves"]]  # fmt: skip
+    lines += [""]
     lines += ["## Fig. 6 / Table 1: how many groups", "", f"Paper: {PAPER_CLAIMS['fig6']}", "",
               f"Mean pooling uptrained at alpha {top:g}. Decode: transformers, batch 8, on this machine; at "
               "this model size a decode step is bound by per-step overhead rather than bytes moved, so the "
@@ -159,15 +163,47 @@ def _markdown(o: ReplicateOptions, f, elapsed_s: float, reused: int, figures: li
     lines += _table(["model", "time per sample (s)", "average score"],
                     [[n, f"{t}", f"{sc}"] for n, t, sc in PAPER_TABLE_1])  # fmt: skip
     lines += ["", "## Uptrained against trained from scratch", "", f"Paper: {PAPER_CLAIMS['scratch']}", ""]
-    rows = [[f"{g}", f"{v['scratch']:,.2f}", f"{v['uptrained']:,.2f}" if v["uptrained"] else "-"]
+    rows = [[f"{g} (MHA; continued, not converted)" if g == m.heads else f"{g}", f"{v['scratch']:,.2f}",
+             f"{v['uptrained']:,.2f}" if v["uptrained"] else "-"]
             for g, v in sorted(f["scratch"].items())]  # fmt: skip
     lines += _table(
         ["K/V heads", "from scratch, same total tokens", f"uptrained from MHA, alpha {top:g}"], rows
     )
-    lines += ["", f"Uptrained better than from scratch: {_yes(f['scratch_reproduced'])}.", "",
+    total = o.pretrain_tokens + o.uptrain_steps(top) * o.tokens_per_step
+    lines += ["", f"Uptrained better than from scratch: {_yes(f['scratch_reproduced'])}. The from-scratch "
+              f"models train {total:,} tokens in one schedule; the MHA model scores {f['mha_ppl']:,.2f} "
+              f"after its {o.pretrain_tokens:,} pretraining tokens. The MHA row separates what the tokens in "
+              "one schedule buy from what the number of K/V heads costs.", "",
               "## Figures", "", *(f"![{p.stem}]({p.name})" for p in figures), "",
               f"Every number: `results.json`. gqakit {__version__}."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _recovered(o: ReplicateOptions, f) -> str:
+    """How much of mean pooling's gap to the MHA reference each alpha closes."""
+    curve, ref = f["fig5"]["curves"]["mean"], f["mha_continued_ppl"]
+    start = curve[o.alphas[0]]
+    parts = [f"{100 * (start - curve[a]) / (start - ref):.0f}% at alpha {a:g}" for a in o.alphas[1:]]
+    return (
+        f"Mean pooling closes {', '.join(parts)} of its gap to the MHA reference "
+        f"({start:,.2f} -> {ref:,.2f})."
+        if parts and start != ref
+        else ""
+    )
+
+
+def _start_against_mean(o: ReplicateOptions, curves, meth: str) -> str:
+    """Where a start with no uptraining stands against the mean-pooled arms."""
+    p0 = curves[meth][o.alphas[0]]
+    reached = [a for a in o.alphas if curves["mean"][a] <= p0]
+    where = (
+        f"mean pooling needs alpha {reached[0]:g} to reach it"
+        if reached
+        else (f"better than mean pooling at every alpha up to {max(o.alphas):g}")
+    )
+    best = min(curves[meth], key=curves[meth].get)
+    p_best = curves[meth][best]
+    return f"- {meth}, no uptraining: {p0:,.2f} ({where}); its best: {p_best:,.2f} at alpha {best:g}."
 
 
 def _alpha_figure(o: ReplicateOptions, f, path: Path) -> Path:
@@ -177,9 +213,11 @@ def _alpha_figure(o: ReplicateOptions, f, path: Path) -> Path:
         ax.plot(list(curve), list(curve.values()), marker="o", label=f"MQA from {meth}")
     ax.axhline(f["mha_ppl"], color="black", linestyle="--", label="MHA")
     ax.axhline(f["mha_continued_ppl"], color="black", linestyle="-.", label="MHA, + the largest alpha")
-    for g, v in f["scratch"].items():
+    colors = ("#7f7f7f", "#bcbd22", "#17becf")
+    for i, (g, v) in enumerate(sorted(f["scratch"].items())):
+        name = "MQA" if g == 1 else "MHA" if g == o.model.heads else f"GQA-{g}"
         ax.axhline(
-            v["scratch"], color="grey", linestyle=":", label=f"{'MQA' if g == 1 else f'GQA-{g}'} from scratch"
+            v["scratch"], color=colors[i % 3], linestyle=":", label=f"{name} from scratch, same total tokens"
         )
     ax.set_yscale("log")
     ax.set_xlabel("uptraining proportion alpha (of the pretraining tokens)")
@@ -201,6 +239,7 @@ def _groups_figure(o: ReplicateOptions, f, path: Path) -> Path:
     axes[0].set_ylabel(f"test perplexity (uptrained at alpha {max(o.alphas):g})")
     axes[1].plot(gs, ms, marker="o", color="#c44e52")
     axes[1].set_ylabel("decode ms per token (batch 8)")
+    axes[1].set_ylim(bottom=0)  # differences of a few percent are this machine's noise, not G
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(gs, [str(g) for g in gs])

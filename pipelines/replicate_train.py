@@ -145,7 +145,8 @@ def train_run(
     from gqakit.uptrain import recipe_from_dict, uptrain
 
     recipe = recipe_from_dict(recipe_data(ctx, start, out, steps, lr, seed, pretraining))
-    key = {"start": fingerprint(start), "recipe": recipe.to_dict()}
+    # The key is what changes the weights: logging and progress bars do not.
+    key = {"start": fingerprint(start), "recipe": {k: v for k, v in recipe.to_dict().items() if k != "log"}}
     name = "train-" + out.name
     cached = ctx.store.get_output(name, key, out)
     if cached is not None:

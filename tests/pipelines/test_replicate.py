@@ -67,6 +67,7 @@ def test_the_pipeline_end_to_end_then_reused(tmp_path, corpus):
     assert up.uptrain["tokens"] == 512 and up.uptrain["alpha"] == pytest.approx(0.5)
     scratch = next(a for a in res.arms if a.name == "scratch-g1")
     assert scratch.uptrain["tokens"] == 1024 + 512  # the same total budget as pretraining + uptraining
+    assert {a.groups for a in res.arms if a.kind == "scratch"} == {1, 2, TINY.heads}  # MQA, GQA, MHA
     assert all(a.ppl and a.ppl > 1 for a in res.arms)
     results = json.loads(res.results_json.read_text())
     assert set(results["findings"]) >= {"fig4", "fig5", "fig6", "scratch"}
@@ -136,13 +137,23 @@ def test_the_arm_plan_covers_the_papers_figures():
 def test_bad_options_are_reported_together(tmp_path, corpus):
     with pytest.raises(GqakitError) as e:
         run_replicate(
-            tiny(tmp_path, corpus, [], scale=0, groups=(3, 4), alphas=(0.5, 0.1), methods=("median",))
+            tiny(
+                tmp_path,
+                corpus,
+                [],
+                scale=0,
+                groups=(3, 4),
+                alphas=(0.5, 0.1),
+                methods=("median",),
+                uptrain_lr=0,
+            )
         )
     for fragment in (
         "--scale must be positive",
         "--groups 3,4",
         "--alphas must be increasing",
         "--methods median",
+        "--uptrain-lr must be positive, got 0",
     ):
         assert fragment in e.value.message
 
