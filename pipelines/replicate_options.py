@@ -104,9 +104,9 @@ class ReplicateOptions:
         problems = []
         if not self.scale > 0:
             problems.append(f"--scale must be positive, got {self.scale}.")
-        for name in ("lr", "uptrain_lr"):
+        for name, shown in (("lr", "lr (pretraining)"), ("uptrain_lr", "--uptrain-lr")):
             if not getattr(self, name) > 0:
-                problems.append(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
+                problems.append(f"{shown} must be positive, got {getattr(self, name)}.")
         if not self.seeds:
             problems.append("--seeds needs at least one seed.")
         if sorted(self.alphas) != list(self.alphas) or any(a < 0 for a in self.alphas) or not self.alphas:
