@@ -113,6 +113,7 @@ def main() -> None:
         quarter = max(1, len(per_layer) // 4)
         res["layerwise"].update(
             seconds_per_layer=per_layer,
+            peak_device_bytes=prov["layerwise"].get("peak_device_bytes"),
             median_layer_s=statistics.median(per_layer),
             first_quarter_mean_s=statistics.mean(per_layer[:quarter]),
             last_quarter_mean_s=statistics.mean(per_layer[-quarter:]),
@@ -141,6 +142,10 @@ def main() -> None:
     ratio = lw["peak_rss_bytes"] / b["budget"]
     print(f"layer by layer: exit {lw['exit_code']}, peak RSS {gib(lw['peak_rss_bytes'])} "
           f"({ratio:.2f}x the budget), {lw['wall_s']:.0f} s")  # fmt: skip
+    if lw["exit_code"] != 0:
+        print(f"  the conversion failed:\n{lw['stderr_tail']}")
+    if lw.get("peak_device_bytes"):
+        print(f"  peak GPU memory (max allocated): {gib(lw['peak_device_bytes'])}")
     if "median_layer_s" in lw:
         print(f"  per layer: median {lw['median_layer_s']:.1f} s, "
               f"first quarter {lw['first_quarter_mean_s']:.1f} s, "

@@ -220,6 +220,8 @@ class _LayerwiseJob:
             self.refined.elapsed_s = elapsed_s
             rec["refine"] = self.refined.to_record()
         rec["layerwise"] = {"device": str(self.device), "seconds_per_layer": self.seconds}
+        if self.device.type == "cuda":
+            rec["layerwise"]["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return rec
 
 
