@@ -1,17 +1,25 @@
-"""Uptraining benchmark: our loop against Hugging Face ``Trainer``, and quality recovery lm vs distill.
+"""Uptraining benchmark: the loop's speed levers side by side, HF ``Trainer``, and quality lm vs distill.
 
-1. Throughput: the same model, data, batch and sequence length trained by ``gqakit.uptrain`` and by
-   ``transformers.Trainer``, each in its own process (so peak memory is its own), alternating
-   ``--repeats`` times. A step's time is the wall time between the ends of consecutive optimizer steps
-   (data, forward, backward, clipping, optimizer, logging: everything), median over the steps after
-   ``--warmup``. Reported: tokens/s, the ratio ours / Trainer, peak memory (RSS on CPU, max allocated
-   on a GPU) and, on a GPU, model FLOPs utilisation (6 x parameters x tokens/s over the device peak).
+1. Throughput: the same model, data, batch and sequence length trained by ``gqakit.uptrain`` under each
+   row's ``speed:`` settings (``--rows``; ``plain`` is the loop with every lever off, ``auto`` the
+   defaults) and by ``transformers.Trainer``, each run in its own process (so peak memory is its own),
+   rows interleaved ``--repeats`` times. A step's time is the wall time between the ends of consecutive
+   optimizer steps (data, forward, backward, clipping, optimizer, logging: everything), median over the
+   steps after ``--warmup`` (compilation happens in the warm-up). Reported: tokens/s, each row's ratio
+   to ``plain``, peak memory (RSS on CPU, max allocated on a GPU), the largest relative difference of
+   its per-step losses from ``plain``'s (same data, same seed), and on a GPU the model FLOPs
+   utilisation twice: 6 x parameters per token (attention not counted), and with attention counted as
+   in PaLM (Chowdhery et al. 2022, app. B: 6N + 12 x layers x heads x head_dim x seq per token), both
+   over ``--peak-tflops``. A row ending in ``:distill`` trains with the distillation objective against
+   a second random model of the same shape as teacher (its forward pass counted as 2N + 4 x layers x
+   heads x head_dim x seq per token).
 2. Quality recovery (``--quality``): SmolLM2-135M converted to MQA, uptrained for the same token
    budget with ``lm`` and with ``distill``; the fraction of the validation-loss gap (converted vs
    original) each closes, and the same in perplexity.
 
-    python benchmarks/bench_uptrain.py                              # throughput, tiny-ish random llama
-    python benchmarks/bench_uptrain.py --shape tinyllama-1.1b --seq-len 2048 --batch-size 8   # a GPU
+    python benchmarks/bench_uptrain.py                              # CPU: plain vs auto, small llama
+    python benchmarks/bench_uptrain.py --shape tinyllama-1.1b --seq-len 2048 --batch-size 4 --threads 0 \
+        --rows plain,fused-loss,compile,liger,compile+liger,auto,trainer,plain:distill,auto:distill  # GPU
     python benchmarks/bench_uptrain.py --quality --smol /tmp/assets/smol_st --text-dir WIKI_DIR
 """
 
@@ -50,6 +58,19 @@ def _blocks(args):
     return build_blocks(cfg, load_tokenizer(args.model))
 
 
+# Rows of the throughput table: the recipe's ``speed:`` section for each (unset keys: the defaults).
+ROWS: dict[str, dict] = {
+    "plain": {"fused_loss": False, "compile": False, "kernels": "none"},  # every lever off
+    "fused-loss": {"fused_loss": True, "compile": False, "kernels": "none"},
+    "compile": {"fused_loss": True, "compile": True, "kernels": "none"},
+    "liger": {"fused_loss": True, "compile": False, "kernels": "liger"},
+    "compile+liger": {"fused_loss": True, "compile": True, "kernels": "liger"},
+    "compile+flash": {"fused_loss": True, "compile": True, "kernels": "none", "attention": "flash"},
+    "compile+cudnn": {"fused_loss": True, "compile": True, "kernels": "none", "attention": "cudnn"},
+    "auto": {},
+}
+
+
 def worker_ours(args) -> dict:
     import torch
 
@@ -57,9 +78,11 @@ def worker_ours(args) -> dict:
     from gqakit.uptrain.loop import read_history
 
     precision = "bf16" if torch.cuda.is_available() else "fp32"
+    distill = args.objective == "distill"
     recipe = recipe_from_dict(
         {
             "model": {"path": args.model},
+            "teacher": args.teacher if distill else None,
             "data": {
                 "files": [args.train],
                 "seq_len": args.seq_len,
@@ -68,6 +91,8 @@ def worker_ours(args) -> dict:
             },
             "budget": {"steps": args.steps},
             "train": {"lr": 1e-4, "batch_size": args.batch_size, "precision": precision},
+            "speed": json.loads(args.speed),
+            "objective": {"kind": args.objective},
             "eval": {"at_start": False},
             "log": {"progress": False, "tensorboard": False},
             "output_dir": args.out,
@@ -75,9 +100,14 @@ def worker_ours(args) -> dict:
     )
     uptrain(recipe, force=True)
     tps = args.batch_size * args.seq_len
+    history = [h for h in read_history(args.out) if "loss" in h]
     # avg_tokens_per_s is cumulative from the loop's start: recover each step's end time from it.
-    ends = [h["step"] * tps / h["avg_tokens_per_s"] for h in read_history(args.out) if "loss" in h]
-    return {"step_s": [b - a for a, b in zip(ends, ends[1:], strict=False)], "peak_mib": _peak_memory_mib()}
+    ends = [h["step"] * tps / h["avg_tokens_per_s"] for h in history]
+    return {
+        "step_s": [b - a for a, b in zip(ends, ends[1:], strict=False)],
+        "peak_mib": _peak_memory_mib(),
+        "losses": [h["loss"] for h in history],
+    }
 
 
 def worker_trainer(args) -> dict:
@@ -124,29 +154,17 @@ def worker_trainer(args) -> dict:
     return {"step_s": [b - a for a, b in zip(ends, ends[1:], strict=False)], "peak_mib": _peak_memory_mib()}
 
 
-def _run_worker(kind: str, args, out: Path) -> dict:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        kind,
-        "--model",
-        args.model,
-        "--train",
-        args.train,
-        "--steps",
-        str(args.steps),
-        "--batch-size",
-        str(args.batch_size),
-        "--seq-len",
-        str(args.seq_len),
-        "--out",
-        str(out),
-    ]
+def _run_worker(row: str, args, out: Path) -> dict:
+    name, _, objective = row.partition(":")
+    kind = "trainer" if name == "trainer" else "ours"
+    cmd = [sys.executable, __file__, "--worker", kind, "--model", args.model, "--train", args.train]
+    cmd += ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    cmd += ["--out", str(out), "--objective", objective or "lm", "--teacher", args.teacher or ""]
+    cmd += ["--speed", json.dumps(ROWS.get(name, {}))]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
-        raise SystemExit(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
+        return {"error": proc.stderr[-1500:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -165,13 +183,12 @@ SHAPES = {
 }  # fmt: skip
 
 
-def _make_model(root: Path, shape: str, seq_len: int) -> str:
+def _make_model(path: Path, shape: str, seq_len: int, seed: int) -> str:
     from gqakit.testing import save_tiny_model
 
-    path = save_tiny_model(
-        root / "model", "llama", max_position_embeddings=max(seq_len, 256), **SHAPES[shape]
-    )
-    return str(path)
+    positions = max(seq_len, 256)
+    model = save_tiny_model(path, "llama", seed=seed, max_position_embeddings=positions, **SHAPES[shape])
+    return str(model)
 
 
 def _make_text(root: Path, text_dir: str | None) -> str:
@@ -185,52 +202,94 @@ def _make_text(root: Path, text_dir: str | None) -> str:
     return str(path)
 
 
+def _flops_per_token(config, seq_len: int, n_params: int, distill: bool) -> tuple[float, float]:
+    """Training FLOPs per token: (6N, PaLM's 6N + 12 L H Q T), plus the teacher's forward when distilling."""
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attn = 12 * layers * heads * head_dim * seq_len
+    six_n, palm = 6 * n_params, 6 * n_params + attn
+    if distill:  # the teacher (same shape) runs forward only: a third of the training FLOPs
+        six_n, palm = six_n + 2 * n_params, palm + 2 * n_params + attn / 3
+    return six_n, palm
+
+
 def throughput(args) -> None:
     import torch
 
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r.partition(":")[0] not in (*ROWS, "trainer")]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; known: {', '.join([*ROWS, 'trainer'])} (suffix :distill)")
     with tempfile.TemporaryDirectory(prefix="bench-uptrain-") as tmp:
         root = Path(tmp)
         if not args.model:
-            args.model = _make_model(root, args.shape, args.seq_len)
+            args.model = _make_model(root / "model", args.shape, args.seq_len, seed=0)
+        if any(r.endswith(":distill") for r in rows) and not args.teacher:
+            args.teacher = _make_model(root / "teacher", args.shape, args.seq_len, seed=1)
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        config = AutoConfig.from_pretrained(args.model)
         with torch.device("meta"):  # counts tied embeddings once
-            config = AutoConfig.from_pretrained(args.model)
             n_params = AutoModelForCausalLM.from_config(config).num_parameters()
         args.train = _make_text(root, args.text_dir)
-        runs: dict[str, list[dict]] = {"ours": [], "trainer": []}
-        for r in range(args.repeats):
-            for kind in ("ours", "trainer") if r % 2 == 0 else ("trainer", "ours"):
-                runs[kind].append(_run_worker(kind, args, root / f"{kind}-{r}"))
+        runs: dict[str, list[dict]] = {r: [] for r in rows}
+        for rep in range(args.repeats):
+            for row in rows if rep % 2 == 0 else rows[::-1]:
+                out = root / f"run-{len(runs[row])}-{row.replace(':', '-')}"
+                runs[row].append(_run_worker(row, args, out))
+                res = runs[row][-1]
+                got = (
+                    f"median step {statistics.median(res['step_s'][args.warmup :]) * 1e3:.1f} ms"
+                    if "step_s" in res
+                    else "failed: " + res["error"].strip().splitlines()[-1][:300]
+                )
+                print(f"ran {row} ({rep + 1}/{args.repeats}): {got}", flush=True)
     tokens = args.batch_size * args.seq_len
+    cuda = torch.cuda.is_available()
     device = (
-        torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"CPU ({os.cpu_count()} cores, {args.threads or torch.get_num_threads()} thread(s) per run)"
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+        if cuda
+        else f"CPU ({os.cpu_count()} cores, {args.threads or torch.get_num_threads()} thread(s) per run), "
+        f"torch {torch.__version__}"
     )
-    dtype = "bf16 autocast" if torch.cuda.is_available() else "fp32"
+    import transformers
+
+    print(f"\n{' '.join(sys.argv)}")
     print(
-        f"\n## Throughput: {device}, {n_params / 1e6:.1f}M parameters, batch {args.batch_size} x seq "
-        f"{args.seq_len} = {tokens} tokens/step, {dtype}, {args.steps} steps ({args.warmup} warm-up), "
-        f"{args.repeats} runs each\n"
+        f"\n## Throughput: {device}, transformers {transformers.__version__}, {n_params / 1e6:.1f}M "
+        f"parameters, batch {args.batch_size} x seq {args.seq_len} = {tokens} tokens/step, "
+        f"{'bf16 autocast' if cuda else 'fp32'}, {args.steps} steps ({args.warmup} warm-up), "
+        f"{args.repeats} run(s) each\n"
     )
-    print(
-        "| loop | tokens/s (median step) | step ms | peak memory MiB |"
-        + (" MFU |" if torch.cuda.is_available() else "")
-    )
-    print("|---|---|---|---|" + ("---|" if torch.cuda.is_available() else ""))
-    tps = {}
-    for kind, results in runs.items():
-        steps = [s for res in results for s in res["step_s"][args.warmup :]]
+    head = "| loop | tokens/s (median step) | vs plain | step ms | peak memory MiB | loss vs plain |"
+    print(head + (" MFU (6N) | MFU (with attention) |" if cuda else ""))
+    print("|---" * (8 if cuda else 6) + "|")
+    tps: dict[str, float] = {}
+    for row, results in runs.items():
+        failed = [r["error"] for r in results if "error" in r]
+        if failed:
+            print(f"| {row} | failed: {failed[0].strip().splitlines()[-1][:200]} |")
+            continue
+        steps = [x for res in results for x in res["step_s"][args.warmup :]]
         med = statistics.median(steps)
-        tps[kind] = tokens / med
+        tps[row] = tokens / med
+        _, _, objective = row.partition(":")
+        base = tps.get(f"plain:{objective}" if objective else "plain")
+        ratio = f"{tps[row] / base:.2f}x" if base else ""
+        ref = runs.get(f"plain:{objective}" if objective else "plain")
+        loss_diff = ""
+        if ref and "losses" in results[0] and "losses" in ref[0] and row.partition(":")[0] != "plain":
+            a, b = results[0]["losses"], ref[0]["losses"]
+            loss_diff = f"{max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=False)):.1e}"
         peak = max(res["peak_mib"] for res in results)
-        mfu = ""
-        if torch.cuda.is_available():
-            mfu = f" {6 * n_params * tps[kind] / (args.peak_tflops * 1e12):.1%} |"
-        name = "gqakit uptrain" if kind == "ours" else "transformers Trainer"
-        print(f"| {name} | {tps[kind]:,.0f} | {med * 1e3:.1f} | {peak:,.0f} |{mfu}")
-    print(f"\nratio ours / Trainer: **{tps['ours'] / tps['trainer']:.2f}x** tokens/s")
+        line = f"| {row} | {tps[row]:,.0f} | {ratio} | {med * 1e3:.1f} | {peak:,.0f} | {loss_diff} |"
+        if cuda:
+            six_n, palm = _flops_per_token(config, args.seq_len, n_params, objective == "distill")
+            peak_flops = args.peak_tflops * 1e12
+            line += f" {six_n * tps[row] / peak_flops:.1%} | {palm * tps[row] / peak_flops:.1%} |"
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "runs": runs}, indent=1))
 
 
 def quality(args) -> None:
@@ -309,6 +368,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--rows", default="plain,auto,trainer", help="rows, comma-separated (ROWS; :distill suffix)"
+    )
+    p.add_argument("--objective", default="lm", help=argparse.SUPPRESS)
+    p.add_argument("--teacher", default="", help="teacher for :distill rows (default: a random model)")
+    p.add_argument("--speed", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--json", help="also write every run's step times and losses here")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per worker (0: torch's default)")
     p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
     p.add_argument("--no-throughput", action="store_true")

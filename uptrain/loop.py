@@ -38,6 +38,7 @@ from gqakit.uptrain.objectives import Objective, lm_loss_per_sequence
 from gqakit.uptrain.preflight import PROVENANCE
 from gqakit.uptrain.recipe import Recipe
 from gqakit.uptrain.setup import SetupMixin
+from gqakit.uptrain.speed import attention_backend, teacher_outputs
 
 log = logging.getLogger("gqakit.uptrain")
 
@@ -92,12 +93,19 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
     # ------------------------------------------------------------------ one step
     def _loss_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids = batch["input_ids"]
-        logits = self.model(input_ids=ids, use_cache=False).logits
-        teacher_logits = None
-        if self.teacher is not None:
-            with torch.no_grad(), self.acc.autocast():
-                teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
-        return self.objective(logits, ids, teacher_logits)
+        with attention_backend(self.speed.attention):
+            if self.speed.fused_loss:  # logits never materialised (gqakit.uptrain.fused_loss)
+                teacher = None
+                if self.teacher is not None:
+                    with torch.no_grad(), self.acc.autocast():
+                        teacher = teacher_outputs(self.teacher, ids)
+                return self.model(input_ids=ids, loss_spec=self.loss_spec, teacher=teacher)
+            logits = self.model(input_ids=ids, use_cache=False).logits
+            teacher_logits = None
+            if self.teacher is not None:
+                with torch.no_grad(), self.acc.autocast():
+                    teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
+            return self.objective(logits, ids, teacher_logits)
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Micro-batches forever, epoch after epoch, starting at the saved data position."""

@@ -41,13 +41,14 @@ RESUME_SAFE: tuple[str, ...] = (
     "eval.",
     "log.",
     "checkpoint.",
+    "speed.",  # how fast, not what: a run resumed on another machine may need other levers
     "model.save_dtype",
     "data.num_proc",
     "output_dir",
 )
 _SAFE_TEXT = (
-    "only budget.steps/tokens/alpha, eval.*, log.*, checkpoint.*, model.save_dtype, data.num_proc and "
-    "output_dir may change"
+    "only budget.steps/tokens/alpha, eval.*, log.*, checkpoint.*, speed.*, model.save_dtype, data.num_proc "
+    "and output_dir may change"
 )
 
 

@@ -185,6 +185,30 @@ class ObjectiveConfig:
 
 
 @dataclass
+class SpeedConfig:
+    """How fast the loop runs; none of it changes what is trained beyond floating-point rounding.
+
+    ``auto`` picks, per device, what was measured fastest (``benchmarks/bench_uptrain.py``, docs/gpu.md);
+    a lever the device cannot run is turned off with one log line saying so
+    (:func:`gqakit.uptrain.speed.resolve_speed`).
+
+    Attributes:
+        fused_loss: the output projection and the loss in one chunked pass that never holds the
+            ``[tokens, vocab]`` logits (student and teacher). ``auto``: on in one process or DDP.
+        compile: ``torch.compile`` each decoder layer (student and teacher). ``auto``: on for CUDA in one
+            process or DDP.
+        kernels: ``liger`` (liger-kernel's fused RMSNorm, RoPE, SwiGLU; CUDA) or ``none``. ``auto``: none.
+        attention: the scaled-dot-product attention backend: ``flash``, ``efficient``, ``cudnn``, ``math``,
+            or ``auto`` (PyTorch chooses per call).
+    """
+
+    fused_loss: bool | Literal["auto"] = "auto"
+    compile: bool | Literal["auto"] = "auto"
+    kernels: Literal["auto", "liger", "none"] = "auto"
+    attention: Literal["auto", "flash", "efficient", "cudnn", "math"] = "auto"
+
+
+@dataclass
 class EvalConfig:
     """Validation perplexity.
 
@@ -264,7 +288,7 @@ class Recipe:
         budget: how long to train.
         output_dir: where the final model, metrics and checkpoints go.
         teacher: the original checkpoint, for ``distill`` / ``mix``; must share the model's vocabulary.
-        train, objective, eval, checkpoint, guard, log: see each section.
+        train, speed, objective, eval, checkpoint, guard, log: see each section.
         seed: seeds model-side randomness and the data order.
     """
 
@@ -274,6 +298,7 @@ class Recipe:
     output_dir: str
     teacher: str | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

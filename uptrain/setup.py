@@ -9,15 +9,24 @@ import torch
 
 from gqakit.errors import GqakitError
 from gqakit.uptrain.data import build_blocks
+from gqakit.uptrain.fused_loss import LossSpec
 from gqakit.uptrain.metrics import METRICS, MetricsLog
 from gqakit.uptrain.preflight import environment_problems
 from gqakit.uptrain.schedule import Budget, lr_multiplier, resolve_budget
+from gqakit.uptrain.speed import (
+    apply_kernels,
+    compile_layers,
+    fused_loss_unsupported,
+    install_fused_loss,
+    resolve_speed,
+)
 from gqakit.uptrain.trainable import apply_trainable
 
 log = logging.getLogger("gqakit.uptrain")
 
 _MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 _SAVE_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class SetupMixin:
@@ -86,7 +95,24 @@ class SetupMixin:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         model.train()
+        self.speed = resolve_speed(r.speed, self.acc.device.type, self.acc.distributed_type.value, model)
+        log.info(self.speed.describe())
+        self._speed_up(model)
+        if self.speed.fused_loss:
+            install_fused_loss(model)
+        self.loss_spec = LossSpec(
+            r.objective.kind,
+            r.objective.temperature,
+            r.objective.distill_weight,
+            compute_dtype=_AUTOCAST_DTYPE.get(r.train.precision),
+        )
         self.model = model
+
+    def _speed_up(self, model: torch.nn.Module) -> None:
+        """Liger's kernels and per-layer ``torch.compile``, as resolved (student and teacher alike)."""
+        apply_kernels(model, self.speed.kernels)
+        if self.speed.compile:
+            compile_layers(model)
 
     def _setup_teacher(self) -> None:
         from gqakit.models import load_causal_lm
@@ -100,6 +126,12 @@ class SetupMixin:
         dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[r.train.precision]
         self.teacher = load_causal_lm(r.teacher, dtype=dtype, device=str(self.acc.device))
         self.teacher.requires_grad_(False)
+        self._speed_up(self.teacher)
+        why = fused_loss_unsupported(self.teacher) if self.speed.fused_loss else None
+        if why:
+            raise GqakitError(
+                f"speed.fused_loss cannot use the teacher {r.teacher}: {why}. Set speed.fused_loss=false."
+            )
 
     def _setup_data(self) -> None:
         from torch.utils.data import DataLoader
