@@ -194,7 +194,8 @@ class SpeedConfig:
 
     Attributes:
         fused_loss: the output projection and the loss in one chunked pass that never holds the
-            ``[tokens, vocab]`` logits (student and teacher). ``auto``: on in one process or DDP.
+            ``[tokens, vocab]`` logits (student and teacher). ``auto``: on a CPU, and on a GPU with
+            ``compile`` (eager it is slower there), in one process or DDP.
         compile: ``torch.compile`` each decoder layer (student and teacher). ``auto``: on for CUDA in one
             process or DDP.
         kernels: ``liger`` (liger-kernel's fused RMSNorm, RoPE, SwiGLU; CUDA) or ``none``. ``auto``: none.

@@ -87,6 +87,8 @@ def test_auto_on_a_cpu_keeps_the_fused_loss_and_says_what_is_off():
     assert "attention flash (needs a CUDA GPU)" in asked.describe()
     on_gpu = resolve_speed(_speed(), "cuda", "NO", tiny_model("llama"))
     assert on_gpu.fused_loss and on_gpu.compile
+    eager_gpu = resolve_speed(_speed(compile=False), "cuda", "NO", tiny_model("llama"))
+    assert not eager_gpu.fused_loss and not eager_gpu.compile  # measured slower eager on a GPU
     fsdp = resolve_speed(_speed(), "cuda", "FSDP", tiny_model("llama"))
     assert not fsdp.fused_loss and not fsdp.compile and "not measured under FSDP" in fsdp.describe()
 
