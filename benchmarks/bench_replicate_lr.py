@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from gqakit.pipelines.replicate import run_replicate
-from gqakit.pipelines.replicate_options import ReplicateOptions
+from gqakit.pipelines.replicate.options import ReplicateOptions
 
 
 def main() -> None:

@@ -13,14 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
+from gqakit.cli_options import Problems
 from gqakit.convert.inspect import Inspection, inspect_checkpoint
-from gqakit.convert.options import (
-    CONVERT_METHODS,
-    DTYPE_CHOICES,
-    SIMILARITY_METHODS,
-    ConvertOptions,
-    check_groups,
-)
+from gqakit.convert.methods import METHODS
+from gqakit.convert.options import DTYPE_CHOICES, ConvertOptions, check_groups
 from gqakit.convert.plan import OutputTensor, RegroupSpec, plan_regroup
 from gqakit.convert.registry import ArchAdapter, get_adapter
 from gqakit.convert.write import ConvertResult, write_converted
@@ -67,7 +63,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
             "method": options.method,
             "dtype": options.dtype,
         }
-        if options.method == "random":
+        if METHODS[options.method].fresh:
             record["seed"] = options.seed
         weights: list[OutputTensor] | Any
         if options.merged or options.refine_steps:
@@ -127,7 +123,8 @@ def expand_checkpoint(
 ) -> ConvertResult:
     """GQA/MQA -> MHA: repeat each K/V head over its group. The output computes exactly the same logits."""
     if dtype not in DTYPE_CHOICES:
-        raise GqakitError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
+        flag = Problems("expand").flag("dtype")
+        raise GqakitError(f"{flag} {dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
     start = time.perf_counter()
     with resolve_checkpoint(src) as ckpt:
         adapter = get_adapter(ckpt.model_type)
@@ -139,10 +136,8 @@ def expand_checkpoint(
 
 
 __all__ = [
-    "CONVERT_METHODS",
     "DTYPE_CHOICES",
     "DTYPES",
-    "SIMILARITY_METHODS",
     "ConvertOptions",
     "ConvertResult",
     "Inspection",

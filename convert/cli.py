@@ -1,22 +1,24 @@
 """Click commands for convert, expand and inspect: parse, call one typed function, print.
 
-``gqakit probe`` converts and then evaluates, so it lives above the verbs: :mod:`gqakit.pipelines.probe_cli`.
+``gqakit probe`` converts and then evaluates, so it lives above the verbs: :mod:`gqakit.pipelines.probe.cli`.
 """
 
 from __future__ import annotations
 
 import click
 
+from gqakit.cli_options import device_option, dtype_option, force_option, seed_option
 from gqakit.convert.api import (
-    CONVERT_METHODS,
     DTYPE_CHOICES,
     ConvertOptions,
     convert_checkpoint,
     expand_checkpoint,
     inspect_checkpoint,
 )
-from gqakit.convert.grouping import GROUPINGS
+from gqakit.convert.methods import GROUPINGS, METHODS
 from gqakit.convert.refine import REFINE_LR
+
+_STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 
 
 @click.command("convert")
@@ -25,24 +27,15 @@ from gqakit.convert.refine import REFINE_LR
 @click.option("--groups", "-g", type=int, required=True, help="K/V heads in the output (1 = MQA).")
 @click.option(
     "--method",
-    type=click.Choice(CONVERT_METHODS),
+    type=click.Choice(METHODS.names),
     default="mean",
     show_default=True,
-    help="mean: average each group (the paper); first: keep its first head; random: fresh init; "
-    "calibrated: merge each group to fit its outputs on --calib-data (errors weighted by the queries "
-    "and o_proj columns that read them) and fold the difference into q_proj (keys, per RoPE "
-    "frequency) and o_proj (values). Families that normalize keys per head "
-    "(qwen3, gemma3, olmo2, stablelm/phi with qk_layernorm) fall back to mean for keys; values stay "
-    "calibrated; gqakit.json records this as key_merge.",
+    help=METHODS.describe()
+    + ". Families that normalize keys per head (qwen3, gemma3, olmo2, stablelm/phi with qk_layernorm) "
+    "fall back to mean for keys; values stay calibrated; gqakit.json records this as key_merge.",
 )
-@click.option(
-    "--dtype",
-    type=click.Choice(list(DTYPE_CHOICES)),
-    default="keep",
-    show_default=True,
-    help="Output dtype of floating tensors (pooling runs in float32).",
-)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --method random.")
+@dtype_option(list(DTYPE_CHOICES), "keep", _STORAGE_DTYPE)
+@seed_option("Seed for --method random.")
 @click.option(
     "--calib-data",
     type=click.Path(dir_okay=False),
@@ -52,11 +45,10 @@ from gqakit.convert.refine import REFINE_LR
 @click.option("--calib-tokens", type=int, default=4096, show_default=True, help="Calibration tokens to run.")
 @click.option(
     "--grouping",
-    type=click.Choice(GROUPINGS),
+    type=click.Choice(GROUPINGS.names),
     default="contiguous",
     show_default=True,
-    help="contiguous: heads g*r..g*r+r-1 share a group (what repeat_kv implies); similarity: choose "
-    "equal-sized groups by the merge's error on --calib-data and reorder whole heads to match.",
+    help=GROUPINGS.describe() + ".",
 )
 @click.option(
     "--refine-steps",
@@ -71,8 +63,8 @@ from gqakit.convert.refine import REFINE_LR
 @click.option(
     "--refine-lr", type=float, default=REFINE_LR, show_default=True, help="Learning rate of --refine-steps."
 )
-@click.option("--device", default="auto", show_default=True, help="Where calibration runs (auto, cpu, cuda).")
-@click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty.")
+@device_option()
+@force_option()
 def convert_cmd(
     src: str,
     dst: str,
@@ -115,8 +107,8 @@ def convert_cmd(
 @click.command("expand")
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--dtype", type=click.Choice(list(DTYPE_CHOICES)), default="keep", show_default=True)
-@click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty.")
+@dtype_option(list(DTYPE_CHOICES), "keep", _STORAGE_DTYPE)
+@force_option()
 def expand_cmd(src: str, dst: str, dtype: str, force: bool) -> None:
     """GQA/MQA -> MHA: repeat each K/V head over its group (exactly the same logits)."""
     res = expand_checkpoint(src, dst, dtype, force)

@@ -24,8 +24,6 @@ import torch
 from gqakit.convert.registry import ArchAdapter
 from gqakit.geometry import AttentionGeometry
 
-GROUPINGS: tuple[str, ...] = ("contiguous", "similarity")
-
 
 def contiguous_groups(num_kv_heads: int, groups: int) -> list[list[int]]:
     """What ``repeat_kv`` implies: group ``g`` is heads ``g*r .. g*r + r - 1``."""

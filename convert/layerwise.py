@@ -125,7 +125,7 @@ class _LayerwiseJob:
         self.infos = ckpt.tensor_infos()
         self.sequences = sequences
         self.device = resolve_device(options.device)
-        self.needs_gram = options.method == "calibrated" or options.grouping == "similarity"
+        self.needs_gram = options.merged
         self.refine = None
         if options.refine_steps:
             self.refine = RefineSettings(options.refine_steps, options.refine_lr, options.seed)

@@ -36,8 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-MERGE_METHODS: tuple[str, ...] = ("mean", "first", "calibrated")
-
 
 @dataclass(frozen=True)
 class Merge:
@@ -172,18 +170,6 @@ def fit_key_merge(w: torch.Tensor, gram: torch.Tensor, rotary_dim: int) -> Merge
             compress[rotary_dim:, i * d + rotary_dim : (i + 1) * d] = rest.compress[:, i * p : (i + 1) * p]
         decompress[:, rotary_dim:, rotary_dim:] = rest.decompress
     return Merge(compress, decompress)
-
-
-def fit_merge(kind: str, method: str, w: torch.Tensor, gram: torch.Tensor, rotary_dim: int = 0) -> Merge:
-    """The merge of ``method`` (``mean``, ``first``, ``calibrated``) for key or value heads ``w``."""
-    r, d, _ = w.shape
-    if method == "mean":
-        return mean_merge(r, d)
-    if method == "first":
-        return first_merge(r, d)
-    if method != "calibrated":
-        raise ValueError(f"unknown merge method {method!r}; choose one of {', '.join(MERGE_METHODS)}")
-    return fit_key_merge(w, gram, rotary_dim) if kind == "key" else fit_value_merge(w, gram)
 
 
 def in_metric(fit: Callable[[torch.Tensor], Merge], w: torch.Tensor, scales: torch.Tensor) -> Merge:

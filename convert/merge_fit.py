@@ -25,7 +25,8 @@ import torch
 
 from gqakit.checkpoint import Checkpoint
 from gqakit.convert.grouping import contiguous_groups, similarity_groups
-from gqakit.convert.merge import Merge, augment, downstream_scales, energy, fit_merge, in_metric, merge_error
+from gqakit.convert.merge import Merge, augment, downstream_scales, energy, in_metric, merge_error
+from gqakit.convert.methods import fit_merge
 from gqakit.convert.plan import Infos
 from gqakit.convert.registry import ArchAdapter
 from gqakit.geometry import AttentionGeometry

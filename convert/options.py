@@ -5,16 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.convert.grouping import GROUPINGS
-from gqakit.convert.pooling import METHODS
+from gqakit.cli_options import Problems
+from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
 from gqakit.convert.refine import REFINE_LR
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
-
-# Every --method of convert: the pooling methods, and the activation-aware merge (gqakit.convert.merge).
-CONVERT_METHODS: tuple[str, ...] = (*METHODS, "calibrated")
-# Methods that --grouping similarity can combine with (random ignores the weights, so grouping is moot).
-SIMILARITY_METHODS: tuple[str, ...] = ("mean", "first", "calibrated")
 
 # CLI dtype names -> safetensors dtype names (None: keep each tensor's own).
 DTYPE_CHOICES: dict[str, str | None] = {"keep": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -58,76 +53,79 @@ class ConvertOptions:
     @property
     def merged(self) -> bool:
         """True when this conversion goes through the merge path (calibration and/or head grouping)."""
-        return self.method == "calibrated" or self.grouping == "similarity"
+        return needs_calibration(self.method, self.grouping)
 
     def validate(self) -> None:
-        problems = []
+        p = Problems("convert")
+        f = p.flag
         if self.groups <= 0:
-            problems.append(f"--groups must be a positive number of K/V heads, got {self.groups}.")
-        if self.method not in CONVERT_METHODS:
-            problems.append(
-                f"--method {self.method!r} is unknown; choose one of {', '.join(CONVERT_METHODS)}."
-            )
+            p.add(f"{f('groups')} must be a positive number of K/V heads, got {self.groups}.")
+        p.add(METHODS.unknown(self.method, f("method")))
+        p.add(GROUPINGS.unknown(self.grouping, f("grouping")))
         if self.dtype not in DTYPE_CHOICES:
-            problems.append(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
-        if self.grouping not in GROUPINGS:
-            problems.append(f"--grouping {self.grouping!r} is unknown; choose one of {', '.join(GROUPINGS)}.")
+            p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
         if self.calib_tokens <= 0:
-            problems.append(f"--calib-tokens must be a positive number of tokens, got {self.calib_tokens}.")
+            p.add(f"{f('calib_tokens')} must be a positive number of tokens, got {self.calib_tokens}.")
         if self.refine_steps < 0:
-            problems.append(
-                f"--refine-steps must be 0 (off) or a positive step count, got {self.refine_steps}."
-            )
+            p.add(f"{f('refine_steps')} must be 0 (off) or a positive step count, got {self.refine_steps}.")
         if not self.refine_lr > 0:
-            problems.append(f"--refine-lr must be a positive learning rate, got {self.refine_lr}.")
+            p.add(f"{f('refine_lr')} must be a positive learning rate, got {self.refine_lr}.")
+        method = METHODS.get(self.method)
+        grouping = GROUPINGS.get(self.grouping)
         needs = [
             w
             for w, on in (
-                ("--method calibrated", self.method == "calibrated"),
-                ("--grouping similarity", self.grouping == "similarity"),
-                ("--refine-steps", self.refine_steps > 0),
+                (f"{f('method')} {self.method}", method is not None and method.needs_calibration),
+                (f"{f('grouping')} {self.grouping}", grouping is not None and grouping.needs_calibration),
+                (f("refine_steps"), self.refine_steps > 0),
             )
             if on
         ]
         if needs and not self.calib_data:
-            problems.append(
-                f"{' and '.join(needs)} need calibration text: pass --calib-data FILE (.txt, .jsonl or "
+            p.add(
+                f"{' and '.join(needs)} need calibration text: pass {f('calib_data')} FILE (.txt, .jsonl or "
                 ".parquet), e.g. the train split of `gqakit assets fetch wiki-en`."
             )
         if self.calib_data and not needs:
-            problems.append(
-                f"--calib-data is only used by --method calibrated, --grouping similarity or --refine-steps; "
-                f"add one of them, or drop --calib-data for --method {self.method}."
+            p.add(
+                f"{f('calib_data')} is only used by {f('method')} calibrated, {f('grouping')} similarity or "
+                f"{f('refine_steps')}; add one of them, or drop {f('calib_data')} for {f('method')} "
+                f"{self.method}."
             )
         if self.calib_data and not Path(self.calib_data).expanduser().is_file():
-            problems.append(f"--calib-data {self.calib_data} does not exist or is not a file.")
-        if self.refine_steps > 0 and self.method == "random":
-            problems.append(
-                "--refine-steps cannot start from --method random (the blocks would be trained from scratch "
-                "on a few thousand tokens); use --method calibrated or mean."
+            p.add(f"{f('calib_data')} {self.calib_data} does not exist or is not a file.")
+        if self.refine_steps > 0 and method is not None and method.fresh:
+            p.add(
+                f"{f('refine_steps')} cannot start from {f('method')} {self.method} (the blocks would be "
+                f"trained from scratch on a few thousand tokens); use {f('method')} calibrated or mean."
             )
-        if self.grouping == "similarity" and self.method not in SIMILARITY_METHODS and self.method in METHODS:
-            problems.append(
-                f"--grouping similarity cannot be combined with --method {self.method}; use one of "
-                f"{', '.join(SIMILARITY_METHODS)}."
+        if (
+            grouping is not None
+            and grouping.needs_calibration
+            and method is not None
+            and method.merge is None
+        ):
+            p.add(
+                f"{f('grouping')} {self.grouping} cannot be combined with {f('method')} {self.method}; use "
+                f"one of {', '.join(MERGE_METHODS)}."
             )
-        if problems:
-            raise GqakitError(" ".join(problems))
+        p.raise_if_any()
 
 
 def check_groups(geom: AttentionGeometry, groups: int) -> None:
     """Raise a clear error unless pooling ``geom``'s K/V heads into ``groups`` heads is possible."""
+    flag = Problems("convert").flag("groups")
     if groups <= 0:
-        raise GqakitError(f"--groups must be a positive number of K/V heads, got {groups}.")
+        raise GqakitError(f"{flag} must be a positive number of K/V heads, got {groups}.")
     valid = ", ".join(map(str, geom.valid_groups()))
     if groups > geom.num_kv_heads:
         raise GqakitError(
-            f"--groups {groups} is more than the {geom.num_kv_heads} K/V heads this checkpoint has; pooling "
-            f"cannot add heads. Valid --groups: {valid}. To get more K/V heads, run `gqakit expand SRC DST` "
+            f"{flag} {groups} is more than the {geom.num_kv_heads} K/V heads this checkpoint has; pooling "
+            f"cannot add heads. Valid {flag}: {valid}. To get more K/V heads, run `gqakit expand SRC DST` "
             f"first (it gives {geom.num_heads}, exactly equivalent) and convert that."
         )
     if geom.num_kv_heads % groups:
         raise GqakitError(
-            f"--groups {groups} does not divide the {geom.num_kv_heads} K/V heads of this checkpoint. "
-            f"Valid --groups: {valid}."
+            f"{flag} {groups} does not divide the {geom.num_kv_heads} K/V heads of this checkpoint. "
+            f"Valid {flag}: {valid}."
         )

@@ -15,13 +15,10 @@ knowledge of the rotary layout (tests/convert/test_pooling.py checks this numeri
 from __future__ import annotations
 
 import zlib
-from typing import Literal
 
 import torch
 
-Method = Literal["mean", "first", "random"]
-Init = Literal["normal", "zeros", "ones"]
-METHODS: tuple[str, ...] = ("mean", "first", "random")
+from gqakit.convert.methods import METHODS, POOLING_METHODS
 
 
 def regroup(
@@ -39,8 +36,9 @@ def regroup(
         x: per-head slices, heads on axis 0.
         target: number of KV heads wanted. Fewer than ``x.shape[0]`` pools (must divide it); more
             expands by repeating each head (must be a multiple of it); equal keeps ``x``.
-        method: ``mean`` (average each group, the paper's choice), ``first`` (keep each group's first
-            head) or ``random`` (fresh initialisation, ignoring ``x``). Expansion always repeats.
+        method: one of :data:`~gqakit.convert.methods.POOLING_METHODS`: ``mean`` (average each group,
+            the paper's choice), ``first`` (keep each group's first head) or ``random`` (fresh
+            initialisation, ignoring ``x``). Expansion always repeats.
         init: what ``random`` draws for this tensor: ``normal(0, std)`` for weights, ``zeros`` for
             biases, ``ones`` for norm weights (transformers' own initialisation).
         std: standard deviation for ``normal`` (the checkpoint's ``initializer_range``).
@@ -53,7 +51,10 @@ def regroup(
     rest = tuple(x.shape[1:])
     if target <= 0:
         raise ValueError(f"target must be positive, got {target}")
-    if method == "random":
+    if method not in POOLING_METHODS:
+        raise ValueError(f"unknown pooling method {method!r}; choose one of {', '.join(POOLING_METHODS)}")
+    entry = METHODS[method]
+    if entry.fresh:
         shape = (target, *rest)
         if init == "zeros":
             return torch.zeros(shape, dtype=x.dtype)
@@ -68,15 +69,7 @@ def regroup(
         return x.repeat_interleave(target // k, dim=0)
     if k % target:
         raise ValueError(f"cannot pool {k} heads into {target} groups: {target} does not divide {k}")
-    grouped = x.reshape(target, k // target, *rest)
-    if method == "mean":
-        # summed in float32 straight from the stored dtype: no float32 copy of the whole tensor first
-        out = grouped.sum(dim=1, dtype=torch.float32) / (k // target)
-    elif method == "first":
-        out = grouped[:, 0]
-    else:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    return out.to(x.dtype)
+    return entry.pool(x.reshape(target, k // target, *rest)).to(x.dtype)  # type: ignore[misc]
 
 
 def regroup_head_axis(

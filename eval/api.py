@@ -5,9 +5,10 @@ number of labelled checkpoints (the demo's MHA / GQA / MQA table). Models are lo
 freed before the next, so the peak memory is one model's. Every check that needs only the options or
 the models' configs runs before any weights are loaded, and all problems are reported together.
 
-This module is the orchestration; measuring one model is the engine's job
-(:func:`gqakit.eval.hf_engine.measure_hf_model`: load with transformers, perplexity, lm-eval, decode
-grid, free). The options live in :mod:`gqakit.eval.options`, the results in :mod:`gqakit.eval.results`.
+This module is the orchestration; measuring one model is the engine's job (the table
+:data:`gqakit.eval.engines.ENGINES`; ``hf`` is :func:`gqakit.eval.hf_engine.measure_hf_model`: load with
+transformers, perplexity, lm-eval, decode grid, free). The options live in :mod:`gqakit.eval.options`,
+the results in :mod:`gqakit.eval.results`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.errors import GqakitError
-from gqakit.eval.hf_engine import measure_hf_model
+from gqakit.eval.engines import ENGINES
 from gqakit.eval.lm_eval_bridge import OUR_TASKS, check_tasks, parse_lm_eval_args
 from gqakit.eval.options import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, EvalOptions
 from gqakit.eval.report import write_report
@@ -69,13 +70,10 @@ def _preflight(models: dict[str, str], options: EvalOptions) -> tuple[dict[str, 
     from gqakit.text import load_texts
 
     problems, configs = [], {}
-    if options.engine == "llamacpp":
-        from gqakit.eval.llamacpp_engine import require_llama_cpp
-
-        try:
-            require_llama_cpp()
-        except GqakitError as e:
-            problems.append(e.message)
+    try:
+        ENGINES[options.engine].check_installed()
+    except GqakitError as e:
+        problems.append(e.message)
     for label, path in models.items():
         try:
             config = _model_config(path)
@@ -112,15 +110,6 @@ def _labels(paths: Sequence[str]) -> list[str]:
     if len(set(names)) == len(names):
         return names
     return [f"{n} ({i + 1})" for i, n in enumerate(names)]
-
-
-def _engine(name: str):
-    """The function that measures one model with engine ``name`` (see ``EvalOptions.engine``)."""
-    if name == "llamacpp":
-        from gqakit.eval.llamacpp_engine import measure_llamacpp_model
-
-        return measure_llamacpp_model
-    return measure_hf_model
 
 
 def evaluate(candidate: str, baseline: str | None = None, options: EvalOptions | None = None) -> EvalResults:
@@ -162,7 +151,7 @@ def evaluate_models(models: dict[str, str], options: EvalOptions, baseline: str 
     results: dict[str, ModelResult] = {}
     # Baseline first, so its numbers are there when the others are logged.
     order = [baseline] + [k for k in models if k != baseline] if baseline else list(models)
-    measure = _engine(options.engine)
+    measure = ENGINES[options.engine].measure_fn()
     for label in order:
         results[label] = measure(
             label,

@@ -7,6 +7,9 @@ import sys
 
 import click
 
+from gqakit.cli_options import device_option, dtype_option, out_option, progress_option, seed_option
+from gqakit.eval.engines import ENGINES
+from gqakit.gguf.tensors import OUT_TYPES
 from gqakit.models import DTYPES
 
 
@@ -50,30 +53,21 @@ from gqakit.models import DTYPES
 )
 @click.option("--tasks", help="lm-eval tasks, comma-separated (offline: gqakit_ppl, gqakit_mc).")
 @click.option("--lm-eval-args", default="", help='More lm-eval options, e.g. "--num_fewshot 5 --limit 100".')
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1...")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False),
-    default="report",
-    show_default=True,
-    help="Directory for report.md, results.json and the plots.",
-)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+@device_option()
+@dtype_option(list(DTYPES), "auto", "Compute dtype; auto: the checkpoint's.")
+@out_option("report", "Directory for report.md, results.json and the plots.")
+@seed_option("Seed for prompts, lm-eval and torch.")
+@progress_option()
 @click.option(
     "--engine",
-    type=click.Choice(["hf", "llamacpp"]),
+    type=click.Choice(ENGINES.names),
     default="hf",
     show_default=True,
-    help="hf: transformers in this process. llamacpp: each model exported to GGUF once (cached) and run "
-    "in llama.cpp, whose kernels read a shared K/V head once (decode at batch 1; "
-    'pip install -e ".[llamacpp]").',
+    help=ENGINES.describe() + ".",
 )
 @click.option(
     "--gguf-type",
-    type=click.Choice(["f32", "f16", "q8_0"]),
+    type=click.Choice(list(OUT_TYPES)),
     default="f16",
     show_default=True,
     help="Weights of the llama.cpp engine; f32 also keeps its KV cache in float32 (transformers' numbers).",
@@ -100,9 +94,9 @@ def eval_cmd(
     lm_eval_args: str,
     device: str,
     dtype: str,
-    out_dir: str,
+    out: str,
     seed: int,
-    no_progress: bool,
+    progress: bool,
     engine: str,
     gguf_type: str,
 ) -> None:
@@ -117,7 +111,7 @@ def eval_cmd(
     from gqakit.eval.report import write_report
     from gqakit.outputs import writable_dir
 
-    writable_dir(out_dir, "--out")  # before the evaluation, not after it
+    writable_dir(out, "--out")  # before the evaluation, not after it
 
     options = EvalOptions(
         ppl_data=ppl_data,
@@ -140,13 +134,13 @@ def eval_cmd(
         device=device,
         dtype=dtype,
         seed=seed,
-        progress=not no_progress,
+        progress=progress,
         engine=engine,
         gguf_type=gguf_type,
         command_line=" ".join(shlex.quote(a) for a in ["gqakit", *sys.argv[1:]]),
     )
     results = evaluate(model, baseline, options)
-    report = write_report(results, out_dir)
+    report = write_report(results, out)
     text = report.read_text()
     # The headline table: from the first table row to the first blank line after it.
     lines = text.splitlines()

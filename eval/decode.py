@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from gqakit.cli_options import parse_list
 from gqakit.errors import GqakitError
 from gqakit.eval.kv_bytes import config_geometry, measured_kv_bytes, predicted_kv_bytes, weight_bytes_per_step
 
@@ -226,16 +227,7 @@ def _generate_once(
 
 def parse_grid(value: str | Sequence[int], name: str) -> tuple[int, ...]:
     """``"1,8,32"`` -> (1, 8, 32): positive, no duplicates; otherwise a GqakitError naming ``name``."""
-    if isinstance(value, str):
-        parts = [p.strip() for p in value.split(",")]
-        try:
-            nums = [int(p) for p in parts]
-        except ValueError:
-            raise GqakitError(
-                f"{name} {value!r} is not a comma-separated list of whole numbers (e.g. 1,8,32)."
-            ) from None
-    else:
-        nums = [int(v) for v in value]
+    nums = list(parse_list(value, int, name))
     if not nums:
         raise GqakitError(f"{name} is empty; give at least one number.")
     bad = [n for n in nums if n <= 0]

@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from gqakit.cli_options import parse_list
 from gqakit.errors import GqakitError, did_you_mean
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def _evaluate_params() -> list[str]:
     return list(inspect.signature(lm_eval.simple_evaluate).parameters)
 
 
-def parse_lm_eval_args(text: str | None) -> LmEvalArgs:
+def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEvalArgs:
     """Parse ``"--num_fewshot 5 --limit 100"`` or ``"num_fewshot=5,limit=100"`` (either style, dashes or
     underscores) into :class:`LmEvalArgs`, rejecting unknown names with the known ones."""
     out = LmEvalArgs()
@@ -105,8 +106,8 @@ def parse_lm_eval_args(text: str | None) -> LmEvalArgs:
                 val = "true"  # a bare flag, like --log_samples
             else:
                 raise GqakitError(
-                    f"--lm-eval-args: cannot read {tok!r}; write options as --name value or name=value "
-                    '(e.g. --lm-eval-args "--num_fewshot 5 --limit 100").'
+                    f"{flag}: cannot read {tok!r}; write lm-eval's options as `--name value` or `name=value` "
+                    f'(e.g. {flag} "--num_fewshot 5 --limit 100").'
                 )
         pairs.append((key.replace("-", "_"), val))
         i += 1
@@ -134,7 +135,7 @@ def parse_lm_eval_args(text: str | None) -> LmEvalArgs:
                 f"{key!r} is not an lm-eval option.{did_you_mean(key, choices)} Known: {', '.join(choices)}."
             )
     if problems:
-        raise GqakitError("--lm-eval-args: " + " ".join(problems))
+        raise GqakitError(f"{flag}: " + " ".join(problems))
     return out
 
 
@@ -161,10 +162,7 @@ def task_manager(tasks: list[str] | tuple[str, ...] = (), args: LmEvalArgs | Non
 
 def split_tasks(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     """``"hellaswag, arc_easy"`` -> ("hellaswag", "arc_easy")."""
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else list(value)
-    return tuple(t.strip() for t in items if t.strip())
+    return () if value is None else parse_list(value, str, "--tasks")
 
 
 def check_tasks(tasks: list[str] | tuple[str, ...], args: LmEvalArgs | None = None) -> None:

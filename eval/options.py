@@ -5,19 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from gqakit.cli_options import Problems
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import parse_grid
+from gqakit.eval.engines import ENGINES, TASK_ENGINES
 from gqakit.eval.lm_eval_bridge import parse_lm_eval_args, split_tasks
+from gqakit.gguf.tensors import OUT_TYPES
 from gqakit.models import DTYPES, resolve_device
 
 DEFAULT_BATCH_SIZES = (1, 8, 32)
 # The default context grid; points a model has no positions for are dropped (an explicit --contexts
 # beyond the model's positions is an error instead).
 DEFAULT_CONTEXTS = (256, 1024, 4096)
-
-
-# --engine: where each model is measured (gqakit.eval.api dispatches on it).
-ENGINES: tuple[str, ...] = ("hf", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -47,8 +46,9 @@ class EvalOptions:
         seed: seed for prompts, lm-eval and torch.
         progress: show progress bars.
         command_line: the command that ran, for results.json (default: ``sys.argv``).
-        engine: ``hf`` (transformers, in this process) or ``llamacpp`` (llama.cpp through its Python
-            binding, on a GGUF export of each model; decode at batch 1).
+        engine: one of :data:`gqakit.eval.engines.ENGINES`: ``hf`` (transformers, in this process) or
+            ``llamacpp`` (llama.cpp through its Python binding, on a GGUF export of each model; decode at
+            batch 1).
         gguf_type: the llama.cpp engine's weight type, ``f32`` (with a float32 KV cache: the same
             function as transformers in float32), ``f16`` or ``q8_0`` (with llama.cpp's f16 KV cache).
     """
@@ -79,50 +79,52 @@ class EvalOptions:
     gguf_type: str = "f16"
 
     def __post_init__(self) -> None:
-        problems = []
+        p = Problems("eval")
+        f = p.flag
         for name in ("batch_sizes", "contexts"):
             value = getattr(self, name)
             if value is None:
                 continue
             try:
-                object.__setattr__(self, name, parse_grid(value, "--" + name.replace("_", "-")))
+                object.__setattr__(self, name, parse_grid(value, f(name)))
             except GqakitError as e:
-                problems.append(e.message)
+                p.add(e.message)
         object.__setattr__(self, "tasks", split_tasks(self.tasks))
         for name in ("seq_len", "batch_size", "new_tokens"):
             if getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
+                p.add(f"{f(name)} must be positive, got {getattr(self, name)}.")
         if self.new_tokens == 1:
-            problems.append("--new-tokens must be at least 2 (one prefill token and one decode step).")
+            p.add(f"{f('new_tokens')} must be at least 2 (one prefill token and one decode step).")
         if self.stride is not None and not 1 <= self.stride <= self.seq_len:
-            problems.append(f"--stride must be between 1 and --seq-len {self.seq_len}, got {self.stride}.")
+            p.add(f"{f('stride')} must be between 1 and {f('seq_len')} {self.seq_len}, got {self.stride}.")
         if self.max_tokens is not None and self.max_tokens < 1:
-            problems.append(f"--max-tokens must be positive, got {self.max_tokens}.")
+            p.add(f"{f('max_tokens')} must be positive, got {self.max_tokens}.")
         if self.warmup < 0:
-            problems.append(f"--warmup must be >= 0, got {self.warmup}.")
+            p.add(f"{f('warmup')} must be >= 0, got {self.warmup}.")
         if self.dtype not in DTYPES:
-            problems.append(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}.")
+            p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}.")
         try:
             resolve_device(self.device)
         except (GqakitError, RuntimeError) as e:
-            problems.append(e.message if isinstance(e, GqakitError) else f"--device {self.device!r}: {e}")
+            p.add(e.message if isinstance(e, GqakitError) else f"{f('device')} {self.device!r}: {e}")
         try:
-            parse_lm_eval_args(self.lm_eval_args)
+            parse_lm_eval_args(self.lm_eval_args, f("lm_eval_args"))
         except GqakitError as e:
-            problems.append(e.message)
-        if self.engine not in ENGINES:
-            problems.append(f"--engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}.")
-        if self.gguf_type not in ("f32", "f16", "q8_0"):
-            problems.append(f"--gguf-type {self.gguf_type!r} is unknown; choose f32, f16 or q8_0.")
-        if self.engine == "llamacpp" and self.tasks:
-            problems.append("--tasks runs lm-eval on transformers: use --engine hf for tasks.")
+            p.add(e.message)
+        p.add(ENGINES.unknown(self.engine, f("engine")))
+        if self.gguf_type not in OUT_TYPES:
+            p.add(f"{f('gguf_type')} {self.gguf_type!r} is unknown; choose {', '.join(OUT_TYPES)}.")
+        if self.engine in ENGINES and not ENGINES[self.engine].tasks and self.tasks:
+            p.add(
+                f"{f('tasks')} runs lm-eval on transformers: use {f('engine')} {' or '.join(TASK_ENGINES)} "
+                "for tasks."
+            )
         if not (self.ppl_data or self.bench or self.tasks):
-            problems.append("Nothing to evaluate: pass --ppl-data FILE, --bench and/or --tasks NAMES.")
-        if problems:
-            raise GqakitError(" ".join(problems))
+            p.add(f"Nothing to evaluate: pass {f('ppl_data')} FILE, {f('bench')} and/or {f('tasks')} NAMES.")
+        p.raise_if_any()
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_CONTEXTS", "ENGINES", "EvalOptions"]
+__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_CONTEXTS", "EvalOptions"]

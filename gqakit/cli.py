@@ -17,12 +17,12 @@ COMMANDS: dict[str, str] = {
     "convert": "gqakit.convert.cli:convert_cmd",
     "expand": "gqakit.convert.cli:expand_cmd",
     "export": "gqakit.gguf.cli:export_cmd",
-    "probe": "gqakit.pipelines.probe_cli:probe_cmd",
+    "probe": "gqakit.pipelines.probe.cli:probe_cmd",
     "eval": "gqakit.eval.cli:eval_cmd",
     "uptrain": "gqakit.uptrain.cli:uptrain_cmd",
     "assets": "gqakit.assets_cli:assets_cmd",
-    "demo": "gqakit.pipelines.demo_cli:demo_cmd",
-    "replicate": "gqakit.pipelines.replicate_cli:replicate_cmd",
+    "demo": "gqakit.pipelines.demo.cli:demo_cmd",
+    "replicate": "gqakit.pipelines.replicate.cli:replicate_cmd",
 }
 
 
@@ -37,13 +37,18 @@ class LazyGroup(click.Group):
 
     @staticmethod
     def _load(name: str, quiet: bool = False) -> click.Command | None:
-        module, attr = COMMANDS[name].split(":")
         try:
-            return getattr(importlib.import_module(module), attr)
+            return load_command(name)
         except (ImportError, AttributeError):
             if quiet:
                 return None
             raise
+
+
+def load_command(name: str) -> click.Command:
+    """The click command of ``gqakit NAME`` (its module imported now)."""
+    module, attr = COMMANDS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _terminate(signum: int, frame: object) -> None:

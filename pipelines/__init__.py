@@ -2,11 +2,12 @@
 
 The verbs (``gqakit.convert``, ``gqakit.eval``, ``gqakit.uptrain``) never import this package.
 
-Each pipeline's public names are importable from its module: ``gqakit.pipelines.demo`` (``run_demo``,
-``DemoOptions``, ``demo_cmd``, ...) and ``gqakit.pipelines.probe`` (``probe_checkpoint``,
-``ProbeOptions``, ``probe_cmd``, ...); the parts they are built from sit beside them (``demo_options``,
-``demo_measure``, ``demo_report``, ``demo_cli``; ``probe_report``, ``probe_cli``). What every pipeline
-shares:
+Each pipeline is a package whose public names are importable from it: ``gqakit.pipelines.demo``
+(``run_demo``, ``DemoOptions``, ``demo_cmd``, ...), ``gqakit.pipelines.probe`` (``probe_checkpoint``,
+``ProbeOptions``, ``probe_cmd``, ...) and ``gqakit.pipelines.replicate`` (``run_replicate``,
+``ReplicateOptions``, ...). Inside each, the parts have the same names: ``options``, ``run`` (the
+pipeline), ``report``, ``cli`` (the click command), and what that pipeline needs besides (the demo's
+``measure`` and ``decode``, replicate's ``train``). What every pipeline shares sits here:
 
 * :mod:`gqakit.pipelines.store`: :class:`~gqakit.pipelines.store.ResultStore`, results on disk keyed
   by the settings and the models' fingerprints, so a rerun reuses and an interrupted run resumes;

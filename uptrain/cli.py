@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from gqakit.cli_options import force_option
 from gqakit.uptrain.recipe import load_recipe
 
 
@@ -11,7 +12,7 @@ from gqakit.uptrain.recipe import load_recipe
 @click.argument("recipe")
 @click.argument("overrides", nargs=-1)
 @click.option("--resume", is_flag=True, help="Continue the run in output_dir from its newest checkpoint.")
-@click.option("--force", is_flag=True, help="Delete a non-empty output_dir and start over.")
+@force_option("Delete a non-empty output_dir and start over.")
 @click.option("--print-recipe", is_flag=True, help="Print the resolved recipe (overrides applied) and exit.")
 @click.option(
     "--accelerate-config",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gqakit.uptrain.recipe_schema import CONVERT_METHODS, GROUPINGS
+from gqakit.convert.methods import GROUPINGS, METHODS, needs_calibration
 
 if TYPE_CHECKING:
     from gqakit.uptrain.recipe_schema import Recipe
@@ -35,15 +35,10 @@ def recipe_problems(self: Recipe) -> list[str]:
         c = self.model.convert
         if c.groups < 1:
             p.append(f"model.convert.groups must be a positive number of K/V heads, got {c.groups}.")
-        if c.method not in CONVERT_METHODS:
-            p.append(
-                f"model.convert.method {c.method!r} is unknown; choose one of {', '.join(CONVERT_METHODS)}."
-            )
-        if c.grouping not in GROUPINGS:
-            p.append(
-                f"model.convert.grouping {c.grouping!r} is unknown; choose one of {', '.join(GROUPINGS)}."
-            )
-        if (c.method == "calibrated" or c.grouping == "similarity" or c.refine_steps) and not c.calib_data:
+        p += filter(None, [METHODS.unknown(c.method, "model.convert.method")])
+        p += filter(None, [GROUPINGS.unknown(c.grouping, "model.convert.grouping")])
+        method = METHODS.get(c.method)
+        if (needs_calibration(c.method, c.grouping) or c.refine_steps) and not c.calib_data:
             p.append(
                 "model.convert.calib_data is needed for method calibrated, grouping similarity or "
                 "refine_steps."
@@ -52,7 +47,7 @@ def recipe_problems(self: Recipe) -> list[str]:
             p.append(f"model.convert.refine_steps must be 0 (off) or positive, got {c.refine_steps}.")
         if not c.refine_lr > 0:
             p.append(f"model.convert.refine_lr must be a positive learning rate, got {c.refine_lr}.")
-        if c.refine_steps > 0 and c.method == "random":
+        if c.refine_steps > 0 and method is not None and method.fresh:
             p.append(
                 "model.convert.refine_steps cannot start from method random; use method calibrated or mean."
             )

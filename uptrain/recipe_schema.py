@@ -21,8 +21,6 @@ Trainable = Literal["all", "attention", "kv"]
 ObjectiveKind = Literal["lm", "distill", "mix"]
 SaveDtype = Literal["auto", "float32", "bfloat16", "float16"]
 TxtDocs = Literal["line", "paragraph", "file"]
-CONVERT_METHODS = ("mean", "first", "random", "calibrated")  # gqakit.convert.api's, without importing torch
-GROUPINGS = ("contiguous", "similarity")
 
 
 class RecipeError(GqakitError):
@@ -45,11 +43,12 @@ class ConvertConfig:
 
     Attributes:
         groups: K/V heads after conversion (1 = MQA).
-        method: ``mean`` (the paper's), ``first``, ``random`` or ``calibrated``.
+        method: a conversion method (:data:`gqakit.convert.methods.METHODS`): ``mean`` (the paper's),
+            ``first``, ``random`` or ``calibrated``.
         seed: seed for ``random``.
         calib_data: calibration text for ``calibrated`` and ``similarity`` (``gqakit convert --calib-data``).
         calib_tokens: calibration tokens.
-        grouping: ``contiguous`` or ``similarity``.
+        grouping: ``contiguous`` or ``similarity`` (:data:`gqakit.convert.methods.GROUPINGS`).
         refine_steps: Adam steps per layer fitting each converted attention block to the original's
             output on ``calib_data`` (``gqakit convert --refine-steps``); 0: off.
         refine_lr: their learning rate.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from gqakit.cli_options import force_option
 from gqakit.gguf.tensors import OUT_TYPES
 
 
@@ -19,7 +20,7 @@ from gqakit.gguf.tensors import OUT_TYPES
     help="Storage of the weight matrices (norms and biases stay f32): f32 is exact, q8_0 is llama.cpp's "
     "8-bit format.",
 )
-@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@force_option("Replace DST if it exists.")
 def export_cmd(src: str, dst: str, out_type: str, force: bool) -> None:
     """Write SRC (a checkpoint directory, .gguf or hub id; MHA, GQA or MQA) as the GGUF file DST, with its
     tokenizer, for llama.cpp."""

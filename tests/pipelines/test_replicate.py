@@ -13,8 +13,9 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
-from gqakit.pipelines.replicate import _arm_plan, run_replicate
-from gqakit.pipelines.replicate_options import ModelShape, ReplicateOptions
+from gqakit.pipelines.replicate import run_replicate
+from gqakit.pipelines.replicate.options import ModelShape, ReplicateOptions
+from gqakit.pipelines.replicate.run import _arm_plan
 from gqakit.testing import TINY_TEXT
 
 TINY = ModelShape(vocab=300, layers=2, hidden=32, heads=4, intermediate=64, seq_len=32)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gqakit.pipelines.replicate_options import ReplicateOptions
+from gqakit.pipelines.replicate.options import REFINED, ReplicateOptions
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
 
@@ -172,14 +172,15 @@ def train_run(
 def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
     """``mha`` converted to ``groups`` K/V heads by ``method`` (``refined``: calibrated + refinement)."""
     from gqakit.convert import ConvertOptions, convert_checkpoint
+    from gqakit.convert.methods import METHODS
 
-    refined = method == "refined"
-    calibrated = method in ("calibrated", "refined")
+    refined = method == REFINED
+    conversion = "calibrated" if refined else method
     opts = ConvertOptions(
         groups=groups,
-        method="calibrated" if refined else method,
+        method=conversion,
         force=True,
-        calib_data=str(ctx.train) if calibrated else None,
+        calib_data=str(ctx.train) if METHODS[conversion].needs_calibration else None,
         calib_tokens=ctx.o.calib_tokens,
         refine_steps=ctx.o.refine_steps if refined else 0,
         device=ctx.o.device,
@@ -214,25 +215,17 @@ def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any
     """Decode time per token (batch 8, the model's full context, interleaved rounds) and KV bytes per
     token (float32) of one model per G."""
     from gqakit.checkpoint import read_config
+    from gqakit.eval.decode_rounds import decode_rounds, round_stats
     from gqakit.geometry import AttentionGeometry
-    from gqakit.pipelines.demo_decode import round_stats
 
     key = {str(g): fingerprint(p) for g, p in by_g.items()} | {"rounds": ctx.o.decode_rounds}
     cached = ctx.store.get("decode", key)
     if cached is None:
-        from gqakit.eval import bench_decode
-        from gqakit.models import load_causal_lm
-
-        models = {g: load_causal_lm(p, dtype="float32", device=ctx.o.device) for g, p in by_g.items()}
-        context = ctx.o.model.seq_len - 16
-        rounds: dict[int, list[float | None]] = {g: [] for g in by_g}
-        for r in range(ctx.o.decode_rounds):
-            order = list(by_g)[r % len(by_g) :] + list(by_g)[: r % len(by_g)]
-            for g in order:
-                (p,) = bench_decode(models[g], batch_sizes=(8,), contexts=(context,), new_tokens=16,
-                                    warmup=1 if r == 0 else 0, progress=False, prefill="random")  # fmt: skip
-                rounds[g].append(p.tokens_per_s)
-        cached = {str(g): rounds[g] for g in by_g}
+        points = decode_rounds(
+            list(by_g.values()), batch=8, context=ctx.o.model.seq_len - 16, new_tokens=16,
+            rounds=ctx.o.decode_rounds, dtype="float32", device=ctx.o.device,
+        )  # fmt: skip
+        cached = {str(g): [p.tokens_per_s for p in ps] for g, ps in zip(by_g, points, strict=True)}
         ctx.store.put("decode", key, cached)
     out = {}
     for g, path in by_g.items():

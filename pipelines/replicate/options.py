@@ -1,5 +1,5 @@
 """What ``gqakit replicate`` runs: the model it pretrains, the arms it converts and uptrains, and its
-options. Kept apart from the pipeline so that the click command imports no torch.
+options.
 
 The arms, as in the GQA paper (Ainslie et al. 2023):
 
@@ -19,10 +19,20 @@ from pathlib import Path
 
 import click
 
-from gqakit.errors import GqakitError
+from gqakit.cli_options import Problems
+from gqakit.convert.methods import METHODS, PAPER_METHODS
+from gqakit.names import NameTable
 
-METHODS: tuple[str, ...] = ("mean", "first", "random", "calibrated", "refined")
-PAPER_METHODS: tuple[str, ...] = ("mean", "first", "random")
+# The conversions an MQA arm can start from: every conversion method, and the calibrated merge followed
+# by layer-wise refinement.
+REFINED = "refined"
+ARMS: NameTable[str] = NameTable(
+    "method",
+    {
+        **{name: method.summary for name, method in METHODS.items()},
+        REFINED: "calibrated, then layer-wise refinement (gqakit convert --refine-steps)",
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,7 @@ class ReplicateOptions:
     seeds: tuple[int, ...] = (0, 1)
     alphas: tuple[float, ...] = (0.0, 0.025, 0.05, 0.1)
     groups: tuple[int, ...] = (1, 2, 4)
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = ARMS.names
     shape: ModelShape = field(default_factory=ModelShape)
     pretrain_steps: int = 500
     batch_size: int = 16
@@ -101,32 +111,30 @@ class ReplicateOptions:
     echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
 
     def validate(self) -> None:
-        problems = []
+        p = Problems("replicate")
+        f = p.flag
         if not self.scale > 0:
-            problems.append(f"--scale must be positive, got {self.scale}.")
-        for name, shown in (("lr", "lr (pretraining)"), ("uptrain_lr", "--uptrain-lr")):
+            p.add(f"{f('scale')} must be positive, got {self.scale}.")
+        for name in ("lr", "uptrain_lr"):
             if not getattr(self, name) > 0:
-                problems.append(f"{shown} must be positive, got {getattr(self, name)}.")
+                p.add(f"{f(name)} must be positive, got {getattr(self, name)}.")
         if not self.seeds:
-            problems.append("--seeds needs at least one seed.")
+            p.add(f"{f('seeds')} needs at least one seed.")
         if sorted(self.alphas) != list(self.alphas) or any(a < 0 for a in self.alphas) or not self.alphas:
-            problems.append(f"--alphas must be increasing and >= 0, got {','.join(map(str, self.alphas))}.")
+            p.add(f"{f('alphas')} must be increasing and >= 0, got {','.join(map(str, self.alphas))}.")
         bad = [g for g in self.groups if g < 1 or self.shape.heads % g or g >= self.shape.heads]
         if bad:
-            problems.append(
-                f"--groups {','.join(map(str, bad))}: each must divide the {self.shape.heads} heads and be "
-                f"fewer (G = {self.shape.heads} is the MHA model itself)."
+            p.add(
+                f"{f('groups')} {','.join(map(str, bad))}: each must divide the {self.shape.heads} heads and "
+                f"be fewer (G = {self.shape.heads} is the MHA model itself)."
             )
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            problems.append(f"--methods {','.join(unknown)}: choose from {', '.join(METHODS)}.")
+        p.add(ARMS.unknown_in(self.methods, f("methods")))
         for name in ("pretrain_steps", "batch_size", "calib_tokens", "eval_tokens", "decode_rounds"):
             if getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+                p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
         if Path(self.out).resolve() == Path(self.work_dir).resolve():
-            problems.append("--out and --work-dir must differ.")
-        if problems:
-            raise GqakitError(" ".join(problems))
+            p.add(f"{f('out')} and {f('work_dir')} must differ.")
+        p.raise_if_any()
 
     @property
     def model(self) -> ModelShape:
@@ -155,4 +163,4 @@ class ReplicateOptions:
         return nonzero[(len(nonzero) - 1) // 2]
 
 
-__all__ = ["METHODS", "PAPER_METHODS", "ModelShape", "ReplicateOptions"]
+__all__ = ["ARMS", "PAPER_METHODS", "REFINED", "ModelShape", "ReplicateOptions"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from gqakit.pipelines.reporting import pyplot, save_figure
 
 if TYPE_CHECKING:
-    from gqakit.pipelines.probe import ProbeResult
+    from gqakit.pipelines.probe.run import ProbeResult
 
 ERROR_FLOOR = 1e-6  # the plot's lower limit: exact merges give 0 (or float noise)
 

@@ -1,20 +1,4 @@
-"""``gqakit replicate``: the GQA paper's experiments, re-run end to end on a multi-head model trained here.
-
-::
-
-    [1/7] corpus      wiki-en train / validation / test (the asset, or the text given)
-    [2/7] tokenizer   a byte-level BPE trained on the train split
-    [3/7] pretrain    a Llama-architecture MHA model from random initialisation (LM objective)
-    [4/7] convert     MHA -> MQA by every method, and -> GQA at every G (mean pooling)
-    [5/7] uptrain     every arm for its proportion alpha of the pretraining tokens; MQA and GQA from scratch
-    [6/7] measure     test perplexity of every model; decode time and KV bytes per token at every G
-    [7/7] report      report.md, results.json, figures like the paper's
-
-Every checkpoint and measurement is cached in ``--work-dir`` (:class:`~gqakit.pipelines.store.ResultStore`),
-keyed by exactly what it depends on, so a second run takes seconds and a changed setting reruns only
-what depends on it. Pretraining and uptraining are gqakit's own loop (:func:`gqakit.uptrain.api.uptrain`)
-with the LM objective, every run from the same data order for a given seed.
-"""
+"""The replicate pipeline: :func:`run_replicate` (see :mod:`gqakit.pipelines.replicate`)."""
 
 from __future__ import annotations
 
@@ -22,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gqakit.pipelines.replicate_options import PAPER_METHODS, ReplicateOptions
-from gqakit.pipelines.replicate_train import (
+from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
+from gqakit.pipelines.replicate.train import (
     Context,
     convert_arm,
     decode_times,
@@ -167,7 +151,7 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
         by_g = {m.heads: mha, **{g: starts[("mean", g)] for g in o.groups}}
         decode = decode_times(ctx, by_g)
     with steps.step("Report"):
-        from gqakit.pipelines.replicate_report import write_report
+        from gqakit.pipelines.replicate.report import write_report
 
         elapsed = time.perf_counter() - start
         report, results_json, figures = write_report(o, arms, decode, elapsed, store.reused)
@@ -212,4 +196,4 @@ def arms_json(arms: list[Arm]) -> list[dict[str, Any]]:
     return [asdict(a) for a in arms]
 
 
-__all__ = ["Arm", "ReplicateOptions", "ReplicateResult", "arms_json", "pretrain_mha", "run_replicate"]
+__all__ = ["Arm", "ReplicateResult", "arms_json", "pretrain_mha", "run_replicate"]

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gqakit import __version__
-from gqakit.pipelines.demo_decode import DECODE_TOLERANCE, speedup
-from gqakit.pipelines.demo_options import KV_TOKENS
+from gqakit.eval.decode_rounds import DECODE_TOLERANCE, speedup
+from gqakit.pipelines.demo.options import KV_TOKENS
 from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
 
 if TYPE_CHECKING:
     from gqakit.eval import EvalOptions
-    from gqakit.pipelines.demo_measure import ModelEval
+    from gqakit.pipelines.demo.measure import ModelEval
 
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 

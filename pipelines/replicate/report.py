@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit import __version__
-from gqakit.pipelines.replicate_options import PAPER_METHODS, ReplicateOptions
+from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
 from gqakit.pipelines.reporting import fmt_duration, pyplot, save_figure
 
 # Ainslie et al. 2023, Table 1 (T5, mean over the paper's summarization, translation and QA tasks; time

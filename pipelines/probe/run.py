@@ -1,18 +1,4 @@
-"""``gqakit probe``: zero-training quality of each G x method x grouping, before any compute is spent.
-
-For every combination the probe converts the source into a temporary directory (the same code path as
-``gqakit convert``), loads it, and measures
-
-* held-out perplexity (``gqakit.eval.perplexity``), next to the original's;
-* per-layer attention-output reconstruction error: the original model runs over held-out text, and a
-  forward hook on each layer's attention feeds the *same* inputs to the converted layer's attention,
-  accumulating ``||out' - out||^2 / ||out||^2``. Errors do not compound across layers, so each number
-  says what that layer's merge costs.
-
-Calibration statistics are captured once and shared by every combination. Results go to
-``OUT/probe.json``, ``OUT/probe.md`` (the table) and ``OUT/probe.png`` (``probe_report``); the click
-command is ``probe_cli``. The probe converts, then evaluates, so it sits above both verbs.
-"""
+"""The probe: :func:`probe_checkpoint` measures every combination (see :mod:`gqakit.pipelines.probe`)."""
 
 from __future__ import annotations
 
@@ -27,97 +13,15 @@ from typing import Any
 import torch
 
 from gqakit.checkpoint import resolve_checkpoint
-from gqakit.convert.api import (
-    CONVERT_METHODS,
-    SIMILARITY_METHODS,
-    ConvertOptions,
-    check_groups,
-    plan_with_merges,
-    write_converted,
-)
-from gqakit.convert.grouping import GROUPINGS
+from gqakit.convert.api import ConvertOptions, check_groups, plan_with_merges, write_converted
+from gqakit.convert.methods import MERGE_METHODS, METHODS
 from gqakit.convert.plan import RegroupSpec, plan_regroup
 from gqakit.convert.registry import ArchAdapter, get_adapter
-from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
-from gqakit.pipelines.probe_cli import probe_cmd
-from gqakit.pipelines.probe_report import ERROR_FLOOR, write_probe
+from gqakit.pipelines.probe.options import ProbeOptions
+from gqakit.pipelines.probe.report import write_probe
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProbeOptions:
-    """Options of ``gqakit probe``.
-
-    Attributes:
-        groups: the G values to try.
-        methods: conversion methods to try (``mean``, ``first``, ``random``, ``calibrated``).
-        groupings: ``contiguous`` and/or ``similarity``.
-        eval_data: held-out text for perplexity and attention errors.
-        calib_data: calibration text (needed for ``calibrated`` and ``similarity``).
-        calib_tokens: calibration tokens.
-        eval_tokens: held-out tokens scored for perplexity.
-        error_tokens: held-out tokens for the attention-output errors.
-        seq_len: perplexity window (tokens); also the length of error sequences.
-        batch_size: windows per forward pass.
-        text_field: column of ``.jsonl`` / ``.parquet`` data.
-        device: ``auto``, ``cpu``, ``cuda``...
-    """
-
-    groups: tuple[int, ...]
-    eval_data: str
-    methods: tuple[str, ...] = ("mean", "first", "calibrated")
-    groupings: tuple[str, ...] = ("contiguous",)
-    calib_data: str | None = None
-    calib_tokens: int = 4096
-    eval_tokens: int = 16384
-    error_tokens: int = 2048
-    seq_len: int = 256
-    batch_size: int = 8
-    text_field: str = "text"
-    device: str = "auto"
-
-    def validate(self) -> None:
-        problems = []
-        if not self.groups:
-            problems.append("--groups needs at least one value, e.g. --groups 1,2.")
-        bad = [m for m in self.methods if m not in CONVERT_METHODS]
-        if bad or not self.methods:
-            problems.append(
-                f"--methods {','.join(bad) or '(none)'}: choose from {', '.join(CONVERT_METHODS)}."
-            )
-        bad = [g for g in self.groupings if g not in GROUPINGS]
-        if bad or not self.groupings:
-            problems.append(f"--grouping {','.join(bad) or '(none)'}: choose from {', '.join(GROUPINGS)}.")
-        needs = ("calibrated" in self.methods) or ("similarity" in self.groupings)
-        if needs and not self.calib_data:
-            problems.append("--methods calibrated and --grouping similarity need --calib-data FILE.")
-        if self.calib_data and not Path(self.calib_data).expanduser().is_file():
-            problems.append(f"--calib-data {self.calib_data} does not exist or is not a file.")
-        if not Path(self.eval_data).expanduser().is_file():
-            problems.append(f"--eval-data {self.eval_data} does not exist or is not a file.")
-        for name, v in (
-            ("--calib-tokens", self.calib_tokens),
-            ("--eval-tokens", self.eval_tokens),
-            ("--error-tokens", self.error_tokens),
-            ("--seq-len", self.seq_len),
-            ("--batch-size", self.batch_size),
-        ):
-            if v <= 0:
-                problems.append(f"{name} must be positive, got {v}.")
-        if problems:
-            raise GqakitError(" ".join(problems))
-
-    def combinations(self) -> list[tuple[int, str, str]]:
-        """(G, method, grouping) in table order; similarity is skipped for methods it cannot combine with."""
-        return [
-            (g, m, grp)
-            for g in self.groups
-            for grp in self.groupings
-            for m in self.methods
-            if grp == "contiguous" or m in SIMILARITY_METHODS
-        ]
 
 
 @dataclass
@@ -262,7 +166,7 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
             )
             spec = RegroupSpec(
                 target=g,
-                method=method if method != "calibrated" else "mean",
+                method=method if METHODS[method].pool or METHODS[method].fresh else "mean",
                 std=float(ckpt.config.get("initializer_range", 0.02)),
             )
             record: dict[str, Any] = {"command": "probe", "groups": g, "method": method, "dtype": "keep"}
@@ -271,9 +175,7 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
                 record.update(merge_record)
             else:
                 plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
-                if (
-                    stats is not None and method in SIMILARITY_METHODS
-                ):  # the same error measure, for the table
+                if stats is not None and method in MERGE_METHODS:  # the same error measure, for the table
                     merges, _ = fit_layer_merges(ckpt, adapter, geom, stats, g, method, grouping)
                     record["reconstruction_error"] = [
                         {"key": m.key_error, "value": m.value_error} for m in merges
@@ -300,13 +202,4 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
     return result
 
 
-__all__ = [
-    "ERROR_FLOOR",
-    "ProbeOptions",
-    "ProbeResult",
-    "ProbeRow",
-    "attention_errors",
-    "probe_checkpoint",
-    "probe_cmd",
-    "write_probe",
-]
+__all__ = ["ProbeResult", "ProbeRow", "attention_errors", "probe_checkpoint"]

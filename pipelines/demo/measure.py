@@ -1,5 +1,5 @@
 """The demo's measurements: settings resolved against the machine, each model's quality and the
-exactness checks (the decode speed of all models side by side is in ``demo_decode``). Every result is
+exactness checks (the decode speed of all models side by side is in ``decode``). Every result is
 cached in a
 :class:`~gqakit.pipelines.store.ResultStore`, keyed by the settings and the models' fingerprints."""
 
@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gqakit.pipelines.demo_options import KV_TOKENS, DemoOptions
+from gqakit.pipelines.demo.options import KV_TOKENS, DemoOptions
 from gqakit.pipelines.reporting import fmt_ppl
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
 
 if TYPE_CHECKING:
     from gqakit.eval import EvalOptions, ModelResult
-    from gqakit.pipelines.demo_decode import RoundStats
+    from gqakit.eval.decode_rounds import RoundStats
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ModelEval:
     label: str
     result: ModelResult
     eval_s: float
-    decode_stats: RoundStats | None = None  # the side-by-side decode rounds (pipelines.demo_decode)
+    decode_stats: RoundStats | None = None  # the side-by-side decode rounds (gqakit.eval.decode_rounds)
     llamacpp_stats: RoundStats | None = None  # the same in llama.cpp, when its binding is installed
 
     @property

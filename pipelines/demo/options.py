@@ -1,7 +1,4 @@
-"""What ``gqakit demo`` runs on and with: its assets, the conversions it shows, and its options.
-
-Kept apart from the pipeline so that the click command (and ``gqakit --help``) imports no torch.
-"""
+"""What ``gqakit demo`` runs on and with: its assets, the conversions it shows, and its options."""
 
 from __future__ import annotations
 
@@ -11,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from gqakit.errors import GqakitError
+from gqakit.cli_options import Problems
+from gqakit.models import DTYPES
 
 SMOLLM2 = "smollm2-135m"
 WIKI = "wiki-en"
@@ -89,7 +87,7 @@ class DemoOptions:
 
     Attributes:
         work_dir: checkpoints, evaluations and the uptraining run; reused by later runs.
-        report_dir: where ``report.md``, ``results.json`` and the plots go.
+        out: where ``report.md``, ``results.json`` and the plots go.
         device: ``auto`` (CUDA when present), ``cpu`` or ``cuda[:N]``.
         dtype: evaluation dtype; ``auto`` = float32 on CPU (fast there, and exact for the
             equivalence checks), bfloat16 on CUDA.
@@ -117,7 +115,7 @@ class DemoOptions:
     """
 
     work_dir: Path = Path("demo-work")
-    report_dir: Path = Path("demo-report")
+    out: Path = Path("demo-report")
     device: str = "auto"
     dtype: str = "auto"
     seq_len: int = 512
@@ -140,25 +138,25 @@ class DemoOptions:
     echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
 
     def validate(self) -> None:
-        problems = []
+        p = Problems("demo")
+        f = p.flag
         for name in ("seq_len", "decode_batch", "new_tokens", "decode_rounds"):
             if getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+                p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
         for name in ("eval_tokens", "decode_context"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
-        if self.new_tokens < 2:
-            problems.append(f"--new-tokens must be at least 2, got {self.new_tokens}.")
+                p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
+        if self.new_tokens == 1:
+            p.add(f"{f('new_tokens')} must be at least 2, got {self.new_tokens}.")
         if not self.budget_scale > 0:
-            problems.append(f"--budget-scale must be positive, got {self.budget_scale}.")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"--dtype {self.dtype!r} is unknown; choose auto, float32, bfloat16 or float16.")
+            p.add(f"{f('budget_scale')} must be positive, got {self.budget_scale}.")
+        if self.dtype not in DTYPES:
+            p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}.")
         if not any(v.uptrain for v in self.variants):
-            problems.append("at least one variant must be uptrained.")
-        if Path(self.work_dir).resolve() == Path(self.report_dir).resolve():
-            problems.append("--work-dir and --report-dir must differ.")
-        if problems:
-            raise GqakitError(" ".join(problems))
+            p.add(f"at least one of {f('variants')} must be uptrained.")
+        if Path(self.work_dir).resolve() == Path(self.out).resolve():
+            p.add(f"{f('work_dir')} and {f('out')} must differ.")
+        p.raise_if_any()
 
 
 __all__ = [

@@ -1,28 +1,4 @@
-"""``gqakit demo``: the whole story on a real pretrained model, offline, in minutes.
-
-::
-
-    [1/7] assets     SmolLM2-135M (GQA-3) and English Wikipedia text, from PyPI (cached)
-    [2/7] original   evaluate the original: test perplexity, bits per byte
-    [3/7] expand     GQA-3 -> MHA-9, exactly equivalent: the MHA baseline
-    [4/7] convert    MHA-9 -> GQA-3 and MQA (mean-pool), MQA (calibrated + refined), evaluate each
-    [5/7] uptrain    both MQA models, each with its shipped recipe (distillation from the original)
-    [6/7] decode     every model's decode speed, side by side: short interleaved rounds, median
-                     and spread, no speedup from rounds that disagree; in llama.cpp too when installed
-    [7/7] report     demo-report/report.md: one table and the plots
-
-Every step writes into the working directory (``demo-work/``): checkpoints under ``models/``, each
-evaluation under ``results/`` keyed by the model's files and the evaluation settings. A second run
-reuses whatever is still valid, so it takes seconds. :func:`run_demo` is the typed entry point; the
-asset step is a parameter (:attr:`DemoOptions.assets`), so tests run the same pipeline on a tiny model.
-
-Rows of the table come from :data:`VARIANTS`: each is a conversion of the MHA baseline, optionally
-uptrained. Another conversion method adds a row by adding a :class:`Variant`.
-
-This module is the pipeline and its public face; the parts live beside it: ``demo_options`` (assets,
-variants, options), ``demo_measure`` (each cached measurement), ``demo_report`` (table, report,
-plots) and ``demo_cli`` (the click command), on the shared ``store``, ``steps`` and ``reporting``.
-"""
+"""The demo pipeline: :func:`run_demo` runs the seven steps (see :mod:`gqakit.pipelines.demo`)."""
 
 from __future__ import annotations
 
@@ -33,9 +9,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gqakit.pipelines.demo_cli import demo_cmd
-from gqakit.pipelines.demo_decode import decode_side_by_side, llamacpp_side_by_side
-from gqakit.pipelines.demo_measure import (
+from gqakit.pipelines.demo.decode import decode_side_by_side, llamacpp_side_by_side
+from gqakit.pipelines.demo.measure import (
     ModelEval,
     Settings,
     eval_options,
@@ -43,17 +18,15 @@ from gqakit.pipelines.demo_measure import (
     max_logit_diff,
     resolve_settings,
 )
-from gqakit.pipelines.demo_options import (
+from gqakit.pipelines.demo.options import (
     KV_TOKENS,
-    RECIPE,
     SMOLLM2,
-    VARIANTS,
     WIKI,
     DemoAssets,
     DemoOptions,
     Variant,
 )
-from gqakit.pipelines.demo_report import render_table, write_demo_plots, write_demo_report
+from gqakit.pipelines.demo.report import render_table, write_demo_report
 from gqakit.pipelines.steps import Steps, quiet_transformers
 from gqakit.pipelines.store import ResultStore, fingerprint
 
@@ -302,7 +275,7 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
             "reused": store.reused,
         }
         report, results_json, plots = write_demo_report(
-            Path(options.report_dir).resolve(),
+            Path(options.out).resolve(),
             original,
             rows,
             checks,
@@ -316,19 +289,4 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
     return DemoResult(original, rows, checks, uptrained, report, results_json, plots, settings, elapsed)
 
 
-__all__ = [
-    "KV_TOKENS",
-    "RECIPE",
-    "VARIANTS",
-    "DemoAssets",
-    "DemoOptions",
-    "DemoResult",
-    "ModelEval",
-    "Variant",
-    "demo_cmd",
-    "fetch_demo_assets",
-    "render_table",
-    "run_demo",
-    "write_demo_plots",
-    "write_demo_report",
-]
+__all__ = ["DemoResult", "fetch_demo_assets", "run_demo"]

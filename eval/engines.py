@@ -1,0 +1,74 @@
+"""The engines of ``gqakit eval --engine``: where each model is measured, defined once.
+
+Each entry names the function that measures one model and returns a
+:class:`~gqakit.eval.results.ModelResult` (``measure(label, path, *, config, options, texts, contexts)``),
+the check that its backend is installed, and what it can do. :func:`gqakit.eval.api.evaluate_models`
+runs every model through the engine's ``measure``; the CLI's ``--engine`` choices and help, and the
+option checks, read this table. A new engine is a module in ``eval/`` and one entry here.
+
+The functions are named as ``"module:function"`` and imported when the engine runs, so listing the
+engines imports no backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gqakit.names import NameTable
+
+
+def _resolve(ref: str) -> Callable[..., Any]:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One ``--engine``.
+
+    Attributes:
+        summary: one line for help texts and docs.
+        measure: ``"module:function"`` measuring one model (see the module docstring).
+        requires: ``"module:function"`` that raises a :class:`~gqakit.errors.GqakitError` with the install
+            command when the backend is missing; None: nothing beyond gqakit's own dependencies.
+        tasks: runs lm-eval tasks (``--tasks``).
+        gguf: runs on a GGUF export of each model (``--gguf-type`` chooses its weights).
+    """
+
+    summary: str
+    measure: str
+    requires: str | None = None
+    tasks: bool = False
+    gguf: bool = False
+
+    def measure_fn(self) -> Callable[..., Any]:
+        """The function that measures one model."""
+        return _resolve(self.measure)
+
+    def check_installed(self) -> None:
+        """Raise a clear error when this engine's backend is not installed."""
+        if self.requires:
+            _resolve(self.requires)()
+
+
+ENGINES: NameTable[Engine] = NameTable(
+    "eval engine",
+    {
+        "hf": Engine("transformers in this process", "gqakit.eval.hf_engine:measure_hf_model", tasks=True),
+        "llamacpp": Engine(
+            "each model exported to GGUF once (cached) and run in llama.cpp, whose kernels read a shared "
+            'K/V head once (decode at batch 1; pip install -e ".[llamacpp]")',
+            "gqakit.eval.llamacpp_engine:measure_llamacpp_model",
+            requires="gqakit.eval.llamacpp_engine:require_llama_cpp",
+            gguf=True,
+        ),
+    },
+)
+# The engines that run lm-eval tasks.
+TASK_ENGINES: tuple[str, ...] = ENGINES.where(lambda e: e.tasks)
+
+
+__all__ = ["ENGINES", "TASK_ENGINES", "Engine"]

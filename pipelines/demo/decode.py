@@ -1,0 +1,90 @@
+"""The demo's decode step: every model's decode speed measured side by side
+(:mod:`gqakit.eval.decode_rounds`), cached in the demo's result store by the models and the settings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gqakit.eval.decode_rounds import decode_rounds, llamacpp_decode_rounds, round_stats
+from gqakit.pipelines.steps import Steps
+from gqakit.pipelines.store import ResultStore, fingerprint
+
+if TYPE_CHECKING:
+    from gqakit.pipelines.demo.measure import ModelEval, Settings
+
+
+def decode_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, steps: Steps) -> None:
+    """Measure the decode point of every model in ``evals`` in ``s.decode_rounds`` interleaved rounds and
+    attach each model's median point and :class:`~gqakit.eval.decode_rounds.RoundStats` to it (cached by
+    models and settings)."""
+    from gqakit.eval import DecodePoint
+
+    key = {
+        "models": [
+            [e.label, str(Path(e.result.path).resolve()), fingerprint(Path(e.result.path))] for e in evals
+        ],
+        "pick": "median of interleaved rounds",
+        **asdict(s),
+    }
+    cached = store.get("decode-side-by-side", key)
+    if cached is None:
+        points = decode_rounds(
+            [e.result.path for e in evals],
+            batch=s.decode_batch,
+            context=s.decode_context,
+            new_tokens=s.new_tokens,
+            rounds=s.decode_rounds,
+            dtype=s.dtype,
+            device=s.device,
+        )
+        cached = {"points": [[p.to_dict() for p in ps] for ps in points]}
+        store.put("decode-side-by-side", key, cached)
+    else:
+        steps.note("cached")
+    for e, raw in zip(evals, cached["points"], strict=True):
+        points = [DecodePoint(**p) for p in raw]
+        e.decode_stats = round_stats([p.tokens_per_s for p in points])
+        ok = sorted((p for p in points if p.tokens_per_s), key=lambda p: p.tokens_per_s)
+        e.result.decode = [ok[(len(ok) - 1) // 2] if ok else points[0]]  # the median round's point
+        rounds = " / ".join(f"{p.tokens_per_s:,.1f}" if p.tokens_per_s else "OOM" for p in points)
+        steps.note(f"{e.label}: {e.decode_stats.describe()} (rounds: {rounds})")
+
+
+def llamacpp_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, steps: Steps) -> bool:
+    """The same rounds in llama.cpp (each model exported to an f16 GGUF once, batch 1 at the demo's
+    context), attached as ``llamacpp_stats``; False (and a note with the install command) when the
+    binding is not installed."""
+    from gqakit.errors import GqakitError
+    from gqakit.eval.llamacpp_engine import INSTALL, require_llama_cpp
+
+    try:
+        require_llama_cpp()
+    except GqakitError:
+        steps.note(f"llama.cpp column skipped: its Python binding is not installed ({INSTALL})")
+        return False
+    key = {
+        "models": [[e.label, fingerprint(Path(e.result.path))] for e in evals],
+        "engine": "llama.cpp f16, batch 1",
+        **{k: v for k, v in asdict(s).items() if k in ("decode_context", "new_tokens", "decode_rounds")},
+    }
+    cached = store.get("decode-llamacpp", key)
+    if cached is None:
+        runs = llamacpp_decode_rounds(
+            [e.result.path for e in evals],
+            context=s.decode_context,
+            new_tokens=s.new_tokens,
+            rounds=s.decode_rounds,
+        )
+        cached = {"rounds": runs}
+        store.put("decode-llamacpp", key, cached)
+    else:
+        steps.note("llama.cpp: cached")
+    for e, rounds in zip(evals, cached["rounds"], strict=True):
+        e.llamacpp_stats = round_stats(rounds)
+        steps.note(f"{e.label}: llama.cpp {e.llamacpp_stats.describe()}")
+    return True
+
+
+__all__ = ["decode_side_by_side", "llamacpp_side_by_side"]
