@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from gqakit.checkpoint import Checkpoint, sha256_file
+from gqakit.checkpoint import Checkpoint
 from gqakit.convert.registry import ArchAdapter
 from gqakit.errors import GqakitError
+from gqakit.files import sha256_file
 from gqakit.geometry import AttentionGeometry
 
 log = logging.getLogger(__name__)

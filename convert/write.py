@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from gqakit import __version__
-from gqakit.checkpoint import Checkpoint, copy_non_weight_files, sha256_file, write_json
+from gqakit.checkpoint import Checkpoint, copy_non_weight_files
 from gqakit.convert.plan import OutputTensor
 from gqakit.convert.stream import write_plan
+from gqakit.files import sha256_file, write_json
 from gqakit.geometry import AttentionGeometry
 from gqakit.outputs import atomic_output_dir
 

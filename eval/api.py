@@ -23,6 +23,7 @@ from gqakit.eval.lm_eval_bridge import OUR_TASKS, check_tasks, parse_lm_eval_arg
 from gqakit.eval.options import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, EvalOptions
 from gqakit.eval.report import write_report
 from gqakit.eval.results import EvalResults, ModelResult, environment
+from gqakit.gguf.dequantize import local_model
 from gqakit.models import check_causal_lm, max_positions, resolve_device
 
 
@@ -143,8 +144,6 @@ def evaluate_models(models: dict[str, str], options: EvalOptions, baseline: str 
         baseline = next(iter(models))
     if baseline is not None and baseline not in models:
         raise GqakitError(f"Baseline {baseline!r} is not one of the models: {', '.join(models)}.")
-    from gqakit.checkpoint import local_model
-
     models = {label: local_model(path) for label, path in models.items()}  # a .gguf: dequantized once
     configs, texts = _preflight(models, options)
     env = environment(resolve_device(options.device), options.command_line)

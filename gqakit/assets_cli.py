@@ -6,9 +6,10 @@ from pathlib import Path
 
 import click
 
-from gqakit.asset_cache import cache_root, is_current, read_manifest
+from gqakit.asset_cache import is_current, read_manifest
 from gqakit.assets import ASSETS, fetch_asset, get_spec, list_assets
 from gqakit.cli_options import cache_dir_option, force_option, wheelhouse_option
+from gqakit.files import cache_root
 
 
 @click.group("assets")
@@ -50,7 +51,7 @@ def list_cmd(cache_dir: Path | None) -> None:
         if st.fetched:
             click.echo(f"{'':<13} {st.path}")
     from gqakit.asset_cache import read_manifest
-    from gqakit.built_assets import BUILT
+    from gqakit.local_assets import BUILT
 
     for name, built in BUILT.items():  # built here by a gqakit command, not fetched
         root = cache_root(cache_dir) / name

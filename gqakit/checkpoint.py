@@ -1,17 +1,15 @@
-"""Checkpoint I/O shared by convert, uptrain and eval.
+"""Reading Hugging Face model checkpoints, shared by convert, uptrain and eval.
 
-Finding a checkpoint (a local directory, a ``.gguf`` file or a hub id), reading its tensors one at a
-time from safetensors or legacy ``.bin`` shards, writing an output directory atomically, and copying
-the files that are not weights. Nothing here knows about attention: that lives in ``gqakit.convert``.
+Finding a checkpoint (a local directory, a ``.gguf`` file through :mod:`gqakit.gguf.dequantize`'s cache,
+or a hub id through :mod:`gqakit.hub`), reading its tensors one at a time from safetensors or legacy
+``.bin`` shards, and copying the files that are not weights. Nothing here knows about attention: that
+lives in ``gqakit.convert``. (An uptraining run's own checkpoints are :mod:`gqakit.uptrain.run_checkpoints`.)
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from typing import Any, BinaryIO
 import torch
 
 from gqakit.errors import GqakitError
+from gqakit.hub import download_from_hub, looks_like_hub_id
 from gqakit.safetensors_io import DTYPE_NAMES, SafetensorsFile
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -208,108 +207,30 @@ def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
     return ckpt
 
 
-def dequantize_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None = None) -> None:
-    """Dequantize a ``.gguf`` model into an ordinary safetensors checkpoint with its tokenizer.
-
-    transformers dequantizes GGUF on load but marks the model as quantized, which makes
-    ``save_pretrained`` refuse; the weights are plain tensors by then, so we drop that state.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_path = Path(gguf_path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except Exception as e:
-        raise GqakitError(f"{gguf_path} could not be loaded as a GGUF model by transformers: {e}") from None
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.quantization_method = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if dtype is not None:
-        model = model.to(dtype)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-
-
-def dequantized_gguf(gguf_path: str | Path) -> Path:
-    """A ``.gguf`` model as a checkpoint directory, dequantized once and cached under
-    ``$GQAKIT_CACHE/gguf-dequantized`` by the file's name, size and modification time; later calls
-    return the cached directory at once."""
-    from gqakit.asset_cache import cache_root, writable_cache
-    from gqakit.outputs import atomic_output_dir
-
-    path = Path(gguf_path).expanduser().resolve()
-    out = writable_cache(cache_root() / "gguf-dequantized") / f"{path.stem}-{fingerprint(path)}"
-    if not (out / "config.json").is_file():
-        with atomic_output_dir(out, force=True) as tmp:
-            dequantize_gguf(path, tmp)
-    return out
-
-
-def local_model(src: str) -> str:
-    """``src`` as ``from_pretrained`` takes it: a ``.gguf`` file becomes its cached dequantized
-    directory (:func:`dequantized_gguf`); a directory or hub id is returned as given."""
-    path = Path(src).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return str(dequantized_gguf(path))
-    return src
-
-
-def _looks_like_hub_id(src: str) -> bool:
-    parts = src.split("/")
-    return len(parts) == 2 and all(parts) and not src.startswith((".", "~")) and os.sep == "/"
-
-
-def _download_from_hub(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(
-            repo_id,
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"],
-        )
-    except Exception as e:
-        raise GqakitError(
-            f"{repo_id!r} is not a local path, and fetching it from the Hugging Face Hub failed "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). If you are offline, "
-            "download the model elsewhere and pass its local directory."
-        ) from None
-    return Path(local)
-
-
 @contextmanager
 def resolve_checkpoint(src: str | Path) -> Iterator[Checkpoint]:
     """Yield a :class:`Checkpoint` for a directory, a ``.gguf`` file or a hub id.
 
-    A ``.gguf`` file is dequantized into a temporary directory that lives as long as the context.
+    A ``.gguf`` file is dequantized once into the cache (:func:`gqakit.gguf.dequantize.dequantized_gguf`)
+    and read from there by every later command.
     """
     text = str(src)
     path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        with tempfile.TemporaryDirectory(prefix="gqakit-gguf-") as tmp:
-            dequantize_gguf(path, Path(tmp))
-            yield open_checkpoint_dir(Path(tmp), origin=str(path.resolve()))
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        # deferred: importing the gqakit.gguf package loads the gguf library, needed only for GGUF sources
+        from gqakit.gguf.dequantize import dequantized_gguf
+
+        yield open_checkpoint_dir(dequantized_gguf(path), origin=str(path.resolve()))
         return
     if path.is_dir():
         yield open_checkpoint_dir(path.resolve(), origin=str(path.resolve()))
         return
     if path.exists():
         raise GqakitError(f"{path} is a file; give a model directory or a .gguf file.")
-    if _looks_like_hub_id(text):
-        local = _download_from_hub(text)
-        yield open_checkpoint_dir(local, origin=text)
+    if looks_like_hub_id(text):
+        yield open_checkpoint_dir(download_from_hub(text), origin=text)
         return
     raise GqakitError(f"{text} does not exist. Give a model directory, a .gguf file or a hub id (org/name).")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def copy_non_weight_files(src: Path, dst: Path) -> list[str]:
@@ -324,31 +245,3 @@ def copy_non_weight_files(src: Path, dst: Path) -> list[str]:
             shutil.copy2(item, dst / item.name)
             copied.append(item.name)
     return copied
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-def fingerprint(path: str | Path) -> str:
-    """A short hash of a checkpoint directory's file names, sizes and modification times.
-
-    Our checkpoints are written atomically (a new directory renamed into place), so any rewrite changes
-    it; reading the weights to hash them would cost more than some evaluations. Files in subdirectories
-    (an uptraining run's intermediate checkpoints) do not count. A plain file (a ``.gguf``, a text
-    file) is fingerprinted by its own name, size and modification time.
-
-    Args:
-        path: a directory or a file; it must exist.
-
-    Returns:
-        16 hex digits.
-    """
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(Path(path).iterdir())
-    h = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()[:16]

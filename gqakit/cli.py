@@ -6,48 +6,73 @@ import importlib
 import logging
 import signal
 import sys
+from dataclasses import dataclass
 
 import click
 
 from gqakit import __version__
 
-# name -> "module:attribute" of a click command
-COMMANDS: dict[str, str] = {
-    "inspect": "gqakit.convert.cli:inspect_cmd",
-    "convert": "gqakit.convert.cli:convert_cmd",
-    "expand": "gqakit.convert.cli:expand_cmd",
-    "export": "gqakit.gguf.cli:export_cmd",
-    "probe": "gqakit.pipelines.probe.cli:probe_cmd",
-    "eval": "gqakit.eval.cli:eval_cmd",
-    "uptrain": "gqakit.uptrain.cli:uptrain_cmd",
-    "assets": "gqakit.assets_cli:assets_cmd",
-    "demo": "gqakit.pipelines.demo.cli:demo_cmd",
-    "replicate": "gqakit.pipelines.replicate.cli:replicate_cmd",
+
+@dataclass(frozen=True)
+class CommandEntry:
+    """One ``gqakit`` subcommand: where its click command is (``"module:attribute"``, imported when the
+    command runs) and the line ``gqakit --help`` shows for it."""
+
+    target: str
+    summary: str
+
+
+COMMANDS: dict[str, CommandEntry] = {
+    "inspect": CommandEntry(
+        "gqakit.convert.cli:inspect_cmd", "Show a checkpoint's attention geometry and KV-cache bytes per G."
+    ),
+    "convert": CommandEntry(
+        "gqakit.convert.cli:convert_cmd", "Convert a checkpoint (directory, .gguf or hub id) to G K/V heads."
+    ),
+    "expand": CommandEntry("gqakit.convert.cli:expand_cmd", "GQA/MQA -> MHA, exactly the same logits."),
+    "export": CommandEntry("gqakit.gguf.cli:export_cmd", "Write a checkpoint as a GGUF file for llama.cpp."),
+    "probe": CommandEntry(
+        "gqakit.pipelines.probe.cli:probe_cmd", "Zero-training quality of each G x method x grouping."
+    ),
+    "eval": CommandEntry(
+        "gqakit.eval.cli:eval_cmd", "Perplexity, lm-eval tasks, decode speed and KV memory, side by side."
+    ),
+    "uptrain": CommandEntry(
+        "gqakit.uptrain.cli:uptrain_cmd", "Uptrain a (converted) model as a YAML recipe says."
+    ),
+    "assets": CommandEntry(
+        "gqakit.assets_cli:assets_cmd", "Fetch and list the offline assets (model, corpus)."
+    ),
+    "demo": CommandEntry(
+        "gqakit.pipelines.demo.cli:demo_cmd", "SmolLM2-135M to MHA, GQA and MQA, uptrained and measured."
+    ),
+    "replicate": CommandEntry(
+        "gqakit.pipelines.replicate.cli:replicate_cmd",
+        "Re-run the GQA paper's experiments on a model trained here.",
+    ),
 }
 
 
 class LazyGroup(click.Group):
-    """A click group that imports each subcommand's module on first use."""
+    """A click group whose subcommands are listed from :data:`COMMANDS` and imported when they run, so
+    ``gqakit --help`` imports none of them (no torch); a command whose module fails to import fails
+    loudly when it is run, and still shows in the list."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(n for n in COMMANDS if self._load(n, quiet=True) is not None)
+        return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        return self._load(name) if name in COMMANDS else None
+        return load_command(name) if name in COMMANDS else None
 
-    @staticmethod
-    def _load(name: str, quiet: bool = False) -> click.Command | None:
-        try:
-            return load_command(name)
-        except (ImportError, AttributeError):
-            if quiet:
-                return None
-            raise
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name].summary) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
 
 def load_command(name: str) -> click.Command:
     """The click command of ``gqakit NAME`` (its module imported now)."""
-    module, attr = COMMANDS[name].split(":")
+    module, attr = COMMANDS[name].target.split(":")
     return getattr(importlib.import_module(module), attr)
 
 

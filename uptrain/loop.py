@@ -3,7 +3,7 @@
 One process or many (DDP, FSDP2, DeepSpeed, several nodes) is decided by ``accelerate launch`` and its
 config file, never here. :class:`UptrainLoop` sets everything up in named helpers
 (:mod:`gqakit.uptrain.setup`), then :meth:`UptrainLoop.train` runs the budget; checkpoints and resuming
-are in :mod:`gqakit.uptrain.checkpointing`, the records in :mod:`gqakit.uptrain.metrics`::
+are in :mod:`gqakit.uptrain.run_checkpoints`, the records in :mod:`gqakit.uptrain.metrics`::
 
     setup: accelerator -> student (frozen as asked) -> teacher -> data -> optimizer + schedule -> prepare
     each step: grad_accum micro-batches (forward, loss, backward) -> clip -> finite? step : skip
@@ -31,12 +31,13 @@ from typing import Any
 import torch
 
 from gqakit import __version__
-from gqakit.checkpoint import copy_non_weight_files, write_json
-from gqakit.uptrain.checkpointing import CHECKPOINTS, CheckpointMixin, TrainState, latest_checkpoint
+from gqakit.checkpoint import copy_non_weight_files
+from gqakit.files import write_json
 from gqakit.uptrain.metrics import METRICS, MetricsMixin, read_history
 from gqakit.uptrain.objectives import Objective, lm_loss_per_sequence
 from gqakit.uptrain.preflight import PROVENANCE
 from gqakit.uptrain.recipe import Recipe
+from gqakit.uptrain.run_checkpoints import CHECKPOINTS, CheckpointMixin, TrainState, latest_checkpoint
 from gqakit.uptrain.setup import SetupMixin
 from gqakit.uptrain.speed import attention_backend, teacher_outputs
 

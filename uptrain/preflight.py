@@ -21,11 +21,11 @@ from gqakit.errors import GqakitError
 from gqakit.models import check_causal_lm, max_positions
 from gqakit.outputs import writable_dir
 from gqakit.text import load_texts
-from gqakit.uptrain.checkpointing import latest_checkpoint, read_checkpoint_record
 from gqakit.uptrain.data import BUILDERS, resolve_files
 from gqakit.uptrain.recipe import Recipe, expand
+from gqakit.uptrain.run_checkpoints import latest_checkpoint, read_checkpoint_record
 from gqakit.uptrain.schedule import resolve_budget
-from gqakit.uptrain.state_files import deepspeed_problem
+from gqakit.uptrain.state_io import deepspeed_problem
 
 PROVENANCE = "gqakit.json"  # its presence marks a finished run (gqakit.uptrain.loop writes it last)
 

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from gqakit.errors import GqakitError
+from gqakit.uptrain.recipe_checks import recipe_problems
 from gqakit.uptrain.recipe_coerce import build
 from gqakit.uptrain.recipe_schema import (
     BudgetConfig,
@@ -143,7 +144,7 @@ def recipe_from_dict(
     data = _expand_all(data)
     recipe = build(Recipe, data, "", problems)
     if recipe is not None and not problems:
-        problems.extend(recipe.problems())
+        problems.extend(recipe_problems(recipe))
     if problems:
         raise RecipeError(source, problems)
     return recipe

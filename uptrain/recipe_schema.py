@@ -311,9 +311,3 @@ class Recipe:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def problems(self) -> list[str]:
-        """Every rule that involves more than one field's type; empty when the recipe is valid."""
-        from gqakit.uptrain.recipe_checks import recipe_problems
-
-        return recipe_problems(self)

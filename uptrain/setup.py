@@ -183,4 +183,4 @@ class SetupMixin:
         )
         # The schedule counts global optimizer steps; accelerate's scheduler wrapper would step it once
         # per process, so it stays unwrapped. Nothing is registered with accelerate for checkpointing:
-        # gqakit writes and reads its checkpoints itself (gqakit.uptrain.state_files).
+        # gqakit writes and reads its checkpoints itself (gqakit.uptrain.state_io).

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from gqakit.pipelines.probe.results import ProbeResult
 from gqakit.pipelines.reporting import pyplot, save_figure
-
-if TYPE_CHECKING:
-    from gqakit.pipelines.probe.run import ProbeResult
 
 ERROR_FLOOR = 1e-6  # the plot's lower limit: exact merges give 0 (or float noise)
 

@@ -161,8 +161,9 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
 
 def _publish(ctx: Context, mha: Path, summary: dict) -> None:
     """Make the pretrained MHA model an asset (``gqakit assets list`` shows it), once per build."""
-    from gqakit.asset_cache import cache_root, read_manifest
-    from gqakit.built_assets import publish
+    from gqakit.asset_cache import read_manifest
+    from gqakit.files import cache_root
+    from gqakit.local_assets import publish
 
     info = {"model": asdict(ctx.o.model), "pretrain_tokens": ctx.o.pretrain_tokens, "files": summary["files"]}
     manifest = read_manifest(cache_root(ctx.o.cache_dir) / "replicate-mha")

@@ -44,9 +44,10 @@ def test_gguf_checkpoint_gguf(exported, tmp_path: Path, family: str, form: str, 
         assert (np.argsort(-s1, kind="stable") == np.argsort(-s2, kind="stable")).all()
 
 
-def test_gguf_convert_gguf_pools_the_heads(exported, tmp_path: Path) -> None:
+def test_gguf_convert_gguf_pools_the_heads(exported, tmp_path: Path, monkeypatch) -> None:
     """An MHA GGUF converted by gqakit to 2 K/V heads and exported again holds the mean of each pair of
     K heads, in llama.cpp's row order."""
+    monkeypatch.setenv("GQAKIT_CACHE", str(tmp_path / "cache"))  # the dequantized copy goes there
     from gqakit.convert.api import ConvertOptions, convert_checkpoint
 
     _, mha = exported("llama", "mha", "f32")

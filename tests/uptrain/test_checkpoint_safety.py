@@ -130,7 +130,7 @@ def test_a_checkpoint_in_accelerates_pickle_format_is_refused_with_the_way_out(i
     ids=["a-list", "missing-counters", "a-string-step", "a-negative-step"],
 )  # fmt: skip
 def test_a_training_state_that_is_not_plain_counters_is_refused(tmp_path, record):
-    from gqakit.uptrain.checkpointing import read_checkpoint_record
+    from gqakit.uptrain.run_checkpoints import read_checkpoint_record
 
     (tmp_path / "trainer_state.json").write_text(json.dumps(record))
     with pytest.raises(GqakitError, match="is not a gqakit training state .* start over without --resume"):

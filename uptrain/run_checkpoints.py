@@ -1,7 +1,7 @@
 """Checkpoints of an uptraining run, and resuming from them without unpickling anything.
 
 A checkpoint is ``OUTPUT_DIR/checkpoints/step-NNNNNNNN/``: the model, optimizer, gradient scaler and RNG
-states (:mod:`gqakit.uptrain.state_files`: safetensors, ``torch.load(weights_only=True)`` and JSON, never
+states (:mod:`gqakit.uptrain.state_io`: safetensors, ``torch.load(weights_only=True)`` and JSON, never
 accelerate's pickles) and gqakit's own training state as JSON (``trainer_state.json``: step, data
 position, learning-rate scale, counters, processes). It is written into a hidden directory and renamed
 into place, so a kill leaves either a whole checkpoint or none. The learning-rate schedule is a pure
@@ -17,9 +17,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gqakit.checkpoint import write_json
 from gqakit.errors import GqakitError
-from gqakit.uptrain.state_files import load_training_state, save_training_state
+from gqakit.files import write_json
+from gqakit.uptrain.state_io import load_training_state, save_training_state
 
 log = logging.getLogger("gqakit.uptrain")
 
@@ -113,7 +113,7 @@ class CheckpointMixin:
         acc.wait_for_everyone()
 
     def _load_checkpoint(self, path: Path, counters: bool = True) -> None:
-        """Restore the model, optimizer, scaler and RNG (:mod:`~gqakit.uptrain.state_files`) and the
+        """Restore the model, optimizer, scaler and RNG (:mod:`~gqakit.uptrain.state_io`) and the
         training state (JSON); with ``counters=False`` only the step comes back (a rollback keeps its
         counters)."""
         state = read_train_state(path)

@@ -39,7 +39,8 @@ def build_model_from_gguf(gguf: Path, out: Path) -> tuple[dict[str, str], dict[s
     """
     import torch
 
-    from gqakit.checkpoint import dequantize_gguf
+    # deferred: torch, transformers and the gguf package; `gqakit assets list` needs none of them
+    from gqakit.gguf.dequantize import dequantize_gguf
 
     dequantize_gguf(gguf, out / "model", dtype=torch.float32)
     config = json.loads((out / "model" / "config.json").read_text())

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from gqakit import __version__
-from gqakit.asset_cache import MANIFEST, AssetPaths, cache_root, read_manifest, writable_cache
-from gqakit.checkpoint import write_json
+from gqakit.asset_cache import MANIFEST, AssetPaths, read_manifest
 from gqakit.errors import GqakitError
+from gqakit.files import cache_root, writable_cache, write_json
 from gqakit.outputs import atomic_output_dir
 
 

@@ -12,7 +12,7 @@ therefore writes and reads the pieces itself::
       optimizer.pt               torch.save of the optimizer state; read with torch.load(weights_only=True)
       scaler.json                fp16 only: the gradient scaler's numbers
       rng_state_<rank>.json      Python, NumPy, torch and accelerator RNG states, as numbers
-      trainer_state.json         gqakit's counters (:mod:`gqakit.uptrain.checkpointing`)
+      trainer_state.json         gqakit's counters (:mod:`gqakit.uptrain.run_checkpoints`)
 
 Under FSDP the model and optimizer go through accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``
 with ``use_dcp=False``: per-rank ``torch.save`` files that ``load_fsdp_*`` read with
