@@ -14,10 +14,15 @@ from typing import Any
 
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.cli_options import Problems
+from gqakit.convert.calibrate import calibrate, calibration_sequences
 from gqakit.convert.inspect import Inspection, inspect_checkpoint
+from gqakit.convert.layerwise import write_layerwise
+from gqakit.convert.merge_fit import fit_layer_merges, merge_report
+from gqakit.convert.merge_plan import plan_merged
 from gqakit.convert.methods import METHODS
 from gqakit.convert.options import DTYPE_CHOICES, ConvertOptions, check_groups
 from gqakit.convert.plan import OutputTensor, RegroupSpec, plan_regroup
+from gqakit.convert.refine import check_sequences
 from gqakit.convert.registry import ArchAdapter, get_adapter
 from gqakit.convert.write import ConvertResult, write_converted
 from gqakit.errors import GqakitError
@@ -67,10 +72,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
             record["seed"] = options.seed
         weights: list[OutputTensor] | Any
         if options.merged or options.refine_steps:
-            from gqakit.convert.calibrate import calibration_sequences
-            from gqakit.convert.layerwise import write_layerwise
-            from gqakit.convert.refine import check_sequences
-
             # tokenized (and checked) before DST is claimed and any layer runs
             sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
             if options.refine_steps:
@@ -96,10 +97,6 @@ def plan_with_merges(
     """The whole-model merged plan: calibrate over a loaded model (unless ``stats`` is given; on ``model``
     and ``sequences`` when they are at hand already), fit every layer's merges, and plan; return the plan
     and its record. ``gqakit probe`` uses it to share one calibration among many conversions."""
-    from gqakit.convert.calibrate import calibrate
-    from gqakit.convert.merge_fit import fit_layer_merges, merge_report
-    from gqakit.convert.merge_plan import plan_merged
-
     if stats is None and options.calib_data:
         stats = calibrate(
             ckpt,

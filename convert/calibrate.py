@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from gqakit.convert.registry import ArchAdapter
 from gqakit.errors import GqakitError
 from gqakit.files import sha256_file
 from gqakit.geometry import AttentionGeometry
+from gqakit.models import load_causal_lm, load_tokenizer, max_positions, resolve_device
+from gqakit.text import DOC_SEPARATOR, load_texts
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,6 @@ class CalibrationStats:
 
 def load_calibration_texts(path: str | Path, text_field: str = "text") -> list[str]:
     """Read calibration documents (``.txt``: one document; ``.jsonl``/``.json``/``.parquet``: one per row)."""
-    from gqakit.text import load_texts
-
     p = Path(str(path)).expanduser()
     if not p.is_file():
         raise GqakitError(
@@ -77,8 +78,6 @@ def calibration_ids(
     tokenizer, texts: Sequence[str], tokens: int, seq_len: int = CALIB_SEQ_LEN, source: str = "--calib-data"
 ) -> list[torch.Tensor]:
     """The first ``tokens`` tokens of the joined documents, cut into sequences of at most ``seq_len``."""
-    from gqakit.text import DOC_SEPARATOR
-
     text = DOC_SEPARATOR.join(texts)
     chars = max(tokens * 8, 4096)
     while True:  # tokenize only as much text as needed (a train split can be megabytes)
@@ -159,8 +158,6 @@ def batches(sequences: Sequence[torch.Tensor], batch_size: int):
 
 def load_model_for_calibration(path: Path, device: str = "auto"):
     """The source model for calibration: its own dtype on a GPU, float32 on the CPU."""
-    from gqakit.models import load_causal_lm, resolve_device
-
     dev = resolve_device(device)
     return load_causal_lm(path, dtype="auto" if dev.type == "cuda" else "float32", device=str(dev))
 
@@ -168,8 +165,6 @@ def load_model_for_calibration(path: Path, device: str = "auto"):
 def calibration_sequences(ckpt: Checkpoint, data: str | Path, tokens: int) -> list[torch.Tensor]:
     """The first ``tokens`` tokens of ``data`` under ``ckpt``'s tokenizer, in sequences of
     ``CALIB_SEQ_LEN`` (or the model's maximum positions, when shorter)."""
-    from gqakit.models import load_tokenizer, max_positions
-
     tokenizer = load_tokenizer(ckpt.path)
     seq_len = min(CALIB_SEQ_LEN, max_positions(_config_obj(ckpt.config)) or CALIB_SEQ_LEN)
     return calibration_ids(tokenizer, load_calibration_texts(data), tokens, seq_len)
@@ -226,6 +221,5 @@ def calibration_record(data: str | Path, tokens: int, sequences: Sequence[torch.
 
 
 def _config_obj(config: dict[str, Any]):
-    from types import SimpleNamespace
 
     return SimpleNamespace(**config)

@@ -31,6 +31,7 @@ _CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 def skeleton(path: Path) -> torch.nn.Module:
     """The causal LM of the checkpoint at ``path`` with every parameter on the meta device and real
     buffers: nothing is read but its config."""
+    # deferred: transformers takes seconds to import
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -13,6 +13,7 @@ from gqakit.convert.registry import get_adapter
 from gqakit.convert.write import _CONFIG_DTYPE
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
+from gqakit.gguf import read_gguf_header
 
 
 @dataclass
@@ -88,7 +89,6 @@ def _supported(model_type: str) -> bool:
 
 
 def _inspect_gguf(path: Path) -> Inspection:
-    from gqakit.gguf import read_gguf_header
 
     header = read_gguf_header(path)
     return _inspection(

@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from gqakit.convert.methods import METHODS
 from gqakit.convert.pooling import regroup, regroup_fused_qkv, regroup_head_axis, tensor_generator
 from gqakit.convert.registry import ArchAdapter
 from gqakit.errors import GqakitError
@@ -190,7 +191,7 @@ def _fused(ts: list[torch.Tensor], *, heads, kv, target, d, spec: RegroupSpec, i
 
 
 def _per_head(ts: list[torch.Tensor], *, spec: RegroupSpec, init, name) -> torch.Tensor:
-    if len(ts) == 1 and spec.method != "random":
+    if len(ts) == 1 and not METHODS[spec.method].fresh:
         return ts[0].clone()  # a group of one, or expansion: a copy of the one source head
     gen = tensor_generator(spec.seed, name)
     return regroup(torch.stack(ts), 1, spec.method, init=init, std=spec.std, generator=gen)[0]

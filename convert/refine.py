@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gqakit.convert.calibrate import batches
 from gqakit.errors import GqakitError
 
 BATCH_TOKENS = 1024  # calibration tokens per refinement step
@@ -177,8 +178,6 @@ def split_batches(sequences: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor]
     """The calibration ``sequences`` as refinement batches: those the blocks are fitted on, and those
     held out to pick each block's best step (one sequence in :data:`HELDOUT_FRACTION`, at least one,
     taken from the end)."""
-    from gqakit.convert.calibrate import batches
-
     check_sequences(sequences)
     held = max(1, len(sequences) // HELDOUT_FRACTION)
     per_batch = max(1, BATCH_TOKENS // max(len(s) for s in sequences))

@@ -25,10 +25,12 @@ from gqakit.eval.report import write_report
 from gqakit.eval.results import EvalResults, ModelResult, environment
 from gqakit.gguf.dequantize import local_model
 from gqakit.models import check_causal_lm, max_positions, resolve_device
+from gqakit.text import load_texts
 
 
 def _model_config(path: str):
     """The config of a causal LM checkpoint, checked without loading weights."""
+    # deferred: transformers takes seconds to import
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -68,8 +70,6 @@ def _contexts_for(options: EvalOptions, config) -> tuple[list[int], list[str]]:
 def _preflight(models: dict[str, str], options: EvalOptions) -> tuple[dict[str, Any], list[str] | None]:
     """Check every model's config, the data and the tasks before loading weights; report all problems at
     once. Returns the configs and the evaluation texts."""
-    from gqakit.text import load_texts
-
     problems, configs = [], {}
     try:
         ENGINES[options.engine].check_installed()

@@ -8,9 +8,12 @@ import sys
 import click
 
 from gqakit.cli_options import device_option, dtype_option, out_option, progress_option, seed_option
+from gqakit.eval.api import EvalOptions, evaluate
 from gqakit.eval.engines import ENGINES
+from gqakit.eval.report import write_report
 from gqakit.gguf.tensors import OUT_TYPES
 from gqakit.models import DTYPES
+from gqakit.outputs import writable_dir
 
 
 @click.command("eval")
@@ -107,10 +110,6 @@ def eval_cmd(
     gqakit eval ./llama2-gqa8 --baseline ./Llama-2-7b-hf --tasks hellaswag,arc_easy --device cuda
     gqakit eval ./smollm2-mqa --baseline ./smollm2-mha --engine llamacpp --bench --contexts 512,2048,4096
     """
-    from gqakit.eval.api import EvalOptions, evaluate
-    from gqakit.eval.report import write_report
-    from gqakit.outputs import writable_dir
-
     writable_dir(out, "--out")  # before the evaluation, not after it
 
     options = EvalOptions(

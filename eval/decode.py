@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from gqakit.cli_options import parse_list
 from gqakit.errors import GqakitError
@@ -86,6 +87,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
     back to ``repeat_kv`` and copies the whole cache to full head count every step: the compiled GQA
     model then moves more bytes than the MHA one. This does the packing in compiled code too.
     """
+    # deferred: transformers takes seconds to import
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -102,6 +104,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
 
 def use_packed_sdpa(model) -> str:
     """Switch ``model`` to :func:`_packed_sdpa` (registered once); return its previous implementation."""
+    # deferred: transformers takes seconds to import
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -145,6 +148,7 @@ def _prompts(model, batch: int, context: int, seed: int, device: torch.device) -
 def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: int):
     """A cache already holding ``tokens`` random keys and values per layer (``static_len``: a static cache
     of that many slots, else a dynamic one)."""
+    # deferred: transformers takes seconds to import
     from transformers import DynamicCache, StaticCache
 
     g = config_geometry(model.config)
@@ -169,6 +173,7 @@ def _generate_once(
     model, prompts: torch.Tensor, new_tokens: int, static_cache: bool, compile: bool, prefill: str = "model"
 ):
     """One timed ``generate``: returns (prefill s, per-step latencies s, cache object)."""
+    # deferred: transformers takes seconds to import
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
     device = prompts.device
@@ -192,6 +197,7 @@ def _generate_once(
         return_dict_in_generate=True,
     )
     if compile:
+        # deferred: transformers takes seconds to import
         from transformers import CompileConfig
 
         compile_config = CompileConfig()
@@ -206,6 +212,7 @@ def _generate_once(
             model, prompts.shape[0], prompts.shape[1] - 1, total if static_cache else None, 0
         )
     elif static_cache:
+        # deferred: transformers takes seconds to import
         from transformers import StaticCache
 
         # Our own cache object, sized for this point: generate() would otherwise reuse (and keep
@@ -300,7 +307,6 @@ def bench_decode(
 def _bench_grid(
     model, batch_sizes, contexts, new_tokens, warmup, static_cache, compile, progress, seed, prefill
 ) -> list[DecodePoint]:
-    from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype

@@ -20,6 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gqakit.checkpoint import read_config
+from gqakit.eval.decode import bench_decode
+from gqakit.eval.llamacpp_engine import gguf_for, llamacpp_decode, require_llama_cpp
+from gqakit.geometry import AttentionGeometry
+from gqakit.models import load_causal_lm
+
 # A model's rounds may spread by this fraction of their median before its figure counts as unreliable:
 # on a quiet 2-core CPU rounds of one model spread by under 10%; a job starting mid-measurement, by more.
 DECODE_TOLERANCE = 0.25
@@ -94,11 +102,6 @@ def decode_rounds(
     allocator costs). The cache is filled with random keys and values (``prefill="random"``): a decode
     step reads every cached entry whatever it holds, and no round pays for a prompt.
     """
-    import torch
-
-    from gqakit.eval.decode import bench_decode
-    from gqakit.models import load_causal_lm
-
     models = [load_causal_lm(p, dtype=dtype, device=device) for p in paths]
 
     def one(i: int, r: int) -> Any:
@@ -129,10 +132,6 @@ def llamacpp_decode_rounds(
     Raises:
         GqakitError: with the install command when llama.cpp's Python binding is missing.
     """
-    from gqakit.checkpoint import read_config
-    from gqakit.eval.llamacpp_engine import gguf_for, llamacpp_decode, require_llama_cpp
-    from gqakit.geometry import AttentionGeometry
-
     require_llama_cpp()
     ggufs = [gguf_for(str(p), "f16") for p in paths]
     geoms = [AttentionGeometry.from_config(read_config(Path(p))) for p in paths]

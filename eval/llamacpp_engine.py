@@ -31,12 +31,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import PerplexityResult, encode_stream, sliding_windows
 from gqakit.eval.results import ModelResult
+from gqakit.files import cache_root, fingerprint, writable_cache
 from gqakit.geometry import AttentionGeometry
+from gqakit.gguf import export_gguf, read_gguf_header
+from gqakit.models import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,7 @@ _KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells")
 def require_llama_cpp():
     """The ``llama_cpp`` module, or one message with the command that installs it."""
     try:
+        # deferred: llama.cpp's binding is optional
         import llama_cpp
     except ImportError:
         raise GqakitError(
@@ -63,9 +69,6 @@ def require_llama_cpp():
 
 def gguf_for(path: str, out_type: str) -> Path:
     """``path`` exported to GGUF with ``out_type`` weights, once: cached by the checkpoint's files."""
-    from gqakit.files import cache_root, fingerprint, writable_cache
-    from gqakit.gguf import export_gguf
-
     src = Path(path).expanduser()
     cache = writable_cache(cache_root() / "gguf")
     dst = cache / f"{src.resolve().name}-{fingerprint(src)}-{out_type}.gguf"
@@ -122,8 +125,6 @@ def _open(gguf: Path, n_ctx: int, f32_kv: bool, logits_all: bool):
 
 def llamacpp_perplexity(gguf: Path, tokenizer, texts: list[str], options: EvalOptions) -> PerplexityResult:
     """Perplexity and bits per byte of the GGUF model over the transformers engine's windows."""
-    import numpy as np
-
     stride = options.stride or options.seq_len
     stream, n_bytes = encode_stream(tokenizer, texts, options.max_tokens)
     windows = sliding_windows(len(stream), options.seq_len, stride)
@@ -152,8 +153,6 @@ def llamacpp_decode(
     """One decode point per context, batch 1: prompt processing (random token ids), then ``new_tokens``
     greedy single-token steps, timed one by one. Returns the points and the KV bytes llama.cpp allocated
     (for at least ``max(contexts) + new_tokens`` cells)."""
-    import numpy as np
-
     n_ctx = max(contexts) + new_tokens
     llm, kv_bytes, cells = _open(gguf, n_ctx, f32_kv=f32_kv, logits_all=False)
     per_token = geom.kv_bytes_per_token(dtype_bytes=4 if f32_kv else 2)
@@ -196,8 +195,6 @@ def llamacpp_decode(
 def _greedy(llm) -> int:
     """The argmax of the last evaluated token's logits (the binding keeps no copy of them unless it was
     opened with ``logits_all``)."""
-    import numpy as np
-
     return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
 
@@ -206,15 +203,12 @@ def measure_llamacpp_model(
 ) -> ModelResult:
     """Export ``path`` to GGUF (cached), measure it in llama.cpp, and return its
     :class:`~gqakit.eval.results.ModelResult` (see the module docstring)."""
-    from gqakit.models import load_tokenizer
-
     require_llama_cpp()
     start = time.perf_counter()
     gguf = gguf_for(path, options.gguf_type)
     geom = AttentionGeometry.from_config(config.to_dict())
     f32_kv = options.gguf_type == "f32"
     weight_bytes = gguf.stat().st_size
-    from gqakit.gguf import read_gguf_header
 
     res = ModelResult.of(
         label, path, geom, parameters=read_gguf_header(gguf).parameters, dtype=f"gguf {options.gguf_type}",

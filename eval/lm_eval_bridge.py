@@ -81,6 +81,7 @@ def _value(text: str) -> Any:
 
 
 def _evaluate_params() -> list[str]:
+    # deferred: lm-eval takes seconds to import
     import lm_eval
 
     return list(inspect.signature(lm_eval.simple_evaluate).parameters)
@@ -141,6 +142,7 @@ def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEval
 
 @lru_cache(maxsize=4)
 def _task_manager(include: tuple[str, ...], defaults: bool, metadata_json: str):
+    # deferred: lm-eval takes seconds to import
     from lm_eval.tasks import TaskManager
 
     return TaskManager(
@@ -207,6 +209,7 @@ def run_lm_eval(
         ``{"results": {task: {metric: value}}, "versions": ..., "n-samples": ..., "config": ...}``, the
         JSON-safe part of lm-eval's output.
     """
+    # deferred: lm-eval takes seconds to import
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from gqakit.errors import GqakitError
 from gqakit.models import check_seq_len
@@ -256,8 +257,6 @@ def perplexity(
     Returns:
         A :class:`PerplexityResult`.
     """
-    from tqdm.auto import tqdm
-
     stride = seq_len if stride is None else stride
     problems = []
     if seq_len < 1:

@@ -20,6 +20,7 @@ PLOTS = {"decode": "decode_tokens_per_s.png", "kv": "kv_cache_mib.png", "quality
 
 def write_plots(results: EvalResults, out: Path) -> list[Path]:
     """The PNGs this run has data for: decode tokens/s and KV MiB against context, perplexity bars."""
+    # deferred: matplotlib takes a second to import
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,6 +43,7 @@ def write_plots(results: EvalResults, out: Path) -> list[Path]:
 
 
 def _styles(models: list[ModelResult]):
+    # deferred: matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     colors = plt.get_cmap("tab10").colors
@@ -59,6 +61,7 @@ def _subtitle(results: EvalResults) -> str:
 
 def _save(fig, ax, path: Path) -> Path:
     """Legend outside the axes (the labels are long), then write the PNG and free the figure."""
+    # deferred: matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
@@ -78,6 +81,7 @@ def _context_axis(ax, contexts: list[int]) -> None:
 
 
 def _line_plot(results: EvalResults, path: Path, attr: str, ylabel: str, title: str) -> Path:
+    # deferred: matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     models = list(results.models.values())
@@ -113,6 +117,7 @@ def _line_plot(results: EvalResults, path: Path, attr: str, ylabel: str, title: 
 def _kv_plot(results: EvalResults, path: Path) -> Path:
     """KV MiB against context: measured per (model, batch) when the decode grid ran, else the formula
     at batch 1 over the default contexts."""
+    # deferred: matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     models = list(results.models.values())
@@ -138,6 +143,7 @@ def _kv_plot(results: EvalResults, path: Path) -> Path:
 
 
 def _kv_measured(results: EvalResults, path: Path) -> Path:
+    # deferred: matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     models = list(results.models.values())
@@ -171,6 +177,7 @@ def _kv_measured(results: EvalResults, path: Path) -> Path:
 
 
 def _quality_plot(results: EvalResults, path: Path) -> Path:
+    # deferred: matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     models = [m for m in results.models.values() if m.perplexity]

@@ -149,6 +149,7 @@ class EvalResults:
 
 def environment(device: torch.device, command_line: str | None) -> dict[str, Any]:
     """Versions, device and command line, for results.json."""
+    # deferred: transformers takes seconds to import
     import datasets
     import lm_eval
     import transformers

@@ -37,9 +37,9 @@ def build_model_from_gguf(gguf: Path, out: Path) -> tuple[dict[str, str], dict[s
     holds exactly and bfloat16 would round a second time; and on a CPU float32 matmuls are the fast ones.
     A GPU run casts to bfloat16 at load time.
     """
+    # deferred: torch, transformers and the gguf package; `gqakit assets list` needs none of them
     import torch
 
-    # deferred: torch, transformers and the gguf package; `gqakit assets list` needs none of them
     from gqakit.gguf.dequantize import dequantize_gguf
 
     dequantize_gguf(gguf, out / "model", dtype=torch.float32)

@@ -10,6 +10,7 @@ from gqakit.asset_cache import is_current, read_manifest
 from gqakit.assets import ASSETS, fetch_asset, get_spec, list_assets
 from gqakit.cli_options import cache_dir_option, force_option, wheelhouse_option
 from gqakit.files import cache_root
+from gqakit.local_assets import BUILT
 
 
 @click.group("assets")
@@ -50,8 +51,6 @@ def list_cmd(cache_dir: Path | None) -> None:
         click.echo(f"{'':<13} {spec.description}")
         if st.fetched:
             click.echo(f"{'':<13} {st.path}")
-    from gqakit.asset_cache import read_manifest
-    from gqakit.local_assets import BUILT
 
     for name, built in BUILT.items():  # built here by a gqakit command, not fetched
         root = cache_root(cache_dir) / name

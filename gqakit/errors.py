@@ -8,6 +8,8 @@ while Python callers can catch it like any exception.
 
 from __future__ import annotations
 
+import difflib
+
 import click
 
 
@@ -22,7 +24,5 @@ class GqakitError(click.ClickException):
 
 def did_you_mean(value: str, choices: list[str] | tuple[str, ...]) -> str:
     """Return ' Did you mean "x"?' for the closest choice, or '' when nothing is close."""
-    import difflib
-
     close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
     return f' Did you mean "{close[0]}"?' if close else ""

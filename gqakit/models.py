@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gqakit.checkpoint import open_checkpoint_dir
 from gqakit.errors import GqakitError
 
 DTYPES: dict[str, torch.dtype | str] = {
@@ -86,6 +87,7 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
     Returns:
         The model in eval mode on ``device``.
     """
+    # deferred: transformers takes seconds to import
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in DTYPES:
@@ -101,8 +103,6 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
         raise GqakitError(f"Could not read a model config from {path}: {e}") from None
     check_causal_lm(config, path)
     if p.is_dir():  # every shard's header checked against its file size: a truncated download says so
-        from gqakit.checkpoint import open_checkpoint_dir
-
         open_checkpoint_dir(p.resolve()).tensor_infos()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], **kwargs)
@@ -120,6 +120,7 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
 
 def load_tokenizer(path: str | Path):
     """Load the tokenizer saved with a checkpoint, with a clear error when it has none."""
+    # deferred: transformers takes seconds to import
     from transformers import AutoTokenizer
 
     try:

@@ -27,6 +27,7 @@ def tiny_tokenizer(vocab_size: int = 384):
 
     Special tokens: ``<pad>`` = 0, ``<s>`` = 1, ``</s>`` = 2. Like SmolLM2, it adds no BOS by default.
     """
+    # deferred: transformers takes seconds to import
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -69,6 +70,7 @@ def tiny_config(
     **overrides: Any,
 ):
     """A small config of ``model_type`` (any family in the registry)."""
+    # deferred: transformers takes seconds to import
     from transformers import AutoConfig
 
     kw: dict[str, Any] = dict(
@@ -95,6 +97,7 @@ def tiny_model(
     model_type: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **config_kw: Any
 ):
     """A randomly initialised causal LM of ``model_type`` in eval mode."""
+    # deferred: transformers takes seconds to import
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

@@ -96,6 +96,7 @@ def _read_txt(path: Path, option: str) -> str:
 
 
 def _load_table(path: str, kwargs: dict, split: str, text_field: str, shown: str, option: str) -> list[str]:
+    # deferred: datasets takes seconds to import
     import datasets
 
     try:

@@ -10,9 +10,11 @@ from typing import Any
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend: reports write PNG files, also on machines with no
     display, and importing matplotlib is deferred until a report is drawn."""
+    # deferred: matplotlib takes a second to import
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     return plt

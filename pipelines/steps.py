@@ -42,6 +42,7 @@ class Steps:
 
 def quiet_transformers() -> None:
     """Silence transformers' warnings and progress bars: a pipeline prints its own steps."""
+    # deferred: transformers takes seconds to import
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -156,6 +156,38 @@ def test_a_cycle_through_a_function_level_import_is_caught(tmp_path: Path) -> No
     assert import_cycles(tmp_path) == [["gqakit.a", "gqakit.b", "gqakit.c"]]
 
 
+def undeclared_deferred_imports(root: Path = ROOT) -> list[str]:
+    """``file:line`` of every import inside a function that no ``# deferred: why`` comment explains (on
+    its line, or just above its run of imports). An import belongs at the top of its module unless it
+    keeps a heavy or optional dependency out of the module's import."""
+    bad = []
+    for path in module_names(root).values():
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                above = node.lineno - 2
+                while above >= 0 and (
+                    not lines[above].strip() or lines[above].strip().startswith(("from ", "import ", ")"))
+                ):
+                    above -= 1
+                comment = lines[above].strip() if above >= 0 else ""
+                if "# deferred:" not in lines[node.lineno - 1] and not comment.startswith("# deferred:"):
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}")
+    return sorted(set(bad))
+
+
+def test_imports_inside_functions_say_why() -> None:
+    bad = undeclared_deferred_imports()
+    assert not bad, (
+        "Move these imports to the top of their module, or say above them what importing them costs "
+        "(# deferred: ...):\n" + "\n".join(bad)
+    )
+
+
 def test_no_layer_imports_upwards_or_sideways() -> None:
     bad = violations()
     assert not bad, (
@@ -184,3 +216,13 @@ def test_the_rule_catches_each_kind_of_breach(
     (tmp_path / "gqakit" / "ok.py").write_text("from gqakit.errors import GqakitError\n")
     bad = violations(tmp_path)
     assert len(bad) == 1 and bad[0].startswith(f"{folder}/bad.py") and bad[0].endswith(expected), bad
+
+
+def test_an_unexplained_import_inside_a_function_is_caught(tmp_path: Path) -> None:
+    for name in LAYERS:
+        (tmp_path / name).mkdir()
+    (tmp_path / "gqakit" / "a.py").write_text(
+        "def f():\n    import json\n\n\ndef g():\n    # deferred: transformers takes seconds\n"
+        "    import transformers\n\n    from gqakit import b\n"
+    )
+    assert undeclared_deferred_imports(tmp_path) == ["gqakit/a.py:2"]

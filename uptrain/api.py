@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gqakit.convert import ConvertOptions, convert_checkpoint
 from gqakit.errors import GqakitError
 from gqakit.uptrain.loop import CHECKPOINTS, UptrainLoop, UptrainResult
 from gqakit.uptrain.preflight import (
@@ -63,6 +64,7 @@ def _quiet_other_ranks(recipe: Recipe) -> None:
     progress bars, unless ``log.all_ranks``."""
     if recipe.log.all_ranks or process_state().is_main_process:
         return
+    # deferred: transformers takes seconds to import
     import datasets
     import transformers
 
@@ -73,8 +75,6 @@ def _quiet_other_ranks(recipe: Recipe) -> None:
 
 def _convert_first(recipe: Recipe, out: Path) -> tuple[str, dict[str, Any]]:
     """Convert ``model.path`` into ``OUTPUT_DIR/work/converted`` (once; a resumed run reuses it)."""
-    from gqakit.convert import ConvertOptions, convert_checkpoint
-
     c = recipe.model.convert
     assert c is not None
     dst = out / CONVERTED

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from gqakit.cli_options import force_option
+from gqakit.errors import GqakitError
+from gqakit.uptrain.api import process_state, uptrain
+from gqakit.uptrain.launch import accelerate_config_problems, launch_argv, read_accelerate_config
 from gqakit.uptrain.recipe import load_recipe
 
 
@@ -49,11 +54,6 @@ def uptrain_cmd(
         click.echo(rec.to_yaml(), nl=False)
         return
     if accelerate_config:
-        import os
-
-        from gqakit.errors import GqakitError
-        from gqakit.uptrain.launch import accelerate_config_problems, launch_argv, read_accelerate_config
-
         config = read_accelerate_config(accelerate_config)
         problems = accelerate_config_problems(config, main_process_ip, rec)
         if problems:
@@ -64,7 +64,6 @@ def uptrain_cmd(
         )  # fmt: skip
         os.execvp(argv[0], argv)  # replaces this process; the return is for tests that stub it
         return
-    from gqakit.uptrain.api import process_state, uptrain
 
     res = uptrain(rec, resume=resume, force=force)
 

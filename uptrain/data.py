@@ -69,6 +69,7 @@ def resolve_files(patterns: list[str], key: str, problems: list[str]) -> list[st
 
 
 def _load_files(files: list[str], cfg: DataConfig, key: str):
+    # deferred: datasets takes seconds to import
     import datasets
 
     builders = {BUILDERS[Path(f).suffix.lower()] for f in files}
@@ -85,6 +86,7 @@ def _load_files(files: list[str], cfg: DataConfig, key: str):
 
 
 def _load_hub(cfg: DataConfig, split: str):
+    # deferred: datasets takes seconds to import
     import datasets
 
     try:
@@ -134,6 +136,7 @@ def tokenizer_digest(tokenizer: Any) -> str:
 
 def pack_documents(ds: Any, field: str, tokenizer: Any, cfg: DataConfig, what: str):
     """Tokenize the ``field`` column of ``ds`` and pack it into ``cfg.seq_len`` blocks (cached)."""
+    # deferred: datasets takes seconds to import
     from datasets.fingerprint import Hasher
 
     if field not in ds.column_names:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from gqakit import __version__
 from gqakit.checkpoint import copy_non_weight_files
@@ -135,7 +136,6 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
         r, acc, s = self.recipe, self.acc, self.state
-        from tqdm.auto import tqdm
 
         if r.eval.at_start and s.step == 0 and s.initial_val_ppl is None:
             loss, s.initial_val_ppl = self.evaluate()

@@ -17,7 +17,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+import yaml
+
+from gqakit.convert.api import check_groups
 from gqakit.errors import GqakitError
+from gqakit.geometry import AttentionGeometry
 from gqakit.models import check_causal_lm, max_positions
 from gqakit.outputs import writable_dir
 from gqakit.text import load_texts
@@ -59,6 +64,7 @@ def process_state():
     first call fixes the state for the whole process: a 2-process CPU launch would then run as two
     independent single processes.
     """
+    # deferred: accelerate takes seconds to import
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
@@ -126,9 +132,6 @@ def input_problems(recipe: Recipe) -> list[str]:
             "model was converted from)."
         )
     if model_cfg and recipe.model.convert is not None:
-        from gqakit.convert.api import check_groups
-        from gqakit.geometry import AttentionGeometry
-
         try:
             check_groups(AttentionGeometry.from_config(model_cfg), recipe.model.convert.groups)
         except GqakitError as e:
@@ -162,8 +165,6 @@ def precision_problem(precision: str, device_type: str) -> str | None:
             "CPUs run through autocast)."
         )
     if precision == "bf16" and device_type == "cuda":
-        import torch
-
         if not torch.cuda.is_bf16_supported():
             return "train.precision=bf16 needs a GPU with bfloat16 (Ampere or newer); use fp16 or fp32."
     return None
@@ -231,8 +232,6 @@ def resume_problems(recipe: Recipe, out: Path, processes: int) -> list[str]:
     """Why ``--resume`` with ``recipe`` on ``processes`` processes would not continue the run in ``out``:
     a recipe that differs from the run's own (``OUTPUT_DIR/recipe.yaml``) outside :data:`RESUME_SAFE`,
     another number of processes, a budget the checkpoint has already passed."""
-    import yaml
-
     problems = []
     saved_file = out / "recipe.yaml"
     if saved_file.is_file():

@@ -6,8 +6,10 @@ import importlib.util
 import logging
 
 import torch
+from torch.utils.data import DataLoader
 
 from gqakit.errors import GqakitError
+from gqakit.models import load_causal_lm, load_tokenizer
 from gqakit.uptrain.data import build_blocks
 from gqakit.uptrain.fused_loss import LossSpec
 from gqakit.uptrain.metrics import METRICS, MetricsLog
@@ -33,6 +35,7 @@ class SetupMixin:
     """``_setup_*`` and ``_prepare``: everything the loop needs before its first step."""
 
     def _setup_accelerator(self) -> None:
+        # deferred: accelerate takes seconds to import
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
         from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
@@ -69,12 +72,14 @@ class SetupMixin:
         self.precision = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(
             str(self.acc.mixed_precision), str(self.acc.mixed_precision)
         )  # what runs, recorded in gqakit.json and the log
+        # deferred: accelerate takes seconds to import
         from accelerate.utils import set_seed
 
         set_seed(r.seed)
         self.metrics = MetricsLog(self.out / METRICS, self.acc.is_main_process)
 
     def _setup_model(self) -> None:
+        # deferred: transformers takes seconds to import
         from transformers import AutoModelForCausalLM
 
         r = self.recipe
@@ -115,7 +120,6 @@ class SetupMixin:
             compile_layers(model)
 
     def _setup_teacher(self) -> None:
-        from gqakit.models import load_causal_lm
 
         r = self.recipe
         self.teacher = None
@@ -134,9 +138,6 @@ class SetupMixin:
             )
 
     def _setup_data(self) -> None:
-        from torch.utils.data import DataLoader
-
-        from gqakit.models import load_tokenizer
 
         r = self.recipe
         self.tokenizer = load_tokenizer(self.model_path)

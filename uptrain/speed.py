@@ -135,6 +135,7 @@ def apply_kernels(model: torch.nn.Module, kernels: str) -> None:
     """Patch liger's fused RMSNorm/RoPE/SwiGLU into ``model`` (its loss is gqakit's fused loss)."""
     if kernels != "liger":
         return
+    # deferred: liger-kernel is optional (CUDA only)
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(
@@ -148,6 +149,7 @@ def attention_backend(name: str) -> Iterator[None]:
     if name == "auto":
         yield
         return
+    # deferred: torch.nn.attention.sdpa_kernel needs torch >= 2.3, and only a chosen backend uses it
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {

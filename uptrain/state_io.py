@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_model, save_model
 
 from gqakit.errors import GqakitError
 
@@ -75,14 +76,13 @@ def save_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -
     if _is(acc, "DEEPSPEED"):
         raise GqakitError(f"No resumable checkpoints under DeepSpeed: {_NO_DEEPSPEED}")
     if _is(acc, "FSDP"):
+        # deferred: accelerate takes seconds to import
         from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
 
         plugin = acc.state.fsdp_plugin
         save_fsdp_model(plugin, acc, model, str(directory), use_dcp=False)
         save_fsdp_optimizer(plugin, acc, optimizer, model, str(directory), use_dcp=False)
     elif acc.is_main_process:  # DDP: every process holds the same model and optimizer state
-        from safetensors.torch import save_model
-
         save_model(acc.unwrap_model(model), str(directory / MODEL))
         torch.save(optimizer.state_dict(), directory / OPTIMIZER)
     if acc.is_main_process and acc.scaler is not None:
@@ -143,6 +143,7 @@ def load_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -
         )
         raise GqakitError(f"The checkpoint {directory} lacks {', '.join(missing)}: it {why}.")
     if _is(acc, "FSDP"):
+        # deferred: accelerate takes seconds to import
         from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
 
         plugin = acc.state.fsdp_plugin
@@ -154,8 +155,6 @@ def load_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -
             why = f"cannot be read as plain tensors ({type(e).__name__}: {first})"
             raise _unreadable(directory, "the FSDP model or optimizer files", why) from None
     else:
-        from safetensors.torch import load_model
-
         try:
             load_model(acc.unwrap_model(model), str(directory / MODEL))
         except Exception as e:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gqakit.text import DOC_SEPARATOR, load_texts
+
 HERE = Path(__file__).resolve().parent
 MC_FIELDS = ("question", "choices", "answer")
 
@@ -32,9 +34,8 @@ def resolve_file(value: str | None, default: str) -> Path:
 def load_ppl(ppl_file: str | None = None, ppl_text_field: str = "text", **_: Any):
     """One document: the text file, or the rows of a jsonl/parquet file joined as gqakit perplexity
     joins them, so ``gqakit_ppl`` scores exactly the stream ``gqakit eval --ppl-data`` scores."""
+    # deferred: datasets takes seconds to import
     import datasets
-
-    from gqakit.text import DOC_SEPARATOR, load_texts
 
     path = str(resolve_file(ppl_file, "gqakit_ppl.txt"))
     texts = load_texts(path, text_field=ppl_text_field, option="metadata ppl_file")
@@ -43,6 +44,7 @@ def load_ppl(ppl_file: str | None = None, ppl_text_field: str = "text", **_: Any
 
 def load_mc(mc_file: str | None = None, **_: Any):
     """Rows of ``{"question": str, "choices": [str, ...], "answer": int}`` from a jsonl file."""
+    # deferred: datasets takes seconds to import
     import datasets
 
     path = resolve_file(mc_file, "gqakit_mc.jsonl")

@@ -281,6 +281,7 @@ def rope_freq_factors(cfg: Config) -> torch.Tensor | None:
     """
     if rope(cfg)["rope_type"] != "llama3":
         return None
+    # deferred: transformers takes seconds to import
     import torch
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

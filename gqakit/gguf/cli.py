@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from gqakit.cli_options import force_option
+from gqakit.gguf.export import export_gguf
 from gqakit.gguf.tensors import OUT_TYPES
 
 
@@ -24,10 +27,6 @@ from gqakit.gguf.tensors import OUT_TYPES
 def export_cmd(src: str, dst: str, out_type: str, force: bool) -> None:
     """Write SRC (a checkpoint directory, .gguf or hub id; MHA, GQA or MQA) as the GGUF file DST, with its
     tokenizer, for llama.cpp."""
-    import logging
-
-    from gqakit.gguf.export import export_gguf
-
     logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf's own chatter about chat templates
     res = export_gguf(src, dst, out_type=out_type, force=force)
     for warning in res.warnings:

@@ -250,6 +250,7 @@ def load_vocab(path: Path, n_vocab: int) -> Vocab:
         GqakitError: the tokenizer is missing, is not a fast tokenizer, or is of a kind llama.cpp's
             GGUF tokenizers cannot reproduce from it.
     """
+    # deferred: transformers takes seconds to import
     from transformers import AutoTokenizer
 
     supported = " or ".join(name for name, _, _ in KINDS)

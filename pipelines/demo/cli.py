@@ -18,6 +18,7 @@ from gqakit.cli_options import (
 )
 from gqakit.models import DTYPES
 from gqakit.pipelines.demo.options import RECIPE, DemoOptions
+from gqakit.pipelines.demo.run import run_demo
 
 
 @click.command("demo")
@@ -74,7 +75,6 @@ from gqakit.pipelines.demo.options import RECIPE, DemoOptions
 def demo_cmd(**settings: Any) -> None:
     """Convert SmolLM2-135M to MHA, GQA and MQA, uptrain the MQA model, and report what it costs and buys."""
     # every parameter is named after its DemoOptions field, so the options name each problem's flag
-    from gqakit.pipelines.demo.run import run_demo
 
     run_demo(DemoOptions(**settings))
 

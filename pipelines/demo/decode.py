@@ -7,7 +7,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gqakit.errors import GqakitError
+from gqakit.eval import DecodePoint
 from gqakit.eval.decode_rounds import decode_rounds, llamacpp_decode_rounds, round_stats
+from gqakit.eval.llamacpp_engine import INSTALL, require_llama_cpp
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
 
@@ -19,8 +22,6 @@ def decode_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore,
     """Measure the decode point of every model in ``evals`` in ``s.decode_rounds`` interleaved rounds and
     attach each model's median point and :class:`~gqakit.eval.decode_rounds.RoundStats` to it (cached by
     models and settings)."""
-    from gqakit.eval import DecodePoint
-
     key = {
         "models": [
             [e.label, str(Path(e.result.path).resolve()), fingerprint(Path(e.result.path))] for e in evals
@@ -56,9 +57,6 @@ def llamacpp_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStor
     """The same rounds in llama.cpp (each model exported to an f16 GGUF once, batch 1 at the demo's
     context), attached as ``llamacpp_stats``; False (and a note with the install command) when the
     binding is not installed."""
-    from gqakit.errors import GqakitError
-    from gqakit.eval.llamacpp_engine import INSTALL, require_llama_cpp
-
     try:
         require_llama_cpp()
     except GqakitError:

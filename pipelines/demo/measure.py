@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gqakit.eval import DecodePoint, EvalOptions, ModelResult, PerplexityResult, evaluate_models
+from gqakit.models import load_causal_lm, load_tokenizer, resolve_device
 from gqakit.pipelines.demo.options import KV_TOKENS, DemoOptions
 from gqakit.pipelines.reporting import fmt_ppl
 from gqakit.pipelines.steps import Steps
@@ -105,8 +107,6 @@ class Settings:
 
 def resolve_settings(options: DemoOptions) -> Settings:
     """The device, dtype, token cap and decode point that ``options`` mean on this machine."""
-    from gqakit.models import resolve_device
-
     device = resolve_device(options.device)
     gpu = device.type == "cuda"
     dtype = options.dtype if options.dtype != "auto" else ("bfloat16" if gpu else "float32")
@@ -128,8 +128,6 @@ def resolve_settings(options: DemoOptions) -> Settings:
 def eval_options(s: Settings, test: Path, progress: bool) -> EvalOptions:
     """Capped perplexity per model, with ``gqakit eval``'s own code; the decode point (the grid that
     ``gqakit eval --bench`` would run) is measured later for all models side by side."""
-    from gqakit.eval import EvalOptions
-
     return EvalOptions(
         ppl_data=str(test),
         seq_len=s.seq_len,
@@ -147,8 +145,6 @@ def eval_options(s: Settings, test: Path, progress: bool) -> EvalOptions:
 
 def _model_result(data: dict[str, Any]) -> ModelResult:
     """A :class:`~gqakit.eval.ModelResult` back from its ``asdict`` form."""
-    from gqakit.eval import DecodePoint, ModelResult, PerplexityResult
-
     ppl = data.get("perplexity")
     return ModelResult(
         **{
@@ -177,8 +173,6 @@ def evaluate(
         steps.note(f"{label}: cached (perplexity {fmt_ppl(res.ppl)})")
         return res
 
-    from gqakit.eval import evaluate_models
-
     t0 = time.perf_counter()
     result = evaluate_models({label: str(path)}, options).models[label]
     res = ModelEval(label, result, round(time.perf_counter() - t0, 1))
@@ -196,7 +190,6 @@ def max_logit_diff(a: Path, b: Path, texts: list[str], s: Settings, store: Resul
     cached = store.get(name, key)
     if cached is not None:
         return float(cached["max_abs_diff"])
-    from gqakit.models import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(a)
     ids = tok("\n".join(texts)[:20_000], add_special_tokens=False).input_ids[:256]

@@ -9,6 +9,8 @@ from pathlib import Path
 import click
 
 from gqakit.cli_options import Problems
+from gqakit.convert import ConvertOptions
+from gqakit.convert.methods import needs_calibration
 from gqakit.models import DTYPES
 
 SMOLLM2 = "smollm2-135m"
@@ -57,9 +59,8 @@ class Variant:
     def convert_options(self, groups: int, assets: DemoAssets, calib_tokens: int = 4096):
         """The :class:`~gqakit.convert.ConvertOptions` for this variant; a calibrated merge calibrates
         on the training split (never on the test text it is scored on)."""
-        from gqakit.convert import ConvertOptions
-
-        calib = str(assets.train) if self.method == "calibrated" or self.refine_steps else None
+        calibrated = needs_calibration(self.method, "contiguous") or self.refine_steps
+        calib = str(assets.train) if calibrated else None
         return ConvertOptions(
             groups=groups,
             method=self.method,

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gqakit import __version__
+from gqakit.eval import EvalResults, write_report
+from gqakit.eval.api import environment
 from gqakit.eval.decode_rounds import DECODE_TOLERANCE, speedup
 from gqakit.pipelines.demo.options import KV_TOKENS
 from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
@@ -172,9 +174,6 @@ def write_demo_report(
     command = "gqakit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "gqakit demo"
     eval_line = ""
     if eval_options is not None:
-        from gqakit.eval import EvalResults, write_report
-        from gqakit.eval.api import environment
-
         full = EvalResults(
             models={r.label: r.result for r in rows},
             baseline=rows[0].label,

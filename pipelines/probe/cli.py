@@ -8,6 +8,8 @@ import click
 
 from gqakit.cli_options import device_option, list_option, out_option
 from gqakit.convert.methods import GROUPINGS, METHODS
+from gqakit.pipelines.probe.options import ProbeOptions
+from gqakit.pipelines.probe.run import probe_checkpoint
 
 
 @click.command("probe")
@@ -50,9 +52,6 @@ from gqakit.convert.methods import GROUPINGS, METHODS
 def probe_cmd(src: str, out: Path, **settings: object) -> None:
     """Zero-training quality of SRC for each G x method x grouping: held-out perplexity and per-layer
     attention-output error, as a table, a JSON file and a plot. Pick G before spending compute."""
-    from gqakit.pipelines.probe.options import ProbeOptions
-    from gqakit.pipelines.probe.run import probe_checkpoint
-
     # every other parameter is named after its ProbeOptions field, so the options name each flag
     result = probe_checkpoint(src, out, ProbeOptions(**settings))  # type: ignore[arg-type]
     click.echo(result.to_table())

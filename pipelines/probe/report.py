@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gqakit.convert.methods import METHODS
 from gqakit.pipelines.probe.results import ProbeResult
 from gqakit.pipelines.reporting import pyplot, save_figure
 
@@ -29,7 +30,7 @@ def write_probe(result: ProbeResult, out_dir: Path) -> None:
 def _plot(result: ProbeResult, path: Path) -> None:
     plt = pyplot()
     rows = [r for r in result.rows if r.groups is not None]
-    colors = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:gray", "calibrated": "tab:green"}
+    colors = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:gray", "tab:green"), strict=False))
     styles = ["-", "--", ":", "-."]
     g_values = sorted({r.groups for r in rows})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))

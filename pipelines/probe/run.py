@@ -14,10 +14,14 @@ import torch
 
 from gqakit.checkpoint import resolve_checkpoint
 from gqakit.convert.api import ConvertOptions, check_groups, plan_with_merges, write_converted
+from gqakit.convert.calibrate import calibrate, calibration_ids, load_model_for_calibration
+from gqakit.convert.merge_fit import fit_layer_merges
 from gqakit.convert.methods import MERGE_METHODS, METHODS
 from gqakit.convert.plan import RegroupSpec, plan_regroup
 from gqakit.convert.registry import ArchAdapter, get_adapter
+from gqakit.eval import load_texts, perplexity
 from gqakit.geometry import AttentionGeometry
+from gqakit.models import load_tokenizer
 from gqakit.pipelines.probe.options import ProbeOptions
 from gqakit.pipelines.probe.report import write_probe
 from gqakit.pipelines.probe.results import ProbeResult, ProbeRow
@@ -60,11 +64,6 @@ def attention_errors(original, converted, adapter: ArchAdapter, num_layers: int,
 
 def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: ProbeOptions) -> ProbeResult:
     """Measure every combination of ``options`` on ``src``; write the table, JSON and plot to ``out_dir``."""
-    from gqakit.convert.calibrate import calibrate, calibration_ids, load_model_for_calibration
-    from gqakit.convert.merge_fit import fit_layer_merges
-    from gqakit.eval import load_texts, perplexity
-    from gqakit.models import load_tokenizer
-
     options.validate()
     with resolve_checkpoint(src) as ckpt:
         adapter = get_adapter(ckpt.model_type)

@@ -17,6 +17,7 @@ from gqakit.cli_options import (
     work_dir_option,
 )
 from gqakit.pipelines.replicate.options import ARMS, ReplicateOptions
+from gqakit.pipelines.replicate.run import pretrain_mha, run_replicate
 
 
 @click.command("replicate")
@@ -63,8 +64,6 @@ def replicate_cmd(pretrain_only: bool, **settings: Any) -> None:
     """Re-run the GQA paper's experiments (Ainslie et al. 2023) on an MHA model pretrained here: which
     start (Fig. 4), how much uptraining (Fig. 5), how many groups (Fig. 6, Table 1), uptrained against
     trained from scratch; with gqakit's calibrated merge and refinement beside the paper's methods."""
-    from gqakit.pipelines.replicate.run import pretrain_mha, run_replicate
-
     # every other parameter is named after its ReplicateOptions field, so the options name each flag
     options = ReplicateOptions(**settings)
     if pretrain_only:

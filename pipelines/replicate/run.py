@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gqakit.asset_cache import read_manifest
+from gqakit.assets import fetch_asset
+from gqakit.files import cache_root
+from gqakit.local_assets import publish
 from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
+from gqakit.pipelines.replicate.report import write_report
 from gqakit.pipelines.replicate.train import (
     Context,
     convert_arm,
@@ -54,7 +60,6 @@ class ReplicateResult:
 def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
     if o.corpus is not None:
         return tuple(Path(p) for p in o.corpus)  # type: ignore[return-value]
-    from gqakit.assets import fetch_asset
 
     wiki = fetch_asset("wiki-en", o.cache_dir, wheelhouse=o.wheelhouse)
     return wiki["train"], wiki["validation"], wiki["test"]
@@ -62,8 +67,6 @@ def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
 
 def _setup(o: ReplicateOptions, total_steps: int) -> tuple[Context, Path, Arm, float]:
     """Steps 1-3: the corpus, the tokenizer and the pretrained MHA model (published as an asset)."""
-    import time
-
     o.validate()
     quiet_transformers()
     start = time.perf_counter()
@@ -106,8 +109,6 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
     Returns:
         A :class:`ReplicateResult`; the report is at ``result.report``.
     """
-    import time
-
     o = options or ReplicateOptions()
     ctx, tok, mha_arm, start = _setup(o, STEPS)
     steps, m, store = ctx.steps, o.model, ctx.store
@@ -151,8 +152,6 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
         by_g = {m.heads: mha, **{g: starts[("mean", g)] for g in o.groups}}
         decode = decode_times(ctx, by_g)
     with steps.step("Report"):
-        from gqakit.pipelines.replicate.report import write_report
-
         elapsed = time.perf_counter() - start
         report, results_json, figures = write_report(o, arms, decode, elapsed, store.reused)
     o.echo(f"Report: {report}")
@@ -161,10 +160,6 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
 
 def _publish(ctx: Context, mha: Path, summary: dict) -> None:
     """Make the pretrained MHA model an asset (``gqakit assets list`` shows it), once per build."""
-    from gqakit.asset_cache import read_manifest
-    from gqakit.files import cache_root
-    from gqakit.local_assets import publish
-
     info = {"model": asdict(ctx.o.model), "pretrain_tokens": ctx.o.pretrain_tokens, "files": summary["files"]}
     manifest = read_manifest(cache_root(ctx.o.cache_dir) / "replicate-mha")
     if manifest is None or manifest.get("info", {}).get("files") != info["files"]:

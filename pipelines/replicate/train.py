@@ -10,9 +10,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gqakit.checkpoint import read_config
+from gqakit.convert import ConvertOptions, convert_checkpoint
+from gqakit.convert.methods import METHODS
+from gqakit.eval import perplexity
+from gqakit.eval.decode_rounds import decode_rounds, round_stats
+from gqakit.geometry import AttentionGeometry
+from gqakit.models import load_causal_lm, load_tokenizer
+from gqakit.outputs import atomic_output_dir
 from gqakit.pipelines.replicate.options import REFINED, ReplicateOptions
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
+from gqakit.text import load_texts
+from gqakit.uptrain import load_recipe, recipe_from_dict, uptrain
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
@@ -46,10 +58,9 @@ def train_tokenizer(ctx: Context) -> Path:
     key = {"train": fingerprint(ctx.train), "vocab": ctx.o.model.vocab}
 
     def build() -> None:
+        # deferred: transformers takes seconds to import
         from tokenizers import ByteLevelBPETokenizer
         from transformers import PreTrainedTokenizerFast
-
-        from gqakit.outputs import atomic_output_dir
 
         bpe = ByteLevelBPETokenizer()
         lines = ctx.train.read_text(encoding="utf-8").splitlines()
@@ -95,10 +106,8 @@ def init_model(ctx: Context, tokenizer: Path, kv_heads: int, seed: int) -> Path:
     key = {"config": cfg, "seed": seed, "tokenizer": fingerprint(tokenizer)}
 
     def build() -> None:
-        import torch
+        # deferred: transformers takes seconds to import
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        from gqakit.outputs import atomic_output_dir
 
         torch.manual_seed(seed)
         config = AutoConfig.for_model(**cfg)
@@ -116,8 +125,6 @@ def recipe_data(
 ) -> dict[str, Any]:
     """The recipe of one run: ``recipes/replicate-mha.yaml`` (the LM objective on the train split,
     warmup then cosine, checkpoints every 100 steps) with this run's start, steps, lr, seed and sizes."""
-    from gqakit.uptrain import load_recipe
-
     o = ctx.o
     recipe = load_recipe(
         "replicate-mha",
@@ -142,8 +149,6 @@ def train_run(
     ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int
 ) -> dict:
     """Train ``start`` for ``steps`` steps into ``out`` with gqakit's loop; cached, resumed when killed."""
-    from gqakit.uptrain import recipe_from_dict, uptrain
-
     recipe = recipe_from_dict(recipe_data(ctx, start, out, steps, lr, seed, pretraining))
     # The key is what changes the weights: logging and progress bars do not.
     key = {"start": fingerprint(start), "recipe": {k: v for k, v in recipe.to_dict().items() if k != "log"}}
@@ -171,9 +176,6 @@ def train_run(
 
 def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
     """``mha`` converted to ``groups`` K/V heads by ``method`` (``refined``: calibrated + refinement)."""
-    from gqakit.convert import ConvertOptions, convert_checkpoint
-    from gqakit.convert.methods import METHODS
-
     refined = method == REFINED
     conversion = "calibrated" if refined else method
     opts = ConvertOptions(
@@ -198,9 +200,6 @@ def perplexity_of(ctx: Context, path: Path) -> float:
     cached = ctx.store.get(name, key)
     if cached is not None:
         return cached["ppl"]
-    from gqakit.eval import perplexity
-    from gqakit.models import load_causal_lm, load_tokenizer
-    from gqakit.text import load_texts
 
     model = load_causal_lm(path, dtype="float32", device=ctx.o.device)
     res = perplexity(
@@ -214,10 +213,6 @@ def perplexity_of(ctx: Context, path: Path) -> float:
 def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any]]:
     """Decode time per token (batch 8, the model's full context, interleaved rounds) and KV bytes per
     token (float32) of one model per G."""
-    from gqakit.checkpoint import read_config
-    from gqakit.eval.decode_rounds import decode_rounds, round_stats
-    from gqakit.geometry import AttentionGeometry
-
     key = {str(g): fingerprint(p) for g, p in by_g.items()} | {"rounds": ctx.o.decode_rounds}
     cached = ctx.store.get("decode", key)
     if cached is None:

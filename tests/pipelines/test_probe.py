@@ -60,8 +60,12 @@ def test_probe_cli_writes_table_json_and_plot(tmp_path, texts):
     # 2 G x (3 contiguous + 3 similarity) combinations, after the original
     assert len(rows) == 1 + 2 * 6
     for r in rows[1:]:
-        assert len(r["attn_error"]) == 2 and all(e >= 0 for e in r["attn_error"])
+        # every converted layer's attention differs from the original's (G < 4 K/V heads of random weights)
+        assert len(r["attn_error"]) == 2 and all(e > 0 for e in r["attn_error"]), r
         assert r["ppl"] > 0 and r["key_error"] is not None
+    # fewer K/V heads lose more: each method's mean attention error grows from G = 2 to G = 1
+    by = {(r["groups"], r["method"], r["grouping"]): r["mean_attn_error"] for r in rows[1:]}
+    assert all(by[(1, m, g)] > by[(2, m, g)] for (_, m, g) in by), by
     cal = [r for r in rows if r["method"] == "calibrated" and r["grouping"] == "contiguous"]
     mean = [r for r in rows if r["method"] == "mean" and r["grouping"] == "contiguous"]
     assert all(c["value_error"] <= m["value_error"] for c, m in zip(cal, mean, strict=True))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from die_after_step import kill_after
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,21 +125,8 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(recipe, tmp_pat
     common = ("budget.steps=12", "checkpoint.every=4", "train.grad_accum=2", "eval.every=6")
     full = uptrain(recipe(*common, f"output_dir={tmp_path / 'full'}", model="tied"))
 
-    class Killed(Exception):
-        pass
-
-    log_train = UptrainLoop._log_train
-
-    def die_at_step_7(self, *a, **k):
-        log_train(self, *a, **k)
-        if self.state.step == 7:
-            raise Killed
-
     r = recipe(*common, f"output_dir={tmp_path / 'cut'}", model="tied")
-    monkeypatch.setattr(UptrainLoop, "_log_train", die_at_step_7)
-    with pytest.raises(Killed):
-        uptrain(r)
-    monkeypatch.setattr(UptrainLoop, "_log_train", log_train)
+    kill_after(7, lambda: uptrain(r), monkeypatch)
     assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-00000004"]
     with pytest.raises(GqakitError, match="not empty. Pass --resume"):
         uptrain(r)

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from die_after_step import kill_after
 
 from gqakit.errors import GqakitError
 from gqakit.uptrain.api import uptrain
@@ -130,23 +131,9 @@ def test_an_unwritable_output_dir_is_one_message(recipe):
         uptrain(recipe("output_dir=/sys/run"))
 
 
-class _Killed(Exception):
-    pass
-
-
 def _kill_at(step: int, r, monkeypatch) -> None:
-    """Run ``r`` and stop it with an exception right after step ``step`` is logged (a kill)."""
-    log_train = UptrainLoop._log_train
-
-    def die(self, *a, **k):
-        log_train(self, *a, **k)
-        if self.state.step == step:
-            raise _Killed
-
-    monkeypatch.setattr(UptrainLoop, "_log_train", die)
-    with pytest.raises(_Killed):
-        uptrain(r)
-    monkeypatch.setattr(UptrainLoop, "_log_train", log_train)
+    """Run ``r`` and stop it right after step ``step`` is logged (a kill)."""
+    kill_after(step, lambda: uptrain(r), monkeypatch)
 
 
 def test_resume_with_a_changed_recipe_or_world_names_what_differs(recipe, tmp_path, monkeypatch):
