@@ -24,10 +24,12 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from gqakit.checkpoint import read_config
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.decode_rounds import interleaved, round_stats
 from gqakit.eval.kv_bytes import dtype_bytes, weight_bytes_per_step
@@ -139,6 +141,45 @@ def vllm_throughput(
     return points
 
 
+def vllm_decode_rounds(
+    paths: list[str],
+    *,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    rounds: int,
+    dtype: str = "float32",
+    kv_budget: int = 1,
+) -> list[tuple[int | None, list[float]]]:
+    """Each checkpoint's KV capacity (tokens in ``kv_budget`` GiB) and output tokens/s per round at
+    ``batch`` concurrent sequences of ``context`` random prompt tokens and ``new_tokens`` output tokens.
+
+    One vLLM engine at a time (several at once would not fit beside the others on a small machine), so
+    the rounds of one model run back to back after one untimed request; their spread shows a change of
+    load within them.
+
+    Raises:
+        GqakitError: with the install commands when no Python with vLLM is found.
+    """
+    python = require_vllm()
+    out = []
+    for path in paths:
+        head_dim = AttentionGeometry.from_config(read_config(Path(path))).head_dim
+        with VllmWorker(
+            path, python, dtype=dtype, kv_budget_gib=kv_budget, max_model_len=context + new_tokens,
+            head_dim=head_dim,
+        ) as worker:  # fmt: skip
+            worker.request("throughput", concurrency=1, prompt_tokens=8, output_tokens=4, seed=0)
+            tps = []
+            for r in range(rounds):
+                reply = worker.request(
+                    "throughput", concurrency=batch, prompt_tokens=context, output_tokens=new_tokens, seed=r
+                )
+                tps.append(reply["output_tokens"] / reply["seconds"])
+            out.append((worker.kv_tokens, tps))
+    return out
+
+
 def measure_vllm_model(
     label: str, path: str, *, config: Any, options: EvalOptions, texts: list[str] | None, contexts: list[int]
 ) -> ModelResult:
@@ -194,4 +235,11 @@ def measure_vllm_model(
     return res
 
 
-__all__ = ["PROMPTS", "measure_vllm_model", "require_vllm", "vllm_perplexity", "vllm_throughput"]
+__all__ = [
+    "PROMPTS",
+    "measure_vllm_model",
+    "require_vllm",
+    "vllm_decode_rounds",
+    "vllm_perplexity",
+    "vllm_throughput",
+]

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -20,21 +18,6 @@ from gqakit.eval import EvalOptions, evaluate_models
 from gqakit.eval.serving import GreedyAgreement
 from gqakit.eval.vllm_client import ENV_VAR, check_cpu, vllm_python
 from gqakit.testing import TINY_TEXT, save_tiny_model
-
-STANDIN = Path(__file__).with_name("vllm_standin.py")
-
-
-@pytest.fixture
-def standin_python(tmp_path, monkeypatch):
-    """A fake "Python with vLLM": answers the vLLM probe, and runs the stand-in worker instead of the real
-    one; set as $GQAKIT_VLLM_PYTHON."""
-    fake = tmp_path / "vllm-python"
-    fake.write_text(
-        f'#!/bin/sh\nif [ "$1" = "-c" ]; then exit 0; fi\nshift\nexec {sys.executable} {STANDIN} "$@"\n'
-    )
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv(ENV_VAR, str(fake))
-    return fake
 
 
 @pytest.fixture
