@@ -9,8 +9,10 @@ is, in one run:
 2. Greedy continuations of the engine's four fixed prompts (``--new-tokens`` each), token by token.
 3. KV capacity vLLM allocates in ``--kv-budget`` GiB: each model's tokens over MHA-9's beside H/G.
 4. Output tokens/s at each concurrency, ``--prompt-tokens`` random prompt tokens and ``--new-tokens``
-   output tokens per sequence, ``--rounds`` interleaved rounds: the median, its spread, and each ratio
-   to MHA-9 beside its bytes-moved bound (no ratio where the rounds disagree).
+   output tokens per sequence. The three models are loaded in vLLM at once and every round runs every
+   (model, concurrency) point in a rotated order, so a change of machine load hits all models alike
+   (``gqakit eval`` measures one model after another); ``--rounds`` rounds, the median, its spread, and
+   each ratio to MHA-9 beside its bytes-moved bound (no ratio where the rounds disagree).
 
     GQAKIT_VLLM_PYTHON=~/.cache/gqakit-vllm/venv/bin/python python benchmarks/bench_vllm.py \\
         --out benchmarks/results/vllm/smollm2-cpu-float32.json
@@ -25,12 +27,15 @@ import platform
 import shlex
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from relative_paths import relative_text
 
 from gqakit.convert import ConvertOptions, convert_checkpoint, expand_checkpoint
 from gqakit.eval import EvalOptions, evaluate_models
+from gqakit.eval.decode_rounds import interleaved, round_stats, speedup
+from gqakit.eval.vllm_client import VllmWorker, vllm_python
 from gqakit.files import cache_root
 
 
@@ -43,6 +48,51 @@ def build_forms(model: Path, work: Path) -> dict[str, str]:
         if not (forms[name] / "config.json").is_file():
             convert_checkpoint(forms["MHA-9"], forms[name], ConvertOptions(groups=g, force=True))
     return {k: str(v) for k, v in forms.items()}
+
+
+def throughput(vl, forms: dict[str, str], conc: list[int], args) -> dict[str, list[dict]]:
+    """Every (model, concurrency) point in each of ``args.rounds`` rounds, all three models loaded at once;
+    per model, a row per concurrency with its rounds, median, spread, ratio to MHA-9 and bound."""
+    python, names = vllm_python(), list(forms)
+    points = [(name, c) for name in names for c in conc]
+    with ExitStack() as stack:
+        workers = {
+            name: stack.enter_context(
+                VllmWorker(
+                    path, python, dtype="float32", kv_budget_gib=args.kv_budget,
+                    max_model_len=args.prompt_tokens + args.new_tokens, head_dim=vl.models[name].head_dim,
+                )
+            )
+            for name, path in forms.items()
+        }  # fmt: skip
+        for w in workers.values():  # one untimed request each: first-call costs
+            w.request("throughput", concurrency=1, prompt_tokens=8, output_tokens=4, seed=0)
+
+        def one(i: int, r: int) -> float:
+            name, c = points[i]
+            reply = workers[name].request(
+                "throughput", concurrency=c, prompt_tokens=args.prompt_tokens,
+                output_tokens=args.new_tokens, seed=r,
+            )  # fmt: skip
+            return reply["output_tokens"] / reply["seconds"]
+
+        runs = interleaved(len(points), args.rounds, one)
+    stats = {p: round_stats(r) for p, r in zip(points, runs, strict=True)}
+    out: dict[str, list[dict]] = {}
+    for name in names:
+        m, base = vl.models[name], vl.models[names[0]]
+        out[name] = []
+        for c in conc:
+            tokens = c * (args.prompt_tokens + args.new_tokens // 2)  # the mean decode position
+            bound = (base.weight_bytes + base.kv_bytes_per_token * tokens) / (
+                m.weight_bytes + m.kv_bytes_per_token * tokens
+            )
+            st, ratio = stats[(name, c)], speedup(stats[(name, c)], stats[(names[0], c)])
+            out[name].append(
+                {"concurrency": c, "tokens_per_s": st.median, "rounds": list(st.rounds), "spread": st.spread,
+                 "reliable": st.reliable, "ratio": ratio, "bound": bound}
+            )  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -69,19 +119,14 @@ def main() -> None:
     hf = evaluate_models(forms, EvalOptions(**common))
     vl = evaluate_models(
         forms,
-        EvalOptions(
-            **common, engine="vllm", bench=True, batch_sizes=args.concurrency,
-            contexts=str(args.prompt_tokens), new_tokens=args.new_tokens, rounds=args.rounds,
-            kv_budget=args.kv_budget,
-        ),
-    )  # fmt: skip
-    comps = vl.comparisons()
+        EvalOptions(**common, engine="vllm", new_tokens=args.new_tokens, kv_budget=args.kv_budget),
+    )
+    speeds = throughput(vl, forms, [int(c) for c in args.concurrency.split(",")], args)
     base = vl.models["MHA-9"]
     rows = []
     for name, m in vl.models.items():
         ppl_hf, ppl_vllm = hf.models[name].perplexity.ppl, m.perplexity.ppl
         s = m.serving
-        dec = {d["batch"]: d for d in comps.get(name, {}).get("decode", [])}
         rows.append(
             {
                 "model": name,
@@ -96,18 +141,7 @@ def main() -> None:
                 "capacity_ratio": s.kv_tokens / base.serving.kv_tokens,
                 "capacity_bound": base.kv_bytes_per_token / m.kv_bytes_per_token,
                 "max_sequences_at_seq_len": s.max_sequences,
-                "throughput": [
-                    {
-                        "concurrency": p.batch,
-                        "tokens_per_s": p.tokens_per_s,
-                        "rounds": p.rounds,
-                        "spread": p.spread,
-                        "reliable": p.reliable,
-                        "ratio": dec[p.batch]["speedup"] if p.batch in dec else 1.0,
-                        "bound": dec[p.batch]["bound"] if p.batch in dec else 1.0,
-                    }
-                    for p in m.decode
-                ],
+                "throughput": speeds[name],
             }
         )
     for r in rows:
@@ -118,7 +152,7 @@ def main() -> None:
             f"{r['capacity_bound']:.2f}x)"
         )
         for t in r["throughput"]:
-            ratio = f"{t['ratio']:.2f}x" if t["ratio"] else "unreliable"
+            ratio = t["ratio"]
             print(
                 f"    concurrency {t['concurrency']:4}: {t['tokens_per_s']:7.1f} tok/s "
                 f"±{100 * t['spread']:.0f}% ({ratio}, bound {t['bound']:.2f}x)"

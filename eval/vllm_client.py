@@ -80,7 +80,8 @@ def check_cpu(flags_file: str = "/proc/cpuinfo") -> None:
     """Raise when this x86 CPU has neither AVX-512 nor AVX2, which vLLM's CPU kernels need."""
     if platform.machine() not in ("x86_64", "AMD64") or not os.path.isfile(flags_file):
         return
-    flags = set(next((ln.split(":", 1)[1].split() for ln in open(flags_file) if ln.startswith("flags")), []))
+    lines = Path(flags_file).read_text(errors="replace").splitlines()
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
     if not flags & {"avx512f", "avx2"}:
         raise GqakitError(
             "vLLM's CPU backend needs a CPU with AVX-512 or AVX2, and this one has neither "

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gqakit.checkpoint import read_config
+from gqakit.errors import GqakitError
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.decode_rounds import interleaved, round_stats
 from gqakit.eval.kv_bytes import dtype_bytes, weight_bytes_per_step
@@ -186,6 +187,13 @@ def measure_vllm_model(
     """Measure ``path`` in vLLM and return its :class:`~gqakit.eval.results.ModelResult` (see the module
     docstring)."""
     python = require_vllm(options)
+    limit = max_positions(config)
+    if texts is not None and limit is not None and options.seq_len + 1 > limit:
+        # vLLM scores a window's targets as prompt tokens: the prompt is the window plus its last target
+        raise GqakitError(
+            f"[{label}] --seq-len {options.seq_len} with --engine vllm needs {options.seq_len + 1} "
+            f"positions, and this model has {limit}; use --seq-len {limit - 1} or less."
+        )
     geom = AttentionGeometry.from_config(config.to_dict())
     tokenizer = load_tokenizer(path)
     prefix = prefix_token_id(tokenizer)
@@ -207,7 +215,6 @@ def measure_vllm_model(
     needed = max([options.seq_len + 2, *(len(p) + options.new_tokens for p in prompts)])
     if options.bench:
         needed = max(needed, max(contexts) + options.new_tokens)
-    limit = max_positions(config)
     on_gpu = resolve_device(options.device).type == "cuda"
     with VllmWorker(
         path, python, dtype=_dtype(options, config), kv_budget_gib=options.kv_budget,

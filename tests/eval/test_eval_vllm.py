@@ -107,6 +107,12 @@ def test_a_checkpoint_vllm_cannot_load_is_one_line(tmp_path, text, standin_pytho
     assert "vLLM could not load" in res.output and "head_dim 16 is not one vLLM's CPU attention" in res.output
 
 
+def test_a_window_needing_one_more_position_than_the_model_has_is_refused(tiny_models, text, standin_python):
+    opts = _options(text, engine="vllm", seq_len=256, stride=None)
+    with pytest.raises(GqakitError, match="needs 257 positions, and this model has 256; use --seq-len 255"):
+        evaluate_models({"mha": str(tiny_models["mha"])}, opts)
+
+
 def test_out_of_kv_memory_names_the_budget(tiny_models, text, standin_python, monkeypatch):
     monkeypatch.setenv("STANDIN_FAIL", "kv_memory")
     with pytest.raises(GqakitError, match=r"raise --kv-budget \(VLLM_CPU_KVCACHE_SPACE, now 2 GiB\)"):
