@@ -72,7 +72,7 @@ def _preflight(models: dict[str, str], options: EvalOptions) -> tuple[dict[str, 
     once. Returns the configs and the evaluation texts."""
     problems, configs = [], {}
     try:
-        ENGINES[options.engine].check_installed()
+        ENGINES[options.engine].check_installed(options)
     except GqakitError as e:
         problems.append(e.message)
     for label, path in models.items():

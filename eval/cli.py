@@ -75,6 +75,25 @@ from gqakit.outputs import writable_dir
     show_default=True,
     help="Weights of the llama.cpp engine; f32 also keeps its KV cache in float32 (transformers' numbers).",
 )
+@click.option(
+    "--vllm-python",
+    help="Python with vLLM, for --engine vllm [default: $GQAKIT_VLLM_PYTHON, else this one].",
+)
+@click.option(
+    "--kv-budget",
+    type=int,
+    default=1,
+    show_default=True,
+    help="KV-cache memory of --engine vllm on a CPU, GiB (VLLM_CPU_KVCACHE_SPACE).",
+)
+@click.option(
+    "--gpu-memory-utilization",
+    type=float,
+    help="Share of GPU memory --engine vllm may take (weights + KV cache) [default: 0.9].",
+)
+@click.option(
+    "--rounds", type=int, default=3, show_default=True, help="Throughput rounds per point of --engine vllm."
+)
 def eval_cmd(
     model: str,
     baseline: str | None,
@@ -102,6 +121,10 @@ def eval_cmd(
     progress: bool,
     engine: str,
     gguf_type: str,
+    vllm_python: str | None,
+    kv_budget: int,
+    gpu_memory_utilization: float | None,
+    rounds: int,
 ) -> None:
     """Measure MODEL (and --baseline): perplexity, lm-eval tasks, decode speed and KV memory.
 
@@ -109,6 +132,7 @@ def eval_cmd(
     gqakit eval ./smollm2-mqa --baseline ./smollm2 --ppl-data wiki.test.txt --bench --out report/
     gqakit eval ./llama2-gqa8 --baseline ./Llama-2-7b-hf --tasks hellaswag,arc_easy --device cuda
     gqakit eval ./smollm2-mqa --baseline ./smollm2-mha --engine llamacpp --bench --contexts 512,2048,4096
+    gqakit eval ./smollm2-mqa --baseline ./smollm2-mha --engine vllm --bench --batch-sizes 1,8,32,128
     """
     writable_dir(out, "--out")  # before the evaluation, not after it
 
@@ -136,6 +160,10 @@ def eval_cmd(
         progress=progress,
         engine=engine,
         gguf_type=gguf_type,
+        vllm_python=vllm_python,
+        kv_budget=kv_budget,
+        gpu_memory_utilization=gpu_memory_utilization,
+        rounds=rounds,
         command_line=" ".join(shlex.quote(a) for a in ["gqakit", *sys.argv[1:]]),
     )
     results = evaluate(model, baseline, options)

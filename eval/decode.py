@@ -55,6 +55,10 @@ class DecodePoint:
         static_cache: a static cache was used.
         compiled: the forward pass was compiled.
         error: the error message of an OOM point.
+        rounds: tokens/s of each round, when the point was measured in rounds (the vLLM engine).
+        spread: ``(max - min) / median`` of the rounds.
+        reliable: the rounds agree (see :func:`~gqakit.eval.decode_rounds.round_stats`); no speedup is
+            computed from an unreliable point.
     """
 
     batch: int
@@ -71,6 +75,9 @@ class DecodePoint:
     static_cache: bool = False
     compiled: bool = False
     error: str | None = None
+    rounds: list[float | None] | None = None
+    spread: float | None = None
+    reliable: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -48,10 +48,11 @@ class Engine:
         """The function that measures one model."""
         return _resolve(self.measure)
 
-    def check_installed(self) -> None:
-        """Raise a clear error when this engine's backend is not installed."""
+    def check_installed(self, options: Any = None) -> None:
+        """Raise a clear error when this engine's backend is not installed (``options``: the
+        :class:`~gqakit.eval.options.EvalOptions`, which may say where the backend is)."""
         if self.requires:
-            _resolve(self.requires)()
+            _resolve(self.requires)(options)
 
 
 ENGINES: NameTable[Engine] = NameTable(
@@ -64,6 +65,12 @@ ENGINES: NameTable[Engine] = NameTable(
             "gqakit.eval.llamacpp_engine:measure_llamacpp_model",
             requires="gqakit.eval.llamacpp_engine:require_llama_cpp",
             gguf=True,
+        ),
+        "vllm": Engine(
+            "vLLM, in its own Python (--vllm-python or $GQAKIT_VLLM_PYTHON): perplexity, greedy text against "
+            "transformers, KV-cache capacity, throughput per concurrency (--batch-sizes)",
+            "gqakit.eval.vllm_engine:measure_vllm_model",
+            requires="gqakit.eval.vllm_engine:require_vllm",
         ),
     },
 )

@@ -55,7 +55,7 @@ GGML_TYPE_F32 = 0  # ggml_type of a float32 KV cache
 _KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells")
 
 
-def require_llama_cpp():
+def require_llama_cpp(_options: Any = None):
     """The ``llama_cpp`` module, or one message with the command that installs it."""
     try:
         # deferred: llama.cpp's binding is optional

@@ -49,6 +49,10 @@ class EvalOptions:
         engine: one of :data:`gqakit.eval.engines.ENGINES`: ``hf`` (transformers, in this process) or
             ``llamacpp`` (llama.cpp through its Python binding, on a GGUF export of each model; decode at
             batch 1).
+        vllm_python: the Python with vLLM for ``vllm`` (default ``$GQAKIT_VLLM_PYTHON``, else this one).
+        kv_budget: the vLLM engine's KV-cache memory on a CPU, whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        gpu_memory_utilization: the vLLM engine's share of GPU memory (weights + KV cache); None: 0.9.
+        rounds: the vLLM engine's throughput rounds per point (median and spread).
         gguf_type: the llama.cpp engine's weight type, ``f32`` (with a float32 KV cache: the same
             function as transformers in float32), ``f16`` or ``q8_0`` (with llama.cpp's f16 KV cache).
     """
@@ -77,6 +81,10 @@ class EvalOptions:
     command_line: str | None = None
     engine: str = "hf"
     gguf_type: str = "f16"
+    vllm_python: str | None = None
+    kv_budget: int = 1
+    gpu_memory_utilization: float | None = None
+    rounds: int = 3
 
     def __post_init__(self) -> None:
         p = Problems("eval")
@@ -90,7 +98,7 @@ class EvalOptions:
             except GqakitError as e:
                 p.add(e.message)
         object.__setattr__(self, "tasks", split_tasks(self.tasks))
-        for name in ("seq_len", "batch_size", "new_tokens"):
+        for name in ("seq_len", "batch_size", "new_tokens", "rounds"):
             if getattr(self, name) < 1:
                 p.add(f"{f(name)} must be positive, got {getattr(self, name)}.")
         if self.new_tokens == 1:
@@ -99,6 +107,10 @@ class EvalOptions:
             p.add(f"{f('stride')} must be between 1 and {f('seq_len')} {self.seq_len}, got {self.stride}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             p.add(f"{f('max_tokens')} must be positive, got {self.max_tokens}.")
+        if not isinstance(self.kv_budget, int) or self.kv_budget < 1:  # vLLM reads whole GiB
+            p.add(f"{f('kv_budget')} must be a whole number of GiB, at least 1, got {self.kv_budget}.")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            p.add(f"{f('gpu_memory_utilization')} must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.warmup < 0:
             p.add(f"{f('warmup')} must be >= 0, got {self.warmup}.")
         if self.dtype not in DTYPES:

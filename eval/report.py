@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gqakit.eval.plots import MIB, PLOTS, write_plots
+from gqakit.eval.serving import serving_table
 
 if TYPE_CHECKING:
     from gqakit.eval.results import EvalResults
@@ -131,7 +132,7 @@ def render_markdown(results: EvalResults, plots: list[str]) -> str:
             if is_base or dec is None:
                 row += ["1.00×" if is_base else "–", "1.00×" if is_base else "–"]
             else:
-                row += [f"{dec['speedup']:.2f}×", f"{dec['bound']:.2f}×"]
+                row += [_speedup(dec), f"{dec['bound']:.2f}×"]
         rows.append(row)
 
     dtypes = ", ".join(sorted({m.dtype for m in results.models.values()}))
@@ -167,13 +168,49 @@ def render_markdown(results: EvalResults, plots: list[str]) -> str:
         )
     parts += [f"- {n}" for n in notes] + ([""] if notes else [])
 
+    serving = [m for m in results.models.values() if m.serving]
+    if serving:
+        s = serving[0].serving
+        budget = f"{s.kv_budget_bytes / 2**30:g} GiB of KV memory" if s.kv_budget_bytes else "its GPU share"
+        parts += [
+            "## Serving",
+            "",
+            f"{s.engine}: the KV cache it allocated for {budget}, the sequences of {s.context:,} tokens "
+            f"it holds at once (whole blocks of {s.block_size}), and greedy continuations of fixed prompts "
+            "against transformers'. Capacity ratio: the model's tokens over the baseline's; bound: the "
+            "baseline's KV bytes per token over the model's (H/G).",
+            "",
+            serving_table(serving, results.baseline),
+            "",
+        ]
     if any(m.decode for m in results.models.values()):
         parts += ["## Decode grid", "", _decode_table(results, comps), ""]
+        if any(p.rounds for m in results.models.values() for p in m.decode):
+            parts += [
+                "Each point: the median of its rounds (tokens/s ± spread, (max - min) / median); a speedup "
+                'needs both points\' rounds within the tolerance, else it reads "unreliable". Batch: '
+                "concurrent sequences; tokens/s: output tokens per second over them.",
+                "",
+            ]
     if metrics:
         parts += ["## lm-eval", "", _lm_eval_table(results), ""]
     if plots:
         parts += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(parts)
+
+
+def _speedup(d: dict[str, Any] | None) -> str:
+    """A speedup cell: the ratio, "unreliable" when the rounds disagree, or a dash."""
+    if d is None:
+        return "–"
+    if not d.get("reliable", True):
+        return "unreliable"
+    return f"{d['speedup']:.2f}×" if d["speedup"] else "–"
+
+
+def _tokens_per_s(p) -> str:
+    text = f"{p.tokens_per_s:.1f}"
+    return text if p.spread is None else f"{text} ±{100 * p.spread:.0f}%"
 
 
 def _decode_table(results: EvalResults, comps: dict[str, Any]) -> str:
@@ -219,10 +256,10 @@ def _decode_table(results: EvalResults, comps: dict[str, Any]) -> str:
                     str(p.context),
                     f"{p.prefill_s:.3f}" if p.prefill_s is not None else "–",  # None: a random-filled cache
                     f"{p.decode_ms:.2f}",
-                    f"{p.tokens_per_s:.1f}",
+                    _tokens_per_s(p),
                     f"{p.kv_bytes / MIB:.1f}",
                     f"{p.kv_bytes_predicted / MIB:.1f}",
-                    f"{d['speedup']:.2f}×" if d and d["speedup"] else "–",
+                    _speedup(d),
                     f"{d['bound']:.2f}×" if d else "–",
                     f"{100 * d['of_bound']:.0f}%" if d and d["of_bound"] else "–",
                 ]

@@ -16,6 +16,7 @@ from gqakit import __version__
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import PerplexityResult
+from gqakit.eval.serving import ServingResult
 from gqakit.geometry import AttentionGeometry
 
 
@@ -35,6 +36,7 @@ class ModelResult:
         perplexity: the perplexity result, when ``ppl_data`` was given.
         decode: the decode grid, when ``bench`` was set.
         lm_eval: lm-eval's output, when tasks were given.
+        serving: KV capacity and greedy agreement, from a serving engine (vLLM).
     """
 
     label: str
@@ -52,6 +54,7 @@ class ModelResult:
     perplexity: PerplexityResult | None = None
     decode: list[DecodePoint] = field(default_factory=list)
     lm_eval: dict[str, Any] | None = None
+    serving: ServingResult | None = None
 
     @classmethod
     def of(
@@ -122,11 +125,13 @@ class EvalResults:
                 if b is None:
                     continue
                 ok = p.status == "ok" and b.status == "ok"
+                reliable = p.reliable and b.reliable  # rounds that disagree give no speedup
                 c["decode"].append(
                     {
                         "batch": p.batch,
                         "context": p.context,
-                        "speedup": p.tokens_per_s / b.tokens_per_s if ok else None,
+                        "speedup": p.tokens_per_s / b.tokens_per_s if ok and reliable else None,
+                        "reliable": reliable,
                         "bound": b.bytes_per_step / p.bytes_per_step,
                         "kv_bytes_ratio": (p.kv_bytes / b.kv_bytes) if ok and b.kv_bytes else None,
                     }

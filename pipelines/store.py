@@ -38,12 +38,14 @@ class ResultStore:
 
     Attributes:
         reused: how many valid results this store has returned, for a pipeline's report.
+        computed: how many results it did not have (missing, or stored for another key).
     """
 
     def __init__(self, root: str | Path, fresh: bool = False) -> None:
         self.root = Path(root)
         self.fresh = fresh
         self.reused = 0
+        self.computed = 0
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, name: str) -> Path:
@@ -72,6 +74,8 @@ class ResultStore:
         value = self._lookup(name, key)
         if value is not None:
             self.reused += 1
+        else:
+            self.computed += 1
         return value
 
     def put(self, name: str, key: dict[str, Any], value: dict[str, Any]) -> None:
@@ -91,6 +95,7 @@ class ResultStore:
         value = self._lookup(name, key)
         dst = Path(dst)
         if value is None or not dst.is_dir() or fingerprint(dst) != value.get(FILES):
+            self.computed += 1
             return None
         self.reused += 1
         return value
@@ -106,6 +111,18 @@ class ResultStore:
         stored = {**(value or {}), FILES: fingerprint(dst)}
         self.put(name, key, stored)
         return stored
+
+    def compute_time(self, key: dict[str, Any], elapsed_s: float) -> float:
+        """The wall time the figures of a run took to compute, for its report: a run that computed
+        everything, its own ``elapsed_s``; a run that reused everything, the time stored by the run that
+        computed them (a cached re-run takes seconds); a run that did some of both, the stored time
+        plus its own. Stored under ``key`` (the run's settings) for the next run."""
+        stored = self._lookup("wall-time", key) if self.reused else None
+        if stored is not None and not self.computed:
+            return float(stored["compute_s"])
+        total = elapsed_s + (float(stored["compute_s"]) if stored else 0.0)
+        self.put("wall-time", key, {"compute_s": total})
+        return total
 
     def build_once(
         self, dst: str | Path, key: dict[str, Any], build: Callable[[], object], name: str | None = None

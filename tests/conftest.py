@@ -24,6 +24,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def standin_python(tmp_path, monkeypatch):
+    """A fake "Python with vLLM" set as $GQAKIT_VLLM_PYTHON: it answers the vLLM probe and runs
+    tests/vllm_standin.py (the worker's protocol, answered by transformers) instead of the real worker."""
+    import stat
+    import sys
+    from pathlib import Path
+
+    from gqakit.eval.vllm_client import ENV_VAR
+
+    standin = Path(__file__).with_name("vllm_standin.py")
+    fake = tmp_path / "vllm-python"
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-c" ]; then exit 0; fi\nshift\nexec {sys.executable} {standin} "$@"\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv(ENV_VAR, str(fake))
+    return fake
+
+
+@pytest.fixture
 def tiny_llama(tmp_path):
     """A saved 2-layer llama with 4 query heads and 4 K/V heads, with its tokenizer."""
     from gqakit.testing import save_tiny_model

@@ -167,7 +167,7 @@ def test_the_name_tables_say_what_each_name_is_and_suggest_the_closest():
         METHODS.lookup("calibrate", "--method")
     assert (
         ENGINES.unknown("hff", "--engine")
-        == "--engine 'hff' is unknown; choose one of hf, llamacpp. Did you mean \"hf\"?"
+        == "--engine 'hff' is unknown; choose one of hf, llamacpp, vllm. Did you mean \"hf\"?"
     )
     assert GROUPINGS.unknown("contiguous", "--grouping") is None
     assert METHODS.names == ("mean", "first", "random", "calibrated")

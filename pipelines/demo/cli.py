@@ -69,6 +69,11 @@ from gqakit.pipelines.demo.run import run_demo
     default=True,
     help="Measure the llama.cpp decode column (when llama-cpp-python is installed).",
 )
+@click.option(
+    "--vllm/--no-vllm",
+    default=True,
+    help="Measure the vLLM column (when $GQAKIT_VLLM_PYTHON or this Python has vLLM).",
+)
 @progress_option()
 @cache_dir_option()
 @wheelhouse_option()

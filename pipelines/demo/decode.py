@@ -11,6 +11,7 @@ from gqakit.errors import GqakitError
 from gqakit.eval import DecodePoint
 from gqakit.eval.decode_rounds import decode_rounds, llamacpp_decode_rounds, round_stats
 from gqakit.eval.llamacpp_engine import INSTALL, require_llama_cpp
+from gqakit.eval.vllm_engine import require_vllm, vllm_decode_rounds
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
 
@@ -85,4 +86,39 @@ def llamacpp_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStor
     return True
 
 
-__all__ = ["decode_side_by_side", "llamacpp_side_by_side"]
+def vllm_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, steps: Steps) -> bool:
+    """Every model in vLLM at the demo's batch, context and dtype: its KV capacity in 1 GiB and its rounds
+    of output tokens/s, attached as ``vllm_kv_tokens`` and ``vllm_stats``; False (and one note saying how
+    to add the column) when no Python with vLLM is found."""
+    try:
+        require_vllm()
+    except GqakitError as e:
+        steps.note(f"vLLM column skipped: {e.message}")
+        return False
+    key = {
+        "models": [[e.label, fingerprint(Path(e.result.path))] for e in evals],
+        "engine": "vllm, 1 GiB KV",
+        **{
+            k: v
+            for k, v in asdict(s).items()
+            if k in ("dtype", "decode_batch", "decode_context", "new_tokens")
+        },
+        "rounds": s.decode_rounds,
+    }
+    cached = store.get("decode-vllm", key)
+    if cached is None:
+        runs = vllm_decode_rounds(
+            [e.result.path for e in evals], batch=s.decode_batch, context=s.decode_context,
+            new_tokens=s.new_tokens, rounds=s.decode_rounds, dtype=s.dtype,
+        )  # fmt: skip
+        cached = {"kv_tokens": [k for k, _ in runs], "rounds": [r for _, r in runs]}
+        store.put("decode-vllm", key, cached)
+    else:
+        steps.note("vLLM: cached")
+    for e, kv_tokens, rounds in zip(evals, cached["kv_tokens"], cached["rounds"], strict=True):
+        e.vllm_kv_tokens, e.vllm_stats = kv_tokens, round_stats(rounds)
+        steps.note(f"{e.label}: vLLM {e.vllm_stats.describe()}, KV capacity {kv_tokens:,} tokens in 1 GiB")
+    return True
+
+
+__all__ = ["decode_side_by_side", "llamacpp_side_by_side", "vllm_side_by_side"]

@@ -40,6 +40,8 @@ class ModelEval:
     eval_s: float
     decode_stats: RoundStats | None = None  # the side-by-side decode rounds (gqakit.eval.decode_rounds)
     llamacpp_stats: RoundStats | None = None  # the same in llama.cpp, when its binding is installed
+    vllm_stats: RoundStats | None = None  # the same in vLLM, when a Python with vLLM is found
+    vllm_kv_tokens: int | None = None  # tokens vLLM's KV cache holds in 1 GiB
 
     @property
     def kv_heads(self) -> int:
@@ -86,6 +88,9 @@ class ModelEval:
             "decode_reliable": self.decode_stats.reliable if self.decode_stats else None,
             "llamacpp_rounds": list(self.llamacpp_stats.rounds) if self.llamacpp_stats else None,
             "llamacpp_tokens_per_s": self.llamacpp_stats.median if self.llamacpp_stats else None,
+            "vllm_rounds": list(self.vllm_stats.rounds) if self.vllm_stats else None,
+            "vllm_tokens_per_s": self.vllm_stats.median if self.vllm_stats else None,
+            "vllm_kv_tokens": self.vllm_kv_tokens,
             "eval_s": self.eval_s,
         }
 

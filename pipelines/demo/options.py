@@ -112,6 +112,9 @@ class DemoOptions:
         progress: show progress bars of the long steps.
         llamacpp: also measure every model's decode in llama.cpp (f16 GGUF, batch 1) when its Python
             binding is installed; the step says how to install it when it is not.
+        vllm: also measure every model in vLLM (KV capacity in 1 GiB, output tokens/s at the decode
+            point) when a Python with vLLM is found (``$GQAKIT_VLLM_PYTHON``); one line says how to add
+            it when not.
         echo: where step messages go (default: stderr).
     """
 
@@ -136,6 +139,7 @@ class DemoOptions:
     assets: Callable[[DemoOptions], DemoAssets] | None = None
     progress: bool = True
     llamacpp: bool = True
+    vllm: bool = True
     echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
 
     def validate(self) -> None:

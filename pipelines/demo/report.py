@@ -34,9 +34,10 @@ def _speed(stats) -> str:
 
 def render_table(rows: list[ModelEval], batch: int, context: int, dtype: str) -> str:
     """The demo's Markdown table; speedups are relative to the first row (the MHA baseline). The llama.cpp
-    columns appear when they were measured."""
-    base, lbase = rows[0].decode_stats, rows[0].llamacpp_stats
+    and vLLM columns appear when they were measured."""
+    base, lbase, vbase = rows[0].decode_stats, rows[0].llamacpp_stats, rows[0].vllm_stats
     llama = any(r.llamacpp_stats is not None for r in rows)
+    vllm = any(r.vllm_stats is not None for r in rows)
     head = (
         f"| model | K/V heads | perplexity | bits/byte | KV cache, {KV_TOKENS} tokens (MiB, "
         f"{_SHORT_DTYPE.get(dtype, dtype)}) | decode tokens/s (batch {batch}, context {context}) | "
@@ -44,7 +45,17 @@ def render_table(rows: list[ModelEval], batch: int, context: int, dtype: str) ->
     )
     if llama:
         head += f" llama.cpp tokens/s (f16, batch 1, context {context}) | llama.cpp speedup |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if llama else "")]
+    if vllm:
+        head += (
+            f" vLLM tokens/s (batch {batch}, context {context}) | vLLM speedup | vLLM KV capacity in 1 GiB "
+            "(tokens) |"
+        )
+    lines = [
+        head,
+        "|---|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|" if llama else "")
+        + ("---:|---:|---:|" if vllm else ""),
+    ]
     for r in rows:
         tps = r.decode_tokens_per_s
         cell = _speed(r.decode_stats) if r.decode_stats else (f"{tps:,.1f}" if tps else "OOM")
@@ -55,6 +66,9 @@ def render_table(rows: list[ModelEval], batch: int, context: int, dtype: str) ->
         )
         if llama:
             line += f" {_speed(r.llamacpp_stats)} | {speedup(r.llamacpp_stats, lbase)} |"
+        if vllm:
+            kv = f"{r.vllm_kv_tokens:,}" if r.vllm_kv_tokens else "-"
+            line += f" {_speed(r.vllm_stats)} | {speedup(r.vllm_stats, vbase)} | {kv} |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -108,13 +122,7 @@ def write_demo_plots(
     axes[0].set_xlabel("tokens in the cache (one sequence)")
     axes[0].set_ylabel(f"KV cache (MiB, {_SHORT_DTYPE.get(dtype, dtype)})")
     axes[0].legend()
-    tps = [r.decode_tokens_per_s or 0.0 for r in rows]
-    axes[1].bar(labels, tps, color=colors)
-    for i, v in enumerate(tps):
-        axes[1].annotate(f"{v:,.0f}" if v else "OOM", (i, v), ha="center", va="bottom", fontsize=8)
-    d = rows[0].result.decode[0]
-    axes[1].set_ylabel(f"decode tokens/s (batch {d.batch}, context {d.context})")
-    axes[1].tick_params(axis="x", labelsize=7)
+    _decode_bars(axes[1], rows, colors)
     fig.suptitle("What fewer K/V heads buy: a smaller cache, faster decoding")
     fig.tight_layout()
     paths.append(save_figure(fig, out / "kv_decode.png"))
@@ -135,6 +143,47 @@ def write_demo_plots(
         fig.tight_layout()
         paths.append(save_figure(fig, out / "uptraining.png"))
     return paths
+
+
+def _decode_bars(ax, rows: list[ModelEval], colors: list[str]) -> None:
+    """Decode tokens/s as horizontal bars (the long labels read on the y axis, never overlapping): each
+    bar the median round, its whisker the range of the rounds, and a bar whose rounds disagree hatched and
+    marked "unreliable", as the table marks it."""
+    y = list(range(len(rows)))[::-1]  # the first row on top, as in the table
+    tps = [r.decode_tokens_per_s or 0.0 for r in rows]
+    lo = [
+        max(0.0, t - min(x for x in r.decode_stats.rounds if x)) if _ran(r) else 0.0
+        for r, t in zip(rows, tps, strict=True)
+    ]
+    hi = [
+        max(x for x in r.decode_stats.rounds if x) - t if _ran(r) else 0.0
+        for r, t in zip(rows, tps, strict=True)
+    ]
+    bars = ax.barh(y, tps, color=colors, xerr=[lo, hi], capsize=3)
+    for bar, r, t, yy, h in zip(bars, rows, tps, y, hi, strict=True):
+        unreliable = r.decode_stats is not None and not r.decode_stats.reliable
+        if unreliable:
+            bar.set_hatch("//")
+            bar.set_alpha(0.5)
+        text = "OOM" if not t else f"{t:,.0f}" + (" unreliable" if unreliable else "")
+        ax.annotate(text, (t + h, yy), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
+    ax.set_yticks(y, [r.label for r in rows], fontsize=7)
+    d = rows[0].result.decode[0]
+    ax.set_xlabel(f"decode tokens/s (batch {d.batch}, context {d.context}), whiskers: the rounds")
+    ax.set_xlim(right=max([t + h for t, h in zip(tps, hi, strict=True)] + [1.0]) * 1.35)
+
+
+def _ran(r: ModelEval) -> bool:
+    return r.decode_stats is not None and any(r.decode_stats.rounds)
+
+
+def _wall_time(elapsed_s: float, settings: dict[str, Any]) -> str:
+    """This run's wall time, and beside it the time the figures took when they came from an earlier run."""
+    text = f"{fmt_duration(elapsed_s)} ({settings['reused']} results reused from the working directory)"
+    compute_s = settings.get("compute_s")
+    if settings["reused"] and compute_s and compute_s > elapsed_s + 1:
+        text += f"; the runs that computed these figures took {fmt_duration(compute_s)}"
+    return text
 
 
 def _uptrain_line(slug: str, u: dict[str, Any]) -> str:
@@ -197,8 +246,7 @@ def write_demo_report(
     images = "\n".join(f"![{p.stem}]({p.name})" for p in plots)
     text = f"""# gqakit demo
 
-`{command}` on {settings["device"]} ({settings["dtype"]}): {fmt_duration(elapsed_s)}
-({settings["reused"]} results reused from the working directory).
+`{command}` on {settings["device"]} ({settings["dtype"]}): {_wall_time(elapsed_s, settings)}.
 Source model `{settings["source"]}`; test text `{settings["test"]}`.
 
 {table}

@@ -15,7 +15,7 @@ from gqakit.convert import convert_checkpoint, expand_checkpoint
 from gqakit.errors import GqakitError
 from gqakit.eval import load_texts
 from gqakit.geometry import AttentionGeometry
-from gqakit.pipelines.demo.decode import decode_side_by_side, llamacpp_side_by_side
+from gqakit.pipelines.demo.decode import decode_side_by_side, llamacpp_side_by_side, vllm_side_by_side
 from gqakit.pipelines.demo.measure import (
     ModelEval,
     Settings,
@@ -258,6 +258,8 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
         decode_side_by_side([original, *rows], s, store, steps)
         if options.llamacpp:
             llamacpp_side_by_side([original, *rows], s, store, steps)
+        if options.vllm:
+            vllm_side_by_side([original, *rows], s, store, steps)
 
     with steps.step("Report"):
         elapsed = time.perf_counter() - start
@@ -268,6 +270,9 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
             "test": str(assets.test),
             "reused": store.reused,
         }
+        # the models' fingerprints are in the stored results' keys; the settings pick the run
+        key = {k: str(v) for k, v in settings.items() if k != "reused"}
+        settings["compute_s"] = round(store.compute_time(key, elapsed), 1)
         report, results_json, plots = write_demo_report(
             Path(options.out).resolve(),
             original,

