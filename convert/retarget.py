@@ -18,8 +18,20 @@ import torch
 from safetensors.torch import save_file
 
 from gqakit.checkpoint import Checkpoint, copy_non_weight_files
-from gqakit.convert import retarget_bigcode as bigcode
-from gqakit.convert import retarget_neox as neox
+from gqakit.convert.retarget_bigcode import (
+    gpt2_problems,
+    gpt2_to_bigcode_config,
+    gpt2_to_bigcode_state,
+    opt_problems,
+    opt_to_bigcode_config,
+    opt_to_bigcode_state,
+)
+from gqakit.convert.retarget_neox import (
+    neox_gain_problems,
+    neox_problems,
+    neox_to_phi_config,
+    neox_to_phi_state,
+)
 from gqakit.files import write_json
 
 Config = dict[str, Any]
@@ -56,19 +68,19 @@ RETARGETS: dict[str, Retarget] = {
             "gpt2", "gpt_bigcode",
             "GPTBigCode is GPT-2's block (learned positions, LayerNorm, GELU MLP, fused c_attn) with "
             "multi_query: one K/V head for all query heads",
-            bigcode.gpt2_problems, bigcode.gpt2_to_bigcode_config, bigcode.gpt2_to_bigcode_state, False,
+            gpt2_problems, gpt2_to_bigcode_config, gpt2_to_bigcode_state, False,
         ),
         Retarget(
             "opt", "gpt_bigcode",
             "pre-LN OPT is GPT-2's block with ReLU and learned positions at an offset of 2; GPTBigCode holds "
             "it with multi_query: one K/V head for all query heads",
-            bigcode.opt_problems, bigcode.opt_to_bigcode_config, bigcode.opt_to_bigcode_state, False,
+            opt_problems, opt_to_bigcode_config, opt_to_bigcode_state, False,
         ),
         Retarget(
             "gpt_neox", "phi",
             "Phi is GPT-NeoX's parallel attention + MLP block (LayerNorm, biases, partial rotary) with "
             "num_key_value_heads; NeoX's second LayerNorm folds into fc1",
-            neox.neox_problems, neox.neox_to_phi_config, neox.neox_to_phi_state, True,
+            neox_problems, neox_to_phi_config, neox_to_phi_state, True,
         ),
     )
 }  # fmt: skip
@@ -90,7 +102,7 @@ def read_state(ckpt: Checkpoint) -> StateDict:
 def state_problems(retarget: Retarget, state: StateDict, config: Config) -> list[str]:
     """Reasons found in the weights themselves (a zero LayerNorm gain that a fold divides by)."""
     if retarget.source == "gpt_neox":
-        return neox.neox_gain_problems(state, config["num_hidden_layers"])
+        return neox_gain_problems(state, config["num_hidden_layers"])
     return []
 
 
