@@ -128,3 +128,14 @@ def test_bigcode_targets_hold_only_mqa_or_mha(tmp_path):
     res = _convert(src, tmp_path / "out", "-g", "1", "--method", "calibrated", "--calib-data", str(text))
     assert res.exit_code == 2 and "takes the pooling methods only" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_inspect_says_which_class_the_output_will_be_and_why(tmp_path):
+    src = _model(tmp_path, "gpt2")
+    res = CliRunner().invoke(main, ["inspect", str(src)])
+    assert res.exit_code == 0, res.output
+    assert "converts into     gpt_bigcode: GPTBigCode is GPT-2's block" in res.output
+    assert "G=1 " in res.output and "G=4 " in res.output and "G=2 " not in res.output
+    bad = _model(tmp_path / "post-ln", "opt", do_layer_norm_before=False)
+    res = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert "not supported by convert" in res.output and "nothing: do_layer_norm_before is false" in res.output
