@@ -113,3 +113,17 @@ def write_target(out: Path, config: Config, state: StateDict, src: Path) -> Path
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), {"format": "pt"})
     write_json(out / "config.json", config)
     return out
+
+
+def retarget_groups_problem(config: Config, groups: int) -> str | None:
+    """Why a retargeted ``config`` cannot be converted to ``groups`` K/V heads (None when it can)."""
+    retarget = RETARGETS[config["model_type"]]
+    reasons = retarget.problems(config)
+    target = retarget.config(config)
+    heads = int(target.get("num_attention_heads") or target["n_head"])
+    if groups not in valid_groups(retarget, heads):
+        valid = ", ".join(map(str, valid_groups(retarget, heads)))
+        reasons.append(f"{retarget.target} holds G in {{{valid}}} for {heads} heads, not {groups}")
+    if not reasons:
+        return None
+    return f"{config['model_type']} converts into {retarget.target}, but: {'; '.join(reasons)}."
