@@ -37,6 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# A sibling file: the script's folder is on sys.path when run as `python benchmarks/bench_uptrain.py`.
+from uptrain_shapes import SHAPES, flops_per_token, make_model, make_text
+
 # H100 SXM dense bf16 peak, for MFU; other GPUs: pass --peak-tflops.
 DEFAULT_PEAK_TFLOPS = 989.0
 
@@ -168,51 +171,6 @@ def _run_worker(row: str, args, out: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# Random-weight llamas to train: "small" for a CPU; the others are real models' shapes, for a GPU
-# (MFU is only meaningful when the matrices are big enough to fill it).
-SHAPES = {
-    "small": dict(heads=8, kv_heads=2, layers=4, hidden=256, vocab_size=8192, intermediate_size=768),
-    "smollm2-135m": dict(
-        heads=9, kv_heads=3, layers=30, hidden=576, head_dim=64, vocab_size=49152,
-        intermediate_size=1536, tie_word_embeddings=True,
-    ),
-    "tinyllama-1.1b": dict(
-        heads=32, kv_heads=4, layers=22, hidden=2048, head_dim=64, vocab_size=32000,
-        intermediate_size=5632,
-    ),
-}  # fmt: skip
-
-
-def _make_model(path: Path, shape: str, seq_len: int, seed: int) -> str:
-    from gqakit.testing import save_tiny_model
-
-    positions = max(seq_len, 256)
-    model = save_tiny_model(path, "llama", seed=seed, max_position_embeddings=positions, **SHAPES[shape])
-    return str(model)
-
-
-def _make_text(root: Path, text_dir: str | None) -> str:
-    if text_dir and (Path(text_dir) / "train.txt").is_file():
-        return str(Path(text_dir) / "train.txt")
-    from gqakit.testing import TINY_TEXT
-
-    path = root / "train.txt"
-    sentences = [s for s in TINY_TEXT.split(". ") if s]
-    path.write_text("\n".join(". ".join(sentences[i % 5 :] + sentences[: i % 5]) for i in range(2000)))
-    return str(path)
-
-
-def _flops_per_token(config, seq_len: int, n_params: int, distill: bool) -> tuple[float, float]:
-    """Training FLOPs per token: (6N, PaLM's 6N + 12 L H Q T), plus the teacher's forward when distilling."""
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    attn = 12 * layers * heads * head_dim * seq_len
-    six_n, palm = 6 * n_params, 6 * n_params + attn
-    if distill:  # the teacher (same shape) runs forward only: a third of the training FLOPs
-        six_n, palm = six_n + 2 * n_params, palm + 2 * n_params + attn / 3
-    return six_n, palm
-
-
 def throughput(args) -> None:
     import torch
 
@@ -223,15 +181,15 @@ def throughput(args) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-uptrain-") as tmp:
         root = Path(tmp)
         if not args.model:
-            args.model = _make_model(root / "model", args.shape, args.seq_len, seed=0)
+            args.model = make_model(root / "model", args.shape, args.seq_len, seed=0)
         if any(r.endswith(":distill") for r in rows) and not args.teacher:
-            args.teacher = _make_model(root / "teacher", args.shape, args.seq_len, seed=1)
+            args.teacher = make_model(root / "teacher", args.shape, args.seq_len, seed=1)
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(args.model)
         with torch.device("meta"):  # counts tied embeddings once
             n_params = AutoModelForCausalLM.from_config(config).num_parameters()
-        args.train = _make_text(root, args.text_dir)
+        args.train = make_text(root, args.text_dir)
         runs: dict[str, list[dict]] = {r: [] for r in rows}
         for rep in range(args.repeats):
             for row in rows if rep % 2 == 0 else rows[::-1]:
@@ -284,7 +242,7 @@ def throughput(args) -> None:
         peak = max(res["peak_mib"] for res in results)
         line = f"| {row} | {tps[row]:,.0f} | {ratio} | {med * 1e3:.1f} | {peak:,.0f} | {loss_diff} |"
         if cuda:
-            six_n, palm = _flops_per_token(config, args.seq_len, n_params, objective == "distill")
+            six_n, palm = flops_per_token(config, args.seq_len, n_params, objective == "distill")
             peak_flops = args.peak_tflops * 1e12
             line += f" {six_n * tps[row] / peak_flops:.1%} | {palm * tps[row] / peak_flops:.1%} |"
         print(line)
