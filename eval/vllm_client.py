@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,9 @@ def check_cpu(flags_file: str = "/proc/cpuinfo") -> None:
         )
 
 
+_ROOT_CAUSE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
+
+
 def _one_line(text: str, limit: int = 300) -> str:
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
@@ -155,7 +159,26 @@ class VllmWorker:
             raise GqakitError(self._message({"error": self._last_error(), "kind": "died"}))
         reply = json.loads(line)
         if "error" in reply:
+            if "root cause" in reply["error"]:
+                reply = self._with_root_cause(reply)
             raise GqakitError(self._message(reply))
+        return reply
+
+    def _with_root_cause(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's front end reports a failed engine process as "See root cause above": the cause is the
+        engine's own error in the log (out of KV memory, most often), read once the worker has exited."""
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        self._drain.join(timeout=10)
+        for line in reversed(self.log):
+            m = _ROOT_CAUSE.search(line)
+            if m and "root cause" not in line:
+                cause = f"{m.group(1)}: {m.group(2)}"
+                text = cause.lower()
+                kv = "kv cache" in text and ("memory" in text or "larger than" in text)
+                return {"error": cause, "kind": "kv_memory" if kv else reply.get("kind")}
         return reply
 
     def _last_error(self) -> str:

@@ -211,6 +211,8 @@ def measure_vllm_model(
     )  # fmt: skip
     del model
     gc.collect()
+    if resolve_device(options.device).type == "cuda":
+        torch.cuda.empty_cache()  # vLLM sizes its share from the GPU memory free when it starts
 
     needed = max([options.seq_len + 2, *(len(p) + options.new_tokens for p in prompts)])
     if options.bench:

@@ -3,7 +3,9 @@ transformers, so the client, the engine, the report and the demo's column are te
 
 It scores what the real worker scores (each prompt token given the ones before it), allocates a "paged"
 KV cache of whole 16-token blocks in the budget, and fails on request: a model directory whose name
-contains ``cannot-load`` fails to load; ``STANDIN_FAIL=kv_memory`` fails as out of KV memory.
+contains ``cannot-load`` fails to load; ``STANDIN_FAIL=kv_memory`` fails as out of KV memory;
+``STANDIN_FAIL=engine_process`` fails as vLLM's front end does when its engine process ran out of KV memory
+(the cause in the log, "See root cause above" in the reply).
 """
 
 import json
@@ -40,6 +42,21 @@ def _nll(model, window: list[int], scored: int) -> float:
 
 def main() -> None:
     settings = json.loads(sys.argv[1])
+    if os.environ.get("STANDIN_FAIL") == "engine_process":
+        print(
+            "(EngineCore pid=1) ERROR [core.py:1] ValueError: To serve at least one request with the model's "
+            "max seq len (8192), (1.05 GiB KV cache is needed, which is larger than the available KV cache "
+            "memory (0.98 GiB).",
+            file=sys.stderr,
+        )
+        sys.stderr.flush()
+        _send(
+            {
+                "error": "RuntimeError: Engine core initialization failed. See root cause above.",
+                "kind": "load",
+            }
+        )
+        return
     if "cannot-load" in settings["model"] or os.environ.get("STANDIN_FAIL") == "kv_memory":
         print("ValueError: standing in for a failure", file=sys.stderr)
         kind = "kv_memory" if os.environ.get("STANDIN_FAIL") == "kv_memory" else "load"

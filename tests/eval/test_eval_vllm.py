@@ -113,8 +113,9 @@ def test_a_window_needing_one_more_position_than_the_model_has_is_refused(tiny_m
         evaluate_models({"mha": str(tiny_models["mha"])}, opts)
 
 
-def test_out_of_kv_memory_names_the_budget(tiny_models, text, standin_python, monkeypatch):
-    monkeypatch.setenv("STANDIN_FAIL", "kv_memory")
+@pytest.mark.parametrize("where", ["kv_memory", "engine_process"])
+def test_out_of_kv_memory_names_the_budget(tiny_models, text, standin_python, monkeypatch, where):
+    monkeypatch.setenv("STANDIN_FAIL", where)  # engine_process: the cause is in the log, not the reply
     with pytest.raises(GqakitError, match=r"raise --kv-budget \(VLLM_CPU_KVCACHE_SPACE, now 2 GiB\)"):
         evaluate_models({"mha": str(tiny_models["mha"])}, _options(text, engine="vllm", kv_budget=2))
 
