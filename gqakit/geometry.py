@@ -19,6 +19,17 @@ from typing import Any
 
 from gqakit.errors import GqakitError
 
+# GPT-2-style configs (gpt2, gpt_bigcode) store these under their own names (transformers' attribute_map).
+_GPT2_NAMES = {"num_attention_heads": "n_head", "hidden_size": "n_embd", "num_hidden_layers": "n_layer"}
+
+
+def _field(config: dict[str, Any], name: str) -> Any:
+    if name in config:
+        return config[name]
+    if _GPT2_NAMES.get(name) in config:
+        return config[_GPT2_NAMES[name]]
+    raise KeyError(name)
+
 
 @dataclass(frozen=True)
 class AttentionGeometry:
@@ -44,14 +55,15 @@ class AttentionGeometry:
     def from_config(cls, config: dict[str, Any]) -> AttentionGeometry:
         """Read the geometry from a config dict, applying transformers' own defaults."""
         try:
-            heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            layers = int(config["num_hidden_layers"])
+            heads = int(_field(config, "num_attention_heads"))
+            hidden = int(_field(config, "hidden_size"))
+            layers = int(_field(config, "num_hidden_layers"))
         except KeyError as e:
             raise GqakitError(
                 f"config.json has no {e.args[0]!r}: is this a decoder-only causal LM?"
             ) from None
-        kv = config.get("num_key_value_heads") or heads
+        # gpt_bigcode states MQA as a flag, not a K/V head count
+        kv = 1 if config.get("multi_query") else (config.get("num_key_value_heads") or heads)
         head_dim = config.get("head_dim") or hidden // heads
         return cls(str(config.get("model_type")), layers, hidden, heads, int(kv), int(head_dim))
 

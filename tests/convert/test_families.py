@@ -139,3 +139,12 @@ def test_inspect_says_which_class_the_output_will_be_and_why(tmp_path):
     bad = _model(tmp_path / "post-ln", "opt", do_layer_norm_before=False)
     res = CliRunner().invoke(main, ["inspect", str(bad)])
     assert "not supported by convert" in res.output and "nothing: do_layer_norm_before is false" in res.output
+
+
+def test_geometry_reads_gpt2_style_configs_and_multi_query(tmp_path):
+    from gqakit.geometry import AttentionGeometry
+
+    src = _model(tmp_path, "gpt2")
+    assert _convert(src, tmp_path / "mqa", "-g", "1").exit_code == 0
+    geom = AttentionGeometry.from_config(json.loads((tmp_path / "mqa" / "config.json").read_text()))
+    assert (geom.num_layers, geom.hidden_size, geom.num_heads, geom.num_kv_heads) == (2, 64, 4, 1)
