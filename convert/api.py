@@ -24,6 +24,8 @@ from gqakit.convert.options import DTYPE_CHOICES, ConvertOptions, check_groups
 from gqakit.convert.plan import OutputTensor, RegroupSpec, plan_regroup
 from gqakit.convert.refine import check_sequences
 from gqakit.convert.registry import ArchAdapter, get_adapter
+from gqakit.convert.retarget import RETARGETS
+from gqakit.convert.retarget_convert import convert_retargeted
 from gqakit.convert.write import ConvertResult, write_converted
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
@@ -52,36 +54,50 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
     options.validate()
     start = time.perf_counter()
     with resolve_checkpoint(src) as ckpt:
-        adapter = get_adapter(ckpt.model_type)
-        geom = AttentionGeometry.from_config(ckpt.config)
-        check_groups(geom, options.groups)
-        spec = RegroupSpec(
-            target=options.groups,
-            method=options.method,
-            seed=options.seed,
-            std=float(ckpt.config.get("initializer_range", 0.02)),
-            out_dtype=DTYPE_CHOICES[options.dtype],
-        )
-        record: dict[str, Any] = {
-            "command": "convert",
-            "groups": options.groups,
-            "method": options.method,
-            "dtype": options.dtype,
-        }
-        if METHODS[options.method].fresh:
-            record["seed"] = options.seed
-        weights: list[OutputTensor] | Any
-        if options.merged or options.refine_steps:
-            # tokenized (and checked) before DST is claimed and any layer runs
-            sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
-            if options.refine_steps:
-                check_sequences(sequences)
-            weights = partial(write_layerwise, ckpt, adapter, geom, spec, options, sequences, record)
-        else:
-            weights = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
-        return write_converted(
-            ckpt, dst, weights, geom, options.groups, spec.out_dtype, options.force, record, start
-        )
+        if ckpt.model_type in RETARGETS:
+            return convert_retargeted(ckpt, dst, options, start, _convert)
+        return _convert(ckpt, dst, options, start)
+
+
+def _convert(
+    ckpt: Checkpoint,
+    dst: str | Path,
+    options: ConvertOptions,
+    start: float,
+    extra: dict[str, Any] | None = None,
+) -> ConvertResult:
+    """Convert an open checkpoint of a family in the adapter registry; ``extra`` joins the provenance."""
+    adapter = get_adapter(ckpt.model_type)
+    geom = AttentionGeometry.from_config(ckpt.config)
+    check_groups(geom, options.groups)
+    spec = RegroupSpec(
+        target=options.groups,
+        method=options.method,
+        seed=options.seed,
+        std=float(ckpt.config.get("initializer_range", 0.02)),
+        out_dtype=DTYPE_CHOICES[options.dtype],
+    )
+    record: dict[str, Any] = {
+        "command": "convert",
+        "groups": options.groups,
+        "method": options.method,
+        "dtype": options.dtype,
+        **(extra or {}),
+    }
+    if METHODS[options.method].fresh:
+        record["seed"] = options.seed
+    weights: list[OutputTensor] | Any
+    if options.merged or options.refine_steps:
+        # tokenized (and checked) before DST is claimed and any layer runs
+        sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
+        if options.refine_steps:
+            check_sequences(sequences)
+        weights = partial(write_layerwise, ckpt, adapter, geom, spec, options, sequences, record)
+    else:
+        weights = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
+    return write_converted(
+        ckpt, dst, weights, geom, options.groups, spec.out_dtype, options.force, record, start
+    )
 
 
 def plan_with_merges(

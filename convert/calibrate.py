@@ -96,7 +96,7 @@ def calibration_ids(
 
 def key_module(adapter: ArchAdapter, layer: int) -> str:
     """The module whose input is the layer's K/V projection input (the key or fused qkv projection)."""
-    return adapter.layer(adapter.k or adapter.qkv, layer)  # type: ignore[return-value]
+    return adapter.key_input(layer)
 
 
 def batch_gram(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from itertools import combinations
 
 import torch
 
-from gqakit.convert.registry import ArchAdapter
+from gqakit.convert.registry import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
 
 
@@ -123,20 +123,20 @@ def permute_heads_state_dict(
     for layer, kv_order in enumerate(kv_orders):
         q_order = query_order(kv_order, n_rep)
 
-        def names(template: str | None, layer: int = layer) -> list[str]:
-            m = adapter.layer(template, layer)
+        def names(role: Role, layer: int = layer) -> list[str]:
+            m = adapter.module(role, layer)
             return [] if m is None else [f"{m}.{s}" for s in ("weight", "bias") if f"{m}.{s}" in sd]
 
-        for n in names(adapter.q) + names(adapter.q_norm_flat):
+        for n in names("q") + names("q_norm_flat"):
             sd[n] = permute_rows(sd[n], q_order, d)
-        for n in names(adapter.k) + names(adapter.v) + names(adapter.k_norm_flat):
+        for n in names("k") + names("v") + names("k_norm_flat"):
             sd[n] = permute_rows(sd[n], kv_order, d)
-        for n in names(adapter.qkv):
+        for n in names("qkv"):
             q, k, v = sd[n].split([geom.num_heads * d, kv * d, kv * d])
             sd[n] = torch.cat(
                 [permute_rows(q, q_order, d), permute_rows(k, kv_order, d), permute_rows(v, kv_order, d)]
             )
-        o = f"{adapter.layer(adapter.o, layer)}.weight"
+        o = adapter.tensor("o", layer)
         sd[o] = permute_cols(sd[o], q_order, d)
         for template, order in ((adapter.q_norm_per_head, q_order), (adapter.k_norm_per_head, kv_order)):
             if template is None:

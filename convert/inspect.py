@@ -7,9 +7,10 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gqakit.checkpoint import resolve_checkpoint
+from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.convert.plan import RegroupSpec, plan_regroup
 from gqakit.convert.registry import get_adapter
+from gqakit.convert.retarget import RETARGETS, valid_groups
 from gqakit.convert.write import _CONFIG_DTYPE
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
@@ -33,6 +34,7 @@ class Inspection:
     format: str
     shards: list[str]
     kv_bytes_per_token: dict[int, int]
+    output_class: str = ""
 
     def to_text(self) -> str:
         kind = "MHA" if self.num_kv_heads == self.num_heads else ("MQA" if self.num_kv_heads == 1 else "GQA")
@@ -51,6 +53,8 @@ class Inspection:
             f"weights           {self.format}, {len(self.shards)} shard(s)",
             "KV cache per token, bf16 (valid --groups):",
         ]
+        if self.output_class:
+            lines.insert(2, f"converts into     {self.output_class}")
         for g, b in self.kv_bytes_per_token.items():
             lines.append(f"  G={g:<4} {b:>10,} bytes   {b * 4096 / 2**20:>9.1f} MiB per 4096-token sequence")
         return "\n".join(lines)
@@ -69,6 +73,8 @@ def inspect_checkpoint(src: str | Path) -> Inspection:
     if Path(str(src)).expanduser().suffix.lower() == ".gguf" and Path(str(src)).expanduser().is_file():
         return _inspect_gguf(Path(str(src)).expanduser())
     with resolve_checkpoint(src) as ckpt:
+        if ckpt.model_type in RETARGETS:
+            return _inspect_retargeted(ckpt)
         geom = AttentionGeometry.from_config(ckpt.config)
         infos = ckpt.tensor_infos()
         supported = _supported(ckpt.model_type)
@@ -78,6 +84,29 @@ def inspect_checkpoint(src: str | Path) -> Inspection:
         for dtype, shape in infos.values():
             dtypes[dtype] = dtypes.get(dtype, 0) + math.prod(shape)
         return _inspection(ckpt.origin, geom, supported, dtypes, ckpt.format, [s.file for s in ckpt.shards])
+
+
+def _inspect_retargeted(ckpt: Checkpoint) -> Inspection:
+    """A family that converts into another class: the target's geometry, the G it holds, and why."""
+    retarget = RETARGETS[ckpt.model_type]
+    target = retarget.config(ckpt.config)
+    heads = int(target.get("num_attention_heads") or target["n_head"])
+    hidden = int(target.get("hidden_size") or target["n_embd"])
+    layers = int(target.get("num_hidden_layers") or target["n_layer"])
+    geom = AttentionGeometry(ckpt.model_type, layers, hidden, heads, heads, hidden // heads)
+    problems = retarget.problems(ckpt.config)
+    output = f"{retarget.target}: {retarget.why}"
+    if problems:
+        output = f"nothing: {'; '.join(problems)}"
+    dtypes: dict[str, int] = {}
+    for dtype, shape in ckpt.tensor_infos().values():
+        dtypes[dtype] = dtypes.get(dtype, 0) + math.prod(shape)
+    groups = valid_groups(retarget, heads)
+    inspection = _inspection(
+        ckpt.origin, geom, not problems, dtypes, ckpt.format, [s.file for s in ckpt.shards], groups
+    )
+    inspection.output_class = output
+    return inspection
 
 
 def _supported(model_type: str) -> bool:
@@ -97,7 +126,13 @@ def _inspect_gguf(path: Path) -> Inspection:
 
 
 def _inspection(
-    source: str, geom: AttentionGeometry, supported: bool, dtypes: dict[str, int], fmt: str, shards: list[str]
+    source: str,
+    geom: AttentionGeometry,
+    supported: bool,
+    dtypes: dict[str, int],
+    fmt: str,
+    shards: list[str],
+    groups: list[int] | None = None,
 ) -> Inspection:
     return Inspection(
         source=source,
@@ -112,5 +147,5 @@ def _inspection(
         dtypes={_CONFIG_DTYPE.get(k, k): v for k, v in dtypes.items()},
         format=fmt,
         shards=shards,
-        kv_bytes_per_token={g: geom.kv_bytes_per_token(g) for g in geom.valid_groups()},
+        kv_bytes_per_token={g: geom.kv_bytes_per_token(g) for g in groups or geom.valid_groups()},
     )

@@ -28,14 +28,13 @@ from gqakit.convert.grouping import contiguous_groups, similarity_groups
 from gqakit.convert.merge import Merge, augment, downstream_scales, energy, in_metric, merge_error
 from gqakit.convert.methods import fit_merge
 from gqakit.convert.plan import Infos
-from gqakit.convert.registry import ArchAdapter
+from gqakit.convert.registry import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
 
 if TYPE_CHECKING:
     from gqakit.convert.calibrate import CalibrationStats
 
 # Module names, inside a layer's attention, of norms applied to keys after projection.
-KEY_NORM_MODULES: tuple[str, ...] = ("k_norm", "k_layernorm")
 # What a calibrated merge minimizes, for the provenance record (see merge.downstream_scales).
 MERGE_OBJECTIVE = (
     "output error on the calibration data, keys weighted per rotary pair by the energy of the queries "
@@ -82,17 +81,18 @@ def rotary_dim(config: dict[str, Any], adapter: ArchAdapter, head_dim: int) -> i
     ``head_dim * partial_rotary_factor``."""
     if not adapter.rotary:
         return 0
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    factor = 1.0
+    if adapter.partial_rotary:
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     dim = int(head_dim * float(factor))
     return dim - dim % 2
 
 
 def keys_normalized(infos: Infos, adapter: ArchAdapter, layer: int) -> bool:
-    """Whether this layer normalizes keys after projection (a ``k_norm`` / ``k_layernorm`` tensor exists)."""
-    attn = adapter.layer(adapter.o, layer).rsplit(".", 1)[0]  # type: ignore[union-attr]
-    prefixes = tuple(f"{attn}.{m}." for m in KEY_NORM_MODULES)
-    return any(name.startswith(prefixes) for name in infos)
+    """Whether this layer normalizes keys after projection: the checkpoint holds one of the key-norm
+    modules its adapter names."""
+    return any(f"{m}.weight" in infos for m in adapter.key_norm_modules(layer))
 
 
 def layer_attention_weights(
@@ -112,15 +112,16 @@ def layer_attention_weights(
         return read(f"{module}.weight"), (read(bias) if bias in infos else None)
 
     if adapter.qkv is not None:
-        w, b = rows(adapter.layer(adapter.qkv, layer))  # type: ignore[arg-type]
+        w, b = rows(adapter.tensor("qkv", layer).rsplit(".", 1)[0])
         sizes = [h * d, kv * d, kv * d]
         bs = b.split(sizes) if b is not None else (None, None, None)
         triples: list[tuple[Any, Any]] = list(zip(w.split(sizes), bs, strict=True))
         if not queries:
             triples[0] = (None, None)
     else:
-        wanted = (adapter.q if queries else None, adapter.k, adapter.v)
-        triples = [rows(adapter.layer(m, layer)) if m else (None, None) for m in wanted]  # type: ignore[arg-type]
+        roles: tuple[Role, ...] = ("q", "k", "v") if queries else ("k", "v")
+        modules = [None] * (3 - len(roles)) + [adapter.module(role, layer) for role in roles]
+        triples = [rows(m) if m else (None, None) for m in modules]
     q, k, v = (None if w is None else augment(w, b).reshape(-1, d, w.shape[1] + 1) for w, b in triples)
     return q, k, v  # type: ignore[return-value]
 
@@ -162,7 +163,7 @@ def fit_one_layer(
     # first have nothing to fit, and a key that falls back to mean gets no key metric.
     ks = vs = None
     if wq is not None:
-        wo = read(f"{adapter.layer(adapter.o, layer)}.weight")
+        wo = read(adapter.tensor("o", layer))
         ks, vs = downstream_scales(wq, wo, gram, geom.num_kv_heads, rdim)
         ks = ks if key_method == "calibrated" else None
 

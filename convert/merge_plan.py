@@ -44,18 +44,18 @@ def merged_layer(
     q_fn = partial(_q_rows, q_order=q_order, keys=lm.keys, d=d, n_rep=n_rep)
     k_fn = partial(_kv_rows, kv_order=kv_order, merges=lm.keys, d=d)
     v_fn = partial(_kv_rows, kv_order=kv_order, merges=lm.values, d=d)
-    for name in present(adapter.layer(adapter.q, layer)):
+    for name in present(adapter.module("q", layer)):
         put(name, infos[name][1], (name,), q_fn)
-    for name in present(adapter.layer(adapter.k, layer)) + present(adapter.layer(adapter.k_norm_flat, layer)):
+    for name in present(adapter.module("k", layer)) + present(adapter.module("k_norm_flat", layer)):
         put(name, (spec.target * d, *infos[name][1][1:]), (name,), k_fn)
-    for name in present(adapter.layer(adapter.v, layer)):
+    for name in present(adapter.module("v", layer)):
         put(name, (spec.target * d, *infos[name][1][1:]), (name,), v_fn)
-    for name in present(adapter.layer(adapter.q_norm_flat, layer)):
+    for name in present(adapter.module("q_norm_flat", layer)):
         put(name, infos[name][1], (name,), partial(_permuted_rows, order=q_order, d=d))
-    for name in present(adapter.layer(adapter.qkv, layer)):
+    for name in present(adapter.module("qkv", layer)):
         fn = partial(_fused, q_fn=q_fn, k_fn=k_fn, v_fn=v_fn, sizes=[h * d, kv * d, kv * d])
         put(name, ((h + 2 * spec.target) * d, *infos[name][1][1:]), (name,), fn)
-    o = f"{adapter.layer(adapter.o, layer)}.weight"
+    o = adapter.tensor("o", layer)
     put(o, infos[o][1], (o,), partial(_o_cols, q_order=q_order, values=lm.values, d=d, n_rep=n_rep))
     for suffix in ("weight", "bias"):
         if adapter.q_norm_per_head is not None:

@@ -109,7 +109,7 @@ def plan_regroup(
         consumed.update(out.sources)
 
     for layer in range(geom.num_layers):
-        k, v, qkv = (adapter.layer(t, layer) for t in (adapter.k, adapter.v, adapter.qkv))
+        k, v, qkv = (adapter.module(role, layer) for role in ("k", "v", "qkv"))
         if qkv is not None:
             _require(infos, f"{qkv}.weight", adapter, "fused q|k|v projection")
             rows = infos[f"{qkv}.weight"][1][0]
@@ -142,7 +142,7 @@ def plan_regroup(
                     f"{module}.weight has {rows} rows but the config implies {kv} K/V heads x head_dim {d} "
                     f"= {kv * d}. The config does not match the weights."
                 )
-        flat_norm = adapter.layer(adapter.k_norm_flat, layer)
+        flat_norm = adapter.module("k_norm_flat", layer)
         for module, is_norm in ((k, False), (v, False), (flat_norm, True)):
             for name, suffix in _suffixes(infos, module):
                 dtype, shape = infos[name]

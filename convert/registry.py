@@ -8,10 +8,18 @@ have is simply not there. Adding a family is adding one entry to :data:`ADAPTERS
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from gqakit.errors import GqakitError, did_you_mean
 
 _ATTN = "model.layers.{layer}.self_attn"
+
+# The module roles an adapter names; ArchAdapter.module/tensor take one of these.
+Role = Literal[
+    "q", "k", "v", "o", "qkv", "k_norm", "k_norm_flat", "q_norm_flat", "k_norm_per_head", "q_norm_per_head"
+]
+# The roles whose modules normalise keys after projection: a linear key merge is then not exact.
+_KEY_NORM_ROLES: tuple[Role, ...] = ("k_norm", "k_norm_flat", "k_norm_per_head")
 
 
 @dataclass(frozen=True)
@@ -27,12 +35,17 @@ class ArchAdapter:
             (olmo2), which must be regrouped like a bias.
         q_norm_flat: the query-side counterpart, ``[heads * head_dim]`` (olmo2); only head
             permutations touch it.
+        k_norm: one norm over ``head_dim`` shared by every key head (qwen3, gemma3); its weight is
+            ``[head_dim]`` and no regrouping touches it.
         k_norm_per_head / q_norm_per_head: one norm module per head, ``{head}`` in the path (stablelm
             with ``qk_layernorm``).
-        keys_normalized_per_head: keys pass through a per-head norm after projection (qwen3, gemma3,
-            olmo2, stablelm): a linear key merge is then not exact.
-        rotary: keys get rotary embeddings; ``partial_rotary`` names how the config states the
-            rotary fraction when it is not all of head_dim.
+        rotary: keys get rotary embeddings.
+        partial_rotary: the family may rotate only the first ``partial_rotary_factor`` of each head
+            (read from the config's ``rope_parameters`` or top level); otherwise all of head_dim rotates.
+
+    Whether keys are normalised after projection (which makes a linear key merge inexact) follows from
+    the key-norm roles: :meth:`key_norm_modules` names them, and a checkpoint has them or not (stablelm's
+    ``qk_layernorm`` is a config switch).
     """
 
     model_type: str
@@ -43,14 +56,38 @@ class ArchAdapter:
     qkv: str | None = None
     k_norm_flat: str | None = None
     q_norm_flat: str | None = None
+    k_norm: str | None = None
     k_norm_per_head: str | None = None
     q_norm_per_head: str | None = None
-    keys_normalized_per_head: bool = False
     rotary: bool = True
     partial_rotary: bool = False
 
-    def layer(self, template: str | None, layer: int, **kw: int) -> str | None:
+    def module(self, role: Role, layer: int, **kw: int) -> str | None:
+        """Module path of ``role`` in ``layer`` (``head=`` for per-head roles), or None when this family
+        has no such module."""
+        template: str | None = getattr(self, role)
         return None if template is None else template.format(layer=layer, **kw)
+
+    def tensor(self, role: Role, layer: int, part: str = "weight", **kw: int) -> str:
+        """The tensor name of ``part`` (``weight``/``bias``) of ``role`` in ``layer``.
+
+        Raises:
+            GqakitError: naming the role and the family when the family has no such module.
+        """
+        module = self.module(role, layer, **kw)
+        if module is None:
+            raise GqakitError(f"the {self.model_type} adapter has no {role!r} module (layer {layer}).")
+        return f"{module}.{part}"
+
+    def key_input(self, layer: int) -> str:
+        """The module whose input is the layer's K/V projection input: the key or the fused qkv projection."""
+        return self.tensor("k" if self.k is not None else "qkv", layer).rsplit(".", 1)[0]
+
+    def key_norm_modules(self, layer: int) -> list[str]:
+        """The modules that normalise ``layer``'s keys after projection, as this family would name them
+        (per-head ones for head 0); a checkpoint holds them or not."""
+        found = (self.module(role, layer, head=0) for role in _KEY_NORM_ROLES)
+        return [m for m in found if m is not None]
 
     def attention_module(self, layer: int) -> str:
         """Module path of ``layer``'s attention block (the parent of its output projection)."""
@@ -67,10 +104,10 @@ ADAPTERS: dict[str, ArchAdapter] = {
         _adapter("llama"),
         _adapter("mistral"),
         _adapter("qwen2"),  # q/k/v biases: picked up as .bias tensors
-        _adapter("qwen3", keys_normalized_per_head=True),  # q_norm/k_norm over head_dim, shared by heads
+        _adapter("qwen3", k_norm=f"{_ATTN}.k_norm"),  # q_norm/k_norm over head_dim, shared by heads
         _adapter("gemma"),
         _adapter("gemma2"),
-        _adapter("gemma3_text", keys_normalized_per_head=True),
+        _adapter("gemma3_text", k_norm=f"{_ATTN}.k_norm"),
         _adapter("phi3", q=None, k=None, v=None, qkv=f"{_ATTN}.qkv_proj"),
         _adapter("phi", o=f"{_ATTN}.dense", partial_rotary=True),
         _adapter("olmo"),
@@ -78,7 +115,6 @@ ADAPTERS: dict[str, ArchAdapter] = {
             "olmo2",
             k_norm_flat=f"{_ATTN}.k_norm",
             q_norm_flat=f"{_ATTN}.q_norm",
-            keys_normalized_per_head=True,
         ),
         _adapter("granite"),
         _adapter("starcoder2"),
@@ -86,7 +122,6 @@ ADAPTERS: dict[str, ArchAdapter] = {
             "stablelm",
             k_norm_per_head=f"{_ATTN}.k_layernorm.norms.{{head}}",
             q_norm_per_head=f"{_ATTN}.q_layernorm.norms.{{head}}",
-            keys_normalized_per_head=True,
             partial_rotary=True,
         ),
     )
@@ -94,10 +129,9 @@ ADAPTERS: dict[str, ArchAdapter] = {
 
 # Families whose transformers attention has one K/V head per query head and no num_key_value_heads:
 # a checkpoint with fewer K/V heads would not load in them, so converting would produce nothing usable.
+# (GPT-2, OPT and GPT-NeoX are not here: they convert into a stock class that holds fewer, see
+# gqakit.convert.retarget.)
 UNSUPPORTED: dict[str, str] = {
-    "gpt2": "GPT-2 attention has a fused c_attn with one K/V head per query head",
-    "gpt_neox": "GPT-NeoX attention has a fused query_key_value with one K/V head per query head",
-    "opt": "OPT attention has one K/V head per query head",
     "bloom": "BLOOM attention has a fused query_key_value with one K/V head per query head",
     "gptj": "GPT-J attention has one K/V head per query head",
     "falcon": "Falcon's transformers attention ties K/V heads to its own multi_query and "

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from gqakit.convert.api import check_groups
+from gqakit.convert.retarget import RETARGETS, retarget_groups_problem
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import check_causal_lm, max_positions
@@ -131,7 +132,11 @@ def input_problems(recipe: Recipe) -> list[str]:
             "logits token by token, so the teacher must share the model's tokenizer (use the checkpoint the "
             "model was converted from)."
         )
-    if model_cfg and recipe.model.convert is not None:
+    if model_cfg and recipe.model.convert is not None and model_cfg.get("model_type") in RETARGETS:
+        problem = retarget_groups_problem(model_cfg, recipe.model.convert.groups)
+        if problem:
+            problems.append(f"model.convert.groups: {problem}")
+    elif model_cfg and recipe.model.convert is not None:
         try:
             check_groups(AttentionGeometry.from_config(model_cfg), recipe.model.convert.groups)
         except GqakitError as e:

@@ -70,21 +70,25 @@ def test_unsupported_family_says_why(tmp_path):
 
     from gqakit.safetensors_io import save_state_dict
 
-    d = tmp_path / "gpt2"
+    d = tmp_path / "bloom"
     d.mkdir()
     (d / "config.json").write_text(
-        json.dumps({"model_type": "gpt2", "n_head": 4, "n_embd": 16, "n_layer": 1})
+        json.dumps({"model_type": "bloom", "n_head": 4, "hidden_size": 16, "n_layer": 1})
     )
-    save_state_dict({"h.0.attn.c_attn.weight": torch.zeros(16, 48)}, d / "model.safetensors")
+    save_state_dict(
+        {"h.0.self_attention.query_key_value.weight": torch.zeros(48, 16)}, d / "model.safetensors"
+    )
     res = _run("convert", str(d), str(tmp_path / "out"), "-g", "1")
-    _assert_error(res, "'gpt2' cannot run with fewer K/V heads", "c_attn", "Supported families: gemma")
+    _assert_error(
+        res, "'bloom' cannot run with fewer K/V heads", "query_key_value", "Supported families: gemma"
+    )
     assert _nothing_at(tmp_path / "out")
 
 
 def test_unsupported_family_message(tiny_llama, tmp_path):
     cfg = json.loads((tiny_llama / "config.json").read_text())
     for model_type, expected in [
-        ("gpt_neox", "cannot run with fewer K/V heads"),
+        ("gptj", "cannot run with fewer K/V heads"),
         ("lama", 'Did you mean "llama"'),
     ]:
         (tiny_llama / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))

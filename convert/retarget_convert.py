@@ -1,0 +1,137 @@
+"""Converting a retargeted family (GPT-2, OPT, GPT-NeoX): checks, the exact MHA rewrite, then G heads.
+
+The rewrite into the target family's MHA checkpoint goes to a temporary directory; a ``phi`` target then
+converts through the ordinary path (every method, grouping and refinement), a ``gpt_bigcode`` target is
+pooled here (it holds G = 1 or G = H only). DST is written atomically in both cases.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gqakit import __version__
+from gqakit.checkpoint import Checkpoint, resolve_checkpoint
+from gqakit.cli_options import Problems
+from gqakit.convert.methods import POOLING_METHODS
+from gqakit.convert.options import ConvertOptions
+from gqakit.convert.retarget import (
+    RETARGETS,
+    Retarget,
+    read_state,
+    state_problems,
+    valid_groups,
+    write_target,
+)
+from gqakit.convert.retarget_bigcode import bigcode_to_mqa
+from gqakit.convert.write import ConvertResult
+from gqakit.errors import GqakitError
+from gqakit.files import write_json
+from gqakit.outputs import atomic_output_dir
+
+ConvertFn = Callable[..., ConvertResult]
+
+
+def retarget_problems(ckpt: Checkpoint, retarget: Retarget, options: ConvertOptions) -> list[str]:
+    """Everything about this source and these options that the target class cannot hold, together."""
+    p = Problems("convert")
+    for reason in retarget.problems(ckpt.config):
+        p.add(f"{reason}.")
+    target_config = retarget.config(ckpt.config)
+    heads = int(target_config.get("num_attention_heads") or target_config["n_head"])
+    groups = valid_groups(retarget, heads)
+    if options.groups not in groups:
+        holds = "any G dividing" if retarget.any_groups else "only G = 1 (multi_query) or G ="
+        p.add(
+            f"{p.flag('groups')} {options.groups}: {retarget.target} holds {holds} {heads} heads; "
+            f"choose one of {', '.join(map(str, groups))}."
+        )
+    pooled = options.method in POOLING_METHODS and not options.merged and not options.refine_steps
+    if not retarget.any_groups and not pooled:
+        p.add(
+            f"{p.flag('method')} {options.method} (or {p.flag('grouping')} {options.grouping}, "
+            f"{p.flag('refine_steps')} {options.refine_steps}): a {retarget.target} target takes the pooling "
+            f"methods only ({', '.join(POOLING_METHODS)}) with contiguous groups and no refinement."
+        )
+    return p.messages
+
+
+def convert_retargeted(
+    ckpt: Checkpoint, dst: str | Path, options: ConvertOptions, start: float, convert: ConvertFn
+) -> ConvertResult:
+    """Convert ``ckpt`` of a retargeted family to ``options.groups`` K/V heads of its target class.
+
+    Args:
+        ckpt: an open checkpoint whose ``model_type`` is in :data:`RETARGETS`.
+        dst: the output directory; written atomically.
+        options: validated convert options.
+        start: when the command started (for the provenance's elapsed time).
+        convert: the ordinary conversion of an open checkpoint (``gqakit.convert.api``), for ``phi``.
+
+    Raises:
+        GqakitError: every reason the source or the options cannot be held, in one message; nothing is
+            written then.
+    """
+    retarget = RETARGETS[ckpt.model_type]
+    what = f"{ckpt.origin} ({ckpt.model_type}) cannot be converted exactly into {retarget.target}:"
+    problems = retarget_problems(ckpt, retarget, options)
+    if problems:
+        raise GqakitError(" ".join([what, *problems]))
+    state = read_state(ckpt)
+    problems = state_problems(retarget, state, ckpt.config)
+    if problems:
+        raise GqakitError(" ".join([what, *problems]) + ".")
+    config = retarget.config(ckpt.config)
+    mha_state = retarget.state(state, ckpt.config)
+    extra: dict[str, Any] = {"retargeted": {"from": ckpt.model_type, "to": retarget.target}}
+    with tempfile.TemporaryDirectory(prefix="gqakit-retarget-") as tmp:
+        mha = write_target(Path(tmp) / "mha", config, mha_state, ckpt.path)
+        if retarget.any_groups:
+            with resolve_checkpoint(mha) as target:
+                target.origin = ckpt.origin  # the provenance names what the user gave
+                return convert(target, dst, options, start, extra)
+        return _write_bigcode(ckpt, mha, dst, options, config, mha_state, start, extra)
+
+
+def _write_bigcode(
+    ckpt: Checkpoint,
+    mha: Path,
+    dst: str | Path,
+    options: ConvertOptions,
+    config: dict[str, Any],
+    state: dict,
+    start: float,
+    extra: dict[str, Any],
+) -> ConvertResult:
+    heads = config["n_head"]
+    mqa = options.groups == 1 and heads > 1
+    if mqa:
+        state = bigcode_to_mqa(state, config, options.method, options.seed)
+    config = {**config, "multi_query": mqa}
+    with atomic_output_dir(Path(dst), options.force, src=ckpt.path) as tmp:
+        write_target(tmp, config, state, mha)
+        provenance = {
+            "tool": "gqakit",
+            "version": __version__,
+            "command": "convert",
+            "groups": options.groups,
+            "method": options.method,
+            "dtype": "keep",
+            **extra,
+            "source": ckpt.origin,
+            "model_type": ckpt.model_type,
+            "num_heads": heads,
+            "from_kv_heads": heads,
+            "to_kv_heads": options.groups,
+            "shards": ["model.safetensors"],
+            "elapsed_s": round(time.perf_counter() - start, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        write_json(tmp / "gqakit.json", provenance)
+    return ConvertResult(
+        Path(dst).resolve(), ckpt.origin, ckpt.model_type, heads, heads, options.groups,
+        ["model.safetensors"], provenance["elapsed_s"], provenance,
+    )  # fmt: skip
