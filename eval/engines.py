@@ -71,6 +71,7 @@ ENGINES: NameTable[Engine] = NameTable(
             "transformers, KV-cache capacity, throughput per concurrency (--batch-sizes)",
             "gqakit.eval.vllm_engine:measure_vllm_model",
             requires="gqakit.eval.vllm_engine:require_vllm",
+            tasks=True,
         ),
     },
 )

@@ -34,11 +34,13 @@ from gqakit.errors import GqakitError
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.decode_rounds import interleaved, round_stats
 from gqakit.eval.kv_bytes import dtype_bytes, weight_bytes_per_step
+from gqakit.eval.lm_eval_bridge import parse_lm_eval_args
 from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import PerplexityResult, encode_stream, prefix_token_id, sliding_windows
 from gqakit.eval.results import ModelResult
 from gqakit.eval.serving import GreedyAgreement, ServingResult
 from gqakit.eval.vllm_client import VllmWorker, check_cpu, vllm_python
+from gqakit.eval.vllm_tasks import run_vllm_lm_eval
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm, load_tokenizer, max_positions, resolve_device
 
@@ -242,6 +244,13 @@ def measure_vllm_model(
             log.info("[%s] vLLM perplexity %.4f over %d tokens", label, ppl.ppl, ppl.tokens)
         if options.bench:
             res.decode = vllm_throughput(worker, res, options, contexts)
+    if options.tasks:  # lm-eval starts its own vLLM engine: after this one has freed its memory
+        res.lm_eval = run_vllm_lm_eval(
+            python, path, options.tasks, args=parse_lm_eval_args(options.lm_eval_args),
+            dtype=_dtype(options, config), max_length=options.seq_len, seed=options.seed,
+            batch_size=options.batch_size, kv_budget_gib=None if on_gpu else options.kv_budget,
+            gpu_memory_utilization=(options.gpu_memory_utilization or 0.9) if on_gpu else None,
+        )  # fmt: skip
     return res
 
 
