@@ -98,6 +98,11 @@ COMMON: tuple[HParam, ...] = (
     HParam(Keys.Rope.FREQ_BASE, _F32, lambda c: rope(c).get("rope_theta"), config_name="rope_theta"),
     _required(Keys.Attention.LAYERNORM_RMS_EPS, _F32, "rms_norm_eps"),
 )
+# Families with LayerNorm (phi): the same keys, with LayerNorm's epsilon in place of RMSNorm's.
+COMMON_LAYERNORM: tuple[HParam, ...] = (
+    *COMMON[:-1],
+    _required(Keys.Attention.LAYERNORM_EPS, _F32, "layer_norm_eps"),
+)
 
 
 def _swa_pattern(default_period: int) -> Callable[[Config], list[bool] | None]:
@@ -174,6 +179,8 @@ class GgufArch:
         layer_kinds: kinds of layer with their own rotary parameters (gemma3's sliding layers rotate
             with a 10k base and no scaling; llama.cpp scales only the full-attention ones).
         checks: config -> a warning when llama.cpp will compute something transformers does not.
+        layer_norm: the family normalises with LayerNorm (weight and bias), so its epsilon goes under
+            llama.cpp's ``layer_norm_epsilon`` key (:data:`COMMON_LAYERNORM`).
     """
 
     model_type: str
@@ -184,10 +191,16 @@ class GgufArch:
     hparams: tuple[HParam, ...] = ()
     layer_kinds: tuple[str, ...] = ("full_attention",)
     checks: tuple[Callable[[Config], str | None], ...] = ()
+    layer_norm: bool = False
 
     @property
     def name(self) -> str:
         return MODEL_ARCH_NAMES[self.arch]
+
+    @property
+    def common(self) -> tuple[HParam, ...]:
+        """The keys every architecture of this norm kind has."""
+        return COMMON_LAYERNORM if self.layer_norm else COMMON
 
 
 _GEMMA2_KEYS = (
@@ -234,6 +247,10 @@ ARCHS: dict[str, GgufArch] = {
             checks=(_attention_scale_check,),
         ),
         GgufArch("phi3", MODEL_ARCH.PHI3, hparams=_PHI3_KEYS),
+        # phi (and GPT-NeoX / Pythia, which convert into phi): LayerNorm, biases, partial NeoX-style
+        # rotary, lm_head with a bias; llama.cpp's phi2 graph reads n_head_kv (GQA/MQA) and takes q/k/v
+        # as separate tensors or fused.
+        GgufArch("phi", MODEL_ARCH.PHI2, layer_norm=True),
     )
 }
 
@@ -241,7 +258,6 @@ ARCHS: dict[str, GgufArch] = {
 # registered for an architecture wins (a mistral exports as llama and reads back as llama); a few
 # architectures outside the export table are named here so that inspect can still name them.
 ARCH_TO_MODEL_TYPE: dict[str, str] = {
-    "phi2": "phi",
     "command-r": "cohere",
     "gptneox": "gpt_neox",
 }
@@ -296,7 +312,7 @@ def rope_freq_factors(cfg: Config) -> torch.Tensor | None:
 
 def metadata(arch: GgufArch, cfg: Config) -> tuple[list[tuple[str, GGUFValueType, Any]], list[str]]:
     """The architecture's metadata as ``(key, type, value)``, and warnings; every problem raised at once."""
-    missing = [p.config_name for p in COMMON + arch.hparams if p.required and p.get(cfg) is None]
+    missing = [p.config_name for p in arch.common + arch.hparams if p.required and p.get(cfg) is None]
     problems = [f"config.json lacks {name!r}" for name in missing]
     rotary = [rope(cfg, kind) for kind in arch.layer_kinds]
     for r in rotary:
@@ -309,7 +325,7 @@ def metadata(arch: GgufArch, cfg: Config) -> tuple[list[tuple[str, GGUFValueType
     if problems:
         raise GqakitError(f"Cannot export this {arch.model_type} checkpoint to GGUF: {'; '.join(problems)}.")
     out = []
-    for p in COMMON + arch.hparams:
+    for p in arch.common + arch.hparams:
         value = p.get(cfg)
         if value is not None:
             out.append((p.key.format(arch=arch.name), p.vtype, value))

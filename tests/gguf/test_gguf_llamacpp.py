@@ -149,3 +149,17 @@ def test_smollm2_f32_matches_transformers(tmp_path: Path) -> None:
         assert model.tokenize(text.encode(), add_bos=False, special=False) == ids
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_gpt_neox_converted_to_phi_runs_in_llama_cpp_with_fewer_kv_heads(tmp_path: Path, groups: int) -> None:
+    # GPT-NeoX (Pythia) converts into phi, which llama.cpp runs as phi2, reading the K/V head count
+    from gqakit.convert import ConvertOptions, convert_checkpoint
+    from gqakit.testing import save_tiny_model
+
+    src = save_tiny_model(tmp_path / "neox", "gpt_neox", rotary_pct=0.25)
+    convert_checkpoint(src, tmp_path / "phi", ConvertOptions(groups=groups))
+    r = export_gguf(tmp_path / "phi", tmp_path / "phi.gguf", "f32")
+    assert r.arch == "phi2" and r.num_kv_heads == groups
+    diff = np.abs(llama_cpp_logits(r.path, IDS) - transformers_logits(tmp_path / "phi", IDS)).max()
+    assert diff < 2e-4, f"max |logit difference| {diff:.2e}"  # measured ~3e-5 (GELU via an f16 table)
