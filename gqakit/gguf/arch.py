@@ -181,6 +181,11 @@ class GgufArch:
         checks: config -> a warning when llama.cpp will compute something transformers does not.
         layer_norm: the family normalises with LayerNorm (weight and bias), so its epsilon goes under
             llama.cpp's ``layer_norm_epsilon`` key (:data:`COMMON_LAYERNORM`).
+        view: config -> the config under the common names (``hidden_size``, ``num_key_value_heads``...)
+            for families that spell them their own way (gpt_bigcode: ``n_embd``, ``multi_query``).
+        problems: config -> why llama.cpp's graph cannot compute this checkpoint at all (refused).
+        qkv_per_head: the fused ``c_attn`` holds rows per head (``q_h k_h v_h``) when there is one K/V
+            head per query head (gpt_bigcode without ``multi_query``); llama.cpp reads ``q | k | v``.
     """
 
     model_type: str
@@ -192,6 +197,13 @@ class GgufArch:
     layer_kinds: tuple[str, ...] = ("full_attention",)
     checks: tuple[Callable[[Config], str | None], ...] = ()
     layer_norm: bool = False
+    view: Callable[[Config], Config] | None = None
+    qkv_per_head: bool = False
+    problems: tuple[Callable[[Config], str | None], ...] = ()
+
+    def config(self, cfg: Config) -> Config:
+        """``cfg`` under the names the common keys read."""
+        return self.view(cfg) if self.view else cfg
 
     @property
     def name(self) -> str:
@@ -222,6 +234,48 @@ _PHI3_KEYS = (
     HParam(Keys.Attention.SLIDING_WINDOW, _U32, lambda c: c.get("sliding_window") or 0),
 )
 
+
+# llama.cpp's phi2 and starcoder graphs apply GELU in its tanh form, whatever the config says.
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def _gelu_only(field: str) -> Callable[[Config], str | None]:
+    def check(cfg: Config) -> str | None:
+        act = cfg.get(field)
+        if act == "gelu":
+            return (
+                f"{field}='gelu' (exact) but llama.cpp computes GELU's tanh approximation: logits differ "
+                "slightly from transformers'."
+            )
+        return None
+
+    return check
+
+
+def _gelu_problem(field: str) -> Callable[[Config], str | None]:
+    def problem(cfg: Config) -> str | None:
+        act = cfg.get(field)
+        if act not in (*_GELU_TANH, "gelu"):
+            return f"{field}={act!r}: llama.cpp's graph for this family applies GELU (another model)"
+        return None
+
+    return problem
+
+
+def _bigcode_view(cfg: Config) -> Config:
+    hidden, heads = cfg["n_embd"], cfg["n_head"]
+    return {
+        **cfg,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_hidden_layers": cfg["n_layer"],
+        "num_key_value_heads": 1 if cfg.get("multi_query") else heads,
+        "intermediate_size": cfg.get("n_inner") or 4 * hidden,
+        "max_position_embeddings": cfg["n_positions"],
+        "layer_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+    }
+
+
 ARCHS: dict[str, GgufArch] = {
     a.model_type: a
     for a in (
@@ -250,7 +304,24 @@ ARCHS: dict[str, GgufArch] = {
         # phi (and GPT-NeoX / Pythia, which convert into phi): LayerNorm, biases, partial NeoX-style
         # rotary, lm_head with a bias; llama.cpp's phi2 graph reads n_head_kv (GQA/MQA) and takes q/k/v
         # as separate tensors or fused.
-        GgufArch("phi", MODEL_ARCH.PHI2, layer_norm=True),
+        GgufArch(
+            "phi",
+            MODEL_ARCH.PHI2,
+            layer_norm=True,
+            checks=(_gelu_only("hidden_act"),),
+            problems=(_gelu_problem("hidden_act"),),
+        ),
+        # gpt_bigcode (and GPT-2 / OPT, which convert into it): learned positions, LayerNorm, fused c_attn;
+        # llama.cpp's starcoder graph reads n_head_kv, so MQA keeps its one K/V head.
+        GgufArch(
+            "gpt_bigcode",
+            MODEL_ARCH.STARCODER,
+            layer_norm=True,
+            view=_bigcode_view,
+            qkv_per_head=True,
+            checks=(_gelu_only("activation_function"),),
+            problems=(_gelu_problem("activation_function"),),
+        ),
     )
 }
 
@@ -314,6 +385,7 @@ def metadata(arch: GgufArch, cfg: Config) -> tuple[list[tuple[str, GGUFValueType
     """The architecture's metadata as ``(key, type, value)``, and warnings; every problem raised at once."""
     missing = [p.config_name for p in arch.common + arch.hparams if p.required and p.get(cfg) is None]
     problems = [f"config.json lacks {name!r}" for name in missing]
+    problems += [p for problem in arch.problems if (p := problem(cfg))]
     rotary = [rope(cfg, kind) for kind in arch.layer_kinds]
     for r in rotary:
         if r["rope_type"] not in ROPE_KEYS:

@@ -69,9 +69,9 @@ def _check_destination(dst: Path, force: bool) -> Path:
     return dst
 
 
-def _provenance(ckpt: Checkpoint) -> list[tuple[str, gguf.GGUFValueType, Any]]:
-    """general.* and gqakit.* keys: where the weights came from and which tool wrote them."""
-    cfg = ckpt.config
+def _provenance(ckpt: Checkpoint, cfg: dict[str, Any]) -> list[tuple[str, gguf.GGUFValueType, Any]]:
+    """general.* and gqakit.* keys: where the weights came from and which tool wrote them (``cfg``: the
+    config under the common names)."""
     S, U = gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32
     origin = ckpt.origin
     url = Path(origin).as_uri() if Path(origin).is_absolute() else f"https://huggingface.co/{origin}"
@@ -162,7 +162,7 @@ def export_gguf(src: str | Path, dst: str | Path, out_type: str = "f16", force: 
     dst = _check_destination(Path(dst), force)
     with resolve_checkpoint(src) as ckpt:
         arch = get_arch(ckpt.model_type)
-        cfg = ckpt.config
+        cfg = arch.config(ckpt.config)
         kv, warnings = metadata(arch, cfg)
         infos = ckpt.tensor_infos()
 
@@ -181,7 +181,7 @@ def export_gguf(src: str | Path, dst: str | Path, out_type: str = "f16", force: 
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            _write(ckpt, arch, out_type, kv + _provenance(ckpt), vocab, plan, tmp)
+            _write(ckpt, arch, out_type, kv + _provenance(ckpt, cfg), vocab, plan, tmp)
             os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, dst)
         except BaseException:

@@ -175,6 +175,8 @@ def plan_tensors(
         for suffix, n in rotary_rules.items():
             if arch.permute_qk and module.endswith(suffix):
                 t.transforms.append((f"rotary rows -> llama.cpp pairwise order ({n} heads)", _rotary(n)))
+        if arch.qkv_per_head and kv_heads == heads and module.endswith("attn.c_attn"):
+            t.transforms.append((f"per-head q|k|v rows -> q, k, v blocks ({heads} heads)", _blocks(heads)))
         if arch.norm_plus_one and hf_name.endswith("norm.weight"):
             t.transforms.append(("gemma RMSNorm weight stored as 1 + w", plus_one))
         plan.append(t)
@@ -184,6 +186,16 @@ def plan_tensors(
             f"{', '.join(unknown[:5])}). Is this checkpoint really a plain {arch.model_type} causal LM?"
         )
     return plan
+
+
+def per_head_to_blocks(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Fused rows ``q_0 k_0 v_0 q_1 k_1 v_1 ...`` (gpt_bigcode MHA) as ``q_0 q_1 ... | k_0 ... | v_0 ...``."""
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape).contiguous()
+
+
+def _blocks(n_heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda w: per_head_to_blocks(w, n_heads)
 
 
 def _rotary(n_heads: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -25,7 +25,7 @@ def test_unknown_family_names_the_supported_ones(checkpoint, tmp_path: Path) -> 
     with pytest.raises(GqakitError) as err:
         export_gguf(src, tmp_path / "o.gguf")
     msg = str(err.value)
-    assert "'olmo'" in msg and "gemma2, gemma3_text, llama, mistral, phi3, qwen2" in msg
+    assert "'olmo'" in msg and "gemma2, gemma3_text, gpt_bigcode, llama, mistral, phi, phi3, qwen2" in msg
     assert not (tmp_path / "o.gguf").exists()
 
 
@@ -151,3 +151,17 @@ def test_mistral_sliding_window_shorter_than_context_warns(tmp_path: Path) -> No
 def test_missing_source(tmp_path: Path) -> None:
     with pytest.raises(GqakitError, match="does not exist"):
         export_gguf(tmp_path / "nope", tmp_path / "o.gguf")
+
+
+def test_relu_gpt_bigcode_is_refused_by_llama_cpps_gelu_graph(tmp_path):
+    # OPT converts into gpt_bigcode with ReLU; llama.cpp's starcoder graph applies GELU regardless
+    from gqakit.convert import ConvertOptions, convert_checkpoint
+    from gqakit.errors import GqakitError
+    from gqakit.gguf import export_gguf
+    from gqakit.testing import save_tiny_model
+
+    src = save_tiny_model(tmp_path / "opt", "opt", ffn_dim=128, word_embed_proj_dim=64)
+    convert_checkpoint(src, tmp_path / "bigcode", ConvertOptions(groups=1))
+    with pytest.raises(GqakitError, match=r"activation_function='relu': llama.cpp's graph .* applies GELU"):
+        export_gguf(tmp_path / "bigcode", tmp_path / "out.gguf", "f32")
+    assert not (tmp_path / "out.gguf").exists()

@@ -163,3 +163,17 @@ def test_gpt_neox_converted_to_phi_runs_in_llama_cpp_with_fewer_kv_heads(tmp_pat
     assert r.arch == "phi2" and r.num_kv_heads == groups
     diff = np.abs(llama_cpp_logits(r.path, IDS) - transformers_logits(tmp_path / "phi", IDS)).max()
     assert diff < 2e-4, f"max |logit difference| {diff:.2e}"  # measured ~3e-5 (GELU via an f16 table)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_gpt2_converted_to_gpt_bigcode_runs_in_llama_cpp(tmp_path: Path, groups: int) -> None:
+    # GPT-2 converts into gpt_bigcode, which llama.cpp runs as starcoder, reading the K/V head count
+    from gqakit.convert import ConvertOptions, convert_checkpoint
+    from gqakit.testing import save_tiny_model
+
+    src = save_tiny_model(tmp_path / "gpt2", "gpt2")
+    convert_checkpoint(src, tmp_path / "bigcode", ConvertOptions(groups=groups))
+    r = export_gguf(tmp_path / "bigcode", tmp_path / "bigcode.gguf", "f32")
+    assert r.arch == "starcoder" and r.num_kv_heads == groups
+    diff = np.abs(llama_cpp_logits(r.path, IDS) - transformers_logits(tmp_path / "bigcode", IDS)).max()
+    assert diff < 2e-4, f"max |logit difference| {diff:.2e}"
