@@ -17,7 +17,7 @@ from gqakit import __version__
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.cli_options import Problems
 from gqakit.convert.methods import POOLING_METHODS
-from gqakit.convert.options import ConvertOptions
+from gqakit.convert.options import DTYPE_CHOICES, ConvertOptions
 from gqakit.convert.retarget import (
     RETARGETS,
     Retarget,
@@ -31,6 +31,7 @@ from gqakit.convert.write import ConvertResult
 from gqakit.errors import GqakitError
 from gqakit.files import write_json
 from gqakit.outputs import atomic_output_dir
+from gqakit.safetensors_io import DTYPES
 
 ConvertFn = Callable[..., ConvertResult]
 
@@ -111,6 +112,11 @@ def _write_bigcode(
     if mqa:
         state = bigcode_to_mqa(state, config, options.method, options.seed)
     config = {**config, "multi_query": mqa}
+    out_dtype = DTYPE_CHOICES[options.dtype]
+    if out_dtype is not None:  # --dtype: floating tensors cast, the config says so
+        torch_dtype = DTYPES[out_dtype]
+        state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        config["dtype"] = options.dtype
     with atomic_output_dir(Path(dst), options.force, src=ckpt.path) as tmp:
         write_target(tmp, config, state, mha)
         provenance = {
@@ -119,7 +125,7 @@ def _write_bigcode(
             "command": "convert",
             "groups": options.groups,
             "method": options.method,
-            "dtype": "keep",
+            "dtype": options.dtype,
             **extra,
             "source": ckpt.origin,
             "model_type": ckpt.model_type,

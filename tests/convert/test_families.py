@@ -148,3 +148,12 @@ def test_geometry_reads_gpt2_style_configs_and_multi_query(tmp_path):
     assert _convert(src, tmp_path / "mqa", "-g", "1").exit_code == 0
     geom = AttentionGeometry.from_config(json.loads((tmp_path / "mqa" / "config.json").read_text()))
     assert (geom.num_layers, geom.hidden_size, geom.num_heads, geom.num_kv_heads) == (2, 64, 4, 1)
+
+
+def test_bigcode_output_takes_the_dtype_asked_for(tmp_path):
+    src = _model(tmp_path, "gpt2")
+    res = _convert(src, tmp_path / "out", "-g", "1", "--dtype", "bfloat16")
+    assert res.exit_code == 0, res.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.config.dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.bfloat16
