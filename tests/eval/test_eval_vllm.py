@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 
 import pytest
 from click.testing import CliRunner
+from vllm_helpers import needs_vllm
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
@@ -120,15 +120,8 @@ def test_out_of_kv_memory_names_the_budget(tiny_models, text, standin_python, mo
         evaluate_models({"mha": str(tiny_models["mha"])}, _options(text, engine="vllm", kv_budget=2))
 
 
-def _real_vllm_python() -> str | None:
-    try:
-        return vllm_python(os.environ.get(ENV_VAR))
-    except GqakitError:
-        return None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_real_vllm_python() is None, reason="needs vLLM ($GQAKIT_VLLM_PYTHON or importable)")
+@needs_vllm
 def test_real_vllm_matches_transformers_and_holds_h_over_g_times_the_tokens(tmp_path, text):
     from gqakit.convert import ConvertOptions, convert_checkpoint
 

@@ -5,15 +5,14 @@ vLLM (marked slow, skipped without it)."""
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import pytest
+from vllm_helpers import needs_vllm
 
 from gqakit.errors import GqakitError
 from gqakit.eval import EvalOptions, evaluate_models
 from gqakit.eval.lm_eval_bridge import LmEvalArgs
-from gqakit.eval.vllm_client import ENV_VAR, vllm_python
 from gqakit.eval.vllm_tasks import run_vllm_lm_eval
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
@@ -43,15 +42,8 @@ def test_lm_evals_own_failure_is_one_line(tmp_path):
     assert "vllm" in message.lower()
 
 
-def _real_vllm_python() -> str | None:
-    try:
-        return vllm_python(os.environ.get(ENV_VAR))
-    except GqakitError:
-        return None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_real_vllm_python() is None, reason="needs vLLM ($GQAKIT_VLLM_PYTHON or importable)")
+@needs_vllm
 def test_tasks_in_vllm_agree_with_transformers(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TINY_TEXT * 3)
