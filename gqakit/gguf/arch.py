@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFValueType, Keys
 
 from gqakit.errors import GqakitError, did_you_mean
+from gqakit.gguf.arch_layernorm import bigcode_view, gelu_only, gelu_problem
 
 if TYPE_CHECKING:
     import torch
@@ -235,47 +236,6 @@ _PHI3_KEYS = (
 )
 
 
-# llama.cpp's phi2 and starcoder graphs apply GELU in its tanh form, whatever the config says.
-_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-
-
-def _gelu_only(field: str) -> Callable[[Config], str | None]:
-    def check(cfg: Config) -> str | None:
-        act = cfg.get(field)
-        if act == "gelu":
-            return (
-                f"{field}='gelu' (exact) but llama.cpp computes GELU's tanh approximation: logits differ "
-                "slightly from transformers'."
-            )
-        return None
-
-    return check
-
-
-def _gelu_problem(field: str) -> Callable[[Config], str | None]:
-    def problem(cfg: Config) -> str | None:
-        act = cfg.get(field)
-        if act not in (*_GELU_TANH, "gelu"):
-            return f"{field}={act!r}: llama.cpp's graph for this family applies GELU (another model)"
-        return None
-
-    return problem
-
-
-def _bigcode_view(cfg: Config) -> Config:
-    hidden, heads = cfg["n_embd"], cfg["n_head"]
-    return {
-        **cfg,
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_hidden_layers": cfg["n_layer"],
-        "num_key_value_heads": 1 if cfg.get("multi_query") else heads,
-        "intermediate_size": cfg.get("n_inner") or 4 * hidden,
-        "max_position_embeddings": cfg["n_positions"],
-        "layer_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
-    }
-
-
 ARCHS: dict[str, GgufArch] = {
     a.model_type: a
     for a in (
@@ -308,8 +268,8 @@ ARCHS: dict[str, GgufArch] = {
             "phi",
             MODEL_ARCH.PHI2,
             layer_norm=True,
-            checks=(_gelu_only("hidden_act"),),
-            problems=(_gelu_problem("hidden_act"),),
+            checks=(gelu_only("hidden_act"),),
+            problems=(gelu_problem("hidden_act"),),
         ),
         # gpt_bigcode (and GPT-2 / OPT, which convert into it): learned positions, LayerNorm, fused c_attn;
         # llama.cpp's starcoder graph reads n_head_kv, so MQA keeps its one K/V head.
@@ -317,10 +277,10 @@ ARCHS: dict[str, GgufArch] = {
             "gpt_bigcode",
             MODEL_ARCH.STARCODER,
             layer_norm=True,
-            view=_bigcode_view,
+            view=bigcode_view,
             qkv_per_head=True,
-            checks=(_gelu_only("activation_function"),),
-            problems=(_gelu_problem("activation_function"),),
+            checks=(gelu_only("activation_function"),),
+            problems=(gelu_problem("activation_function"),),
         ),
     )
 }
