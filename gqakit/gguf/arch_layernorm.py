@@ -13,6 +13,8 @@ _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
 def gelu_only(field: str) -> Callable[[Config], str | None]:
+    """A check that warns when the config's ``field`` asks for exact GELU (llama.cpp uses the tanh form)."""
+
     def check(cfg: Config) -> str | None:
         act = cfg.get(field)
         if act == "gelu":
@@ -26,6 +28,8 @@ def gelu_only(field: str) -> Callable[[Config], str | None]:
 
 
 def gelu_problem(field: str) -> Callable[[Config], str | None]:
+    """A problem (export refused) when the config's ``field`` names an activation other than GELU."""
+
     def problem(cfg: Config) -> str | None:
         act = cfg.get(field)
         if act not in (*_GELU_TANH, "gelu"):
@@ -36,6 +40,7 @@ def gelu_problem(field: str) -> Callable[[Config], str | None]:
 
 
 def bigcode_view(cfg: Config) -> Config:
+    """gpt_bigcode's config under the names the common keys read (``n_embd`` -> ``hidden_size``...)."""
     hidden, heads = cfg["n_embd"], cfg["n_head"]
     return {
         **cfg,
