@@ -10,7 +10,7 @@ from pathlib import Path
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.convert.plan import RegroupSpec, plan_regroup
 from gqakit.convert.registry import get_adapter
-from gqakit.convert.retarget import RETARGETS, valid_groups
+from gqakit.convert.retarget import RETARGETS
 from gqakit.convert.write import _CONFIG_DTYPE
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
@@ -89,11 +89,12 @@ def inspect_checkpoint(src: str | Path) -> Inspection:
 def _inspect_retargeted(ckpt: Checkpoint) -> Inspection:
     """A family that converts into another class: the target's geometry, the G it holds, and why."""
     retarget = RETARGETS[ckpt.model_type]
-    target = retarget.config(ckpt.config)
-    heads = int(target.get("num_attention_heads") or target["n_head"])
-    hidden = int(target.get("hidden_size") or target["n_embd"])
-    layers = int(target.get("num_hidden_layers") or target["n_layer"])
-    geom = AttentionGeometry(ckpt.model_type, layers, hidden, heads, heads, hidden // heads)
+    target = retarget.geometry(ckpt.config)
+    # reported as the source family, with its heads as they are now (MHA)
+    geom = AttentionGeometry(
+        ckpt.model_type, target.num_layers, target.hidden_size, target.num_heads, target.num_heads,
+        target.head_dim,
+    )  # fmt: skip
     problems = retarget.problems(ckpt.config)
     output = f"{retarget.target}: {retarget.why}"
     if problems:
@@ -101,7 +102,7 @@ def _inspect_retargeted(ckpt: Checkpoint) -> Inspection:
     dtypes: dict[str, int] = {}
     for dtype, shape in ckpt.tensor_infos().values():
         dtypes[dtype] = dtypes.get(dtype, 0) + math.prod(shape)
-    groups = valid_groups(retarget, heads)
+    groups = retarget.valid_groups(target.num_heads)
     inspection = _inspection(
         ckpt.origin, geom, not problems, dtypes, ckpt.format, [s.file for s in ckpt.shards], groups
     )

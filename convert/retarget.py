@@ -33,6 +33,7 @@ from gqakit.convert.retarget_neox import (
     neox_to_phi_state,
 )
 from gqakit.files import write_json
+from gqakit.geometry import AttentionGeometry
 
 Config = dict[str, Any]
 StateDict = dict[str, torch.Tensor]
@@ -50,6 +51,8 @@ class Retarget:
         config: source config -> target MHA config.
         state: (source state dict, source config) -> target MHA state dict.
         any_groups: the target holds any G dividing H (else only 1 and H).
+        weight_problems: (source state dict, source config) -> reasons found in the weights themselves
+            (a zero LayerNorm gain that a fold divides by).
     """
 
     source: str
@@ -59,6 +62,17 @@ class Retarget:
     config: Callable[[Config], Config]
     state: Callable[[StateDict, Config], StateDict]
     any_groups: bool
+    weight_problems: Callable[[StateDict, Config], list[str]] = lambda state, config: []
+
+    def geometry(self, config: Config) -> AttentionGeometry:
+        """The attention geometry of the target MHA checkpoint ``config`` becomes."""
+        return AttentionGeometry.from_config(self.config(config))
+
+    def valid_groups(self, heads: int) -> list[int]:
+        """The G the target class can hold for ``heads`` query heads."""
+        if self.any_groups:
+            return [g for g in range(1, heads + 1) if heads % g == 0]
+        return [1, heads] if heads > 1 else [1]
 
 
 RETARGETS: dict[str, Retarget] = {
@@ -81,29 +95,16 @@ RETARGETS: dict[str, Retarget] = {
             "Phi is GPT-NeoX's parallel attention + MLP block (LayerNorm, biases, partial rotary) with "
             "num_key_value_heads; NeoX's second LayerNorm folds into fc1",
             neox_problems, neox_to_phi_config, neox_to_phi_state, True,
+            lambda state, config: neox_gain_problems(state, config["num_hidden_layers"]),
         ),
     )
 }  # fmt: skip
-
-
-def valid_groups(retarget: Retarget, heads: int) -> list[int]:
-    """The G the target class can hold for ``heads`` query heads."""
-    if retarget.any_groups:
-        return [g for g in range(1, heads + 1) if heads % g == 0]
-    return [1, heads] if heads > 1 else [1]
 
 
 def read_state(ckpt: Checkpoint) -> StateDict:
     """Every tensor of ``ckpt`` in memory (the retargeted families are converted whole)."""
     with ckpt.reader() as reader:
         return {name: reader.read(name) for name in ckpt.tensor_infos()}
-
-
-def state_problems(retarget: Retarget, state: StateDict, config: Config) -> list[str]:
-    """Reasons found in the weights themselves (a zero LayerNorm gain that a fold divides by)."""
-    if retarget.source == "gpt_neox":
-        return neox_gain_problems(state, config["num_hidden_layers"])
-    return []
 
 
 def write_target(out: Path, config: Config, state: StateDict, src: Path) -> Path:
@@ -119,10 +120,9 @@ def retarget_groups_problem(config: Config, groups: int) -> str | None:
     """Why a retargeted ``config`` cannot be converted to ``groups`` K/V heads (None when it can)."""
     retarget = RETARGETS[config["model_type"]]
     reasons = retarget.problems(config)
-    target = retarget.config(config)
-    heads = int(target.get("num_attention_heads") or target["n_head"])
-    if groups not in valid_groups(retarget, heads):
-        valid = ", ".join(map(str, valid_groups(retarget, heads)))
+    heads = retarget.geometry(config).num_heads
+    if groups not in retarget.valid_groups(heads):
+        valid = ", ".join(map(str, retarget.valid_groups(heads)))
         reasons.append(f"{retarget.target} holds G in {{{valid}}} for {heads} heads, not {groups}")
     if not reasons:
         return None

@@ -22,15 +22,13 @@ from gqakit.convert.retarget import (
     RETARGETS,
     Retarget,
     read_state,
-    state_problems,
-    valid_groups,
     write_target,
 )
 from gqakit.convert.retarget_bigcode import bigcode_to_mqa
 from gqakit.convert.write import ConvertResult
 from gqakit.errors import GqakitError
 from gqakit.files import write_json
-from gqakit.outputs import atomic_output_dir
+from gqakit.outputs import atomic_output_dir, check_output_dir
 from gqakit.safetensors_io import DTYPES
 
 ConvertFn = Callable[..., ConvertResult]
@@ -41,9 +39,8 @@ def retarget_problems(ckpt: Checkpoint, retarget: Retarget, options: ConvertOpti
     p = Problems("convert")
     for reason in retarget.problems(ckpt.config):
         p.add(f"{reason}.")
-    target_config = retarget.config(ckpt.config)
-    heads = int(target_config.get("num_attention_heads") or target_config["n_head"])
-    groups = valid_groups(retarget, heads)
+    heads = retarget.geometry(ckpt.config).num_heads
+    groups = retarget.valid_groups(heads)
     if options.groups not in groups:
         holds = "any G dividing" if retarget.any_groups else "only G = 1 (multi_query) or G ="
         p.add(
@@ -81,25 +78,25 @@ def convert_retargeted(
     problems = retarget_problems(ckpt, retarget, options)
     if problems:
         raise GqakitError(" ".join([what, *problems]))
+    check_output_dir(Path(dst), options.force, ckpt.path)  # before the whole model is read and rewritten
     state = read_state(ckpt)
-    problems = state_problems(retarget, state, ckpt.config)
+    problems = retarget.weight_problems(state, ckpt.config)
     if problems:
         raise GqakitError(" ".join([what, *problems]) + ".")
     config = retarget.config(ckpt.config)
     mha_state = retarget.state(state, ckpt.config)
     extra: dict[str, Any] = {"retargeted": {"from": ckpt.model_type, "to": retarget.target}}
+    if not retarget.any_groups:  # gpt_bigcode: pooled here, written once
+        return _write_bigcode(ckpt, dst, options, config, mha_state, start, extra)
     with tempfile.TemporaryDirectory(prefix="gqakit-retarget-") as tmp:
         mha = write_target(Path(tmp) / "mha", config, mha_state, ckpt.path)
-        if retarget.any_groups:
-            with resolve_checkpoint(mha) as target:
-                target.origin = ckpt.origin  # the provenance names what the user gave
-                return convert(target, dst, options, start, extra)
-        return _write_bigcode(ckpt, mha, dst, options, config, mha_state, start, extra)
+        with resolve_checkpoint(mha) as target:
+            target.origin = ckpt.origin  # the provenance names what the user gave
+            return convert(target, dst, options, start, extra)
 
 
 def _write_bigcode(
     ckpt: Checkpoint,
-    mha: Path,
     dst: str | Path,
     options: ConvertOptions,
     config: dict[str, Any],
@@ -118,7 +115,7 @@ def _write_bigcode(
         state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
         config["dtype"] = options.dtype
     with atomic_output_dir(Path(dst), options.force, src=ckpt.path) as tmp:
-        write_target(tmp, config, state, mha)
+        write_target(tmp, config, state, ckpt.path)
         provenance = {
             "tool": "gqakit",
             "version": __version__,
