@@ -50,6 +50,10 @@ COMMANDS: dict[str, CommandEntry] = {
         "gqakit.pipelines.replicate.cli:replicate_cmd",
         "Re-run the GQA paper's experiments on a model trained here.",
     ),
+    "recovery": CommandEntry(
+        "gqakit.pipelines.recovery.cli:recovery_cmd",
+        "Uptraining tokens each start needs to reach the original's quality.",
+    ),
 }
 
 

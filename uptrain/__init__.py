@@ -8,7 +8,7 @@ Usage::
 """
 
 from gqakit.uptrain.api import check_inputs, uptrain
-from gqakit.uptrain.loop import UptrainLoop, UptrainResult
+from gqakit.uptrain.loop import UptrainLoop, UptrainResult, validation_perplexity
 from gqakit.uptrain.objectives import Objective, distill_kl, lm_loss
 from gqakit.uptrain.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
 from gqakit.uptrain.schedule import Budget, lr_multiplier, resolve_budget
@@ -28,4 +28,5 @@ __all__ = [
     "recipe_from_dict",
     "resolve_budget",
     "uptrain",
+    "validation_perplexity",
 ]

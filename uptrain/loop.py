@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -151,6 +152,7 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
         )
         max_norm = r.train.max_grad_norm or float("inf")
         bad_streak = 0
+        eval_at = set(r.eval.at_steps)
         start, start_step = time.perf_counter(), s.step
         while s.step < self.budget.steps:
             t0 = time.perf_counter()
@@ -197,7 +199,8 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
             )
             if s.step % r.log.every == 0 or s.step == self.budget.steps:
                 self._log_train(stats, grad_norm, lr, tok_s, s.step - start_step, time.perf_counter() - start)
-            if r.eval.every and s.step % r.eval.every == 0 and s.step < self.budget.steps:
+            due = (r.eval.every and s.step % r.eval.every == 0) or s.step in eval_at
+            if due and s.step < self.budget.steps:  # the last step is evaluated after the loop
                 self._log_eval(*self.evaluate())
             if r.checkpoint.every and s.step % r.checkpoint.every == 0 and s.step < self.budget.steps:
                 self._save_checkpoint()
@@ -314,6 +317,25 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
         )
 
 
+def validation_perplexity(recipe: Recipe, model_path: str) -> tuple[float, int]:
+    """``model_path``'s perplexity on ``recipe``'s validation blocks, measured exactly as the loop
+    measures its evaluations (same blocks, precision, batch and reduction): the reference a run's
+    evaluations are read against, e.g. the original model of a recovery curve. One process.
+
+    Returns:
+        The perplexity and the number of validation blocks.
+    """
+    with tempfile.TemporaryDirectory(prefix="gqakit-val-") as tmp:
+        loop = UptrainLoop(recipe, Path(tmp), model_path)
+        loop._setup_accelerator()
+        loop._setup_model()
+        loop._setup_data()
+        loop.model, loop.val_loader = loop.acc.prepare(loop.model, loop.val_loader)
+        ppl = loop.evaluate()[1]
+        loop.acc.end_training()
+        return ppl, len(loop.blocks.val)
+
+
 __all__ = [
     "CHECKPOINTS",
     "METRICS",
@@ -323,4 +345,5 @@ __all__ = [
     "UptrainResult",
     "latest_checkpoint",
     "read_history",
+    "validation_perplexity",
 ]

@@ -87,6 +87,9 @@ def recipe_problems(self: Recipe) -> list[str]:
     for section, k in (("eval", "every"), ("checkpoint", "every"), ("checkpoint", "keep")):
         if getattr(getattr(self, section), k) < 0:
             p.append(f"{section}.{k} must be >= 0, got {getattr(getattr(self, section), k)}.")
+    bad_steps = [n for n in self.eval.at_steps if n < 1]
+    if bad_steps:
+        p.append(f"eval.at_steps must hold steps of at least 1, got {bad_steps}.")
     if self.eval.batch_size is not None and self.eval.batch_size < 1:
         p.append(f"eval.batch_size must be at least 1, got {self.eval.batch_size}.")
     if self.guard.max_bad_steps < 1:

@@ -214,11 +214,14 @@ class EvalConfig:
 
     Attributes:
         every: steps between evaluations (0: only at the start and the end).
+        at_steps: further steps to evaluate after, e.g. log-spaced ones for a recovery curve
+            (``gqakit recovery``); steps past the budget are ignored.
         at_start: evaluate before the first step (the converted model's perplexity).
         batch_size: blocks per device per forward pass (None: ``train.batch_size``).
     """
 
     every: int = 0
+    at_steps: list[int] = field(default_factory=list)
     at_start: bool = True
     batch_size: int | None = None
 

@@ -20,19 +20,12 @@ from pathlib import Path
 import click
 
 from gqakit.cli_options import Problems
-from gqakit.convert.methods import METHODS, PAPER_METHODS
-from gqakit.names import NameTable
+from gqakit.convert.methods import PAPER_METHODS
+from gqakit.pipelines.starts import REFINED, STARTS
 
-# The conversions an MQA arm can start from: every conversion method, and the calibrated merge followed
-# by layer-wise refinement.
-REFINED = "refined"
-ARMS: NameTable[str] = NameTable(
-    "method",
-    {
-        **{name: method.summary for name, method in METHODS.items()},
-        REFINED: "calibrated, then layer-wise refinement (gqakit convert --refine-steps)",
-    },
-)
+# The conversions an MQA arm can start from (gqakit.pipelines.starts): every conversion method, and the
+# calibrated merge followed by layer-wise refinement.
+ARMS = STARTS
 
 
 @dataclass(frozen=True)

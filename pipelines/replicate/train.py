@@ -13,14 +13,14 @@ from typing import Any
 import torch
 
 from gqakit.checkpoint import read_config
-from gqakit.convert import ConvertOptions, convert_checkpoint
-from gqakit.convert.methods import METHODS
+from gqakit.convert import convert_checkpoint
 from gqakit.eval import perplexity
 from gqakit.eval.decode_rounds import decode_rounds, round_stats
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm, load_tokenizer
 from gqakit.outputs import atomic_output_dir
-from gqakit.pipelines.replicate.options import REFINED, ReplicateOptions
+from gqakit.pipelines.replicate.options import ReplicateOptions
+from gqakit.pipelines.starts import start_convert_options
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
 from gqakit.text import load_texts
@@ -176,17 +176,11 @@ def train_run(
 
 def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
     """``mha`` converted to ``groups`` K/V heads by ``method`` (``refined``: calibrated + refinement)."""
-    refined = method == REFINED
-    conversion = "calibrated" if refined else method
-    opts = ConvertOptions(
-        groups=groups,
-        method=conversion,
-        force=True,
-        calib_data=str(ctx.train) if METHODS[conversion].needs_calibration else None,
-        calib_tokens=ctx.o.calib_tokens,
-        refine_steps=ctx.o.refine_steps if refined else 0,
-        device=ctx.o.device,
-    )
+    o = ctx.o
+    opts = start_convert_options(
+        method, groups, calib_data=str(ctx.train), calib_tokens=o.calib_tokens,
+        refine_steps=o.refine_steps, device=o.device,
+    )  # fmt: skip
     dst = ctx.models / f"start-g{groups}-{method}"
     key = {"source": fingerprint(mha), "options": repr(opts)}
     ctx.store.build_once(dst, key, lambda: convert_checkpoint(mha, dst, opts))

@@ -190,3 +190,24 @@ def test_bad_data_and_teacher_and_output(recipe, assets, tmp_path):
     with pytest.raises(GqakitError, match="is inside output_dir"):
         uptrain(recipe(f"output_dir={assets['train'].parent}", "model.convert=null"), force=True)
     assert assets["train"].is_file()
+
+
+def test_eval_at_steps_evaluates_exactly_there_and_matches_validation_perplexity(recipe, assets):
+    from gqakit.uptrain import validation_perplexity
+
+    r = recipe("budget.steps=6", "eval.every=0", "eval.at_steps=[2, 3, 9]", "model.convert=null")
+    res = uptrain(r)
+    evals = [h for h in read_history(res.output_dir) if "val_ppl" in h]
+    assert [h["step"] for h in evals] == [0, 2, 3, 6]  # 9 is past the budget; 6 is the final evaluation
+    # the reference measurement reads the same blocks the same way as the run's own evaluations
+    ppl, blocks = validation_perplexity(r, str(assets["mha"]))
+    assert ppl == pytest.approx(evals[0]["val_ppl"], rel=1e-6) and blocks > 0
+    ppl, _ = validation_perplexity(r, str(res.output_dir))
+    assert ppl == pytest.approx(evals[-1]["val_ppl"], rel=1e-6)
+
+
+def test_eval_at_steps_must_be_positive(recipe):
+    from gqakit.uptrain import RecipeError
+
+    with pytest.raises(RecipeError, match=r"eval.at_steps must hold steps of at least 1, got \[0\]"):
+        recipe("eval.at_steps=[0, 4]")

@@ -1,0 +1,163 @@
+"""The options of ``gqakit recovery``: the source, the starts, the data and the uptraining run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from gqakit.cli_options import Problems
+from gqakit.pipelines.starts import REFINED, STARTS
+
+DEFAULT_STARTS = ("mean", "calibrated", REFINED)
+OBJECTIVES = ("distill", "lm")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class RecoveryOptions:
+    """Options of ``gqakit recovery``.
+
+    Attributes:
+        src: the original checkpoint (directory, ``.gguf`` or hub id).
+        groups: K/V heads after conversion (1 = MQA).
+        data: one text file (one document per line), split by document into training, calibration
+            and held-out text; None: the wiki-en asset's train / validation / test splits.
+        tokens: uptraining tokens per start (rounded up to whole steps).
+        starts: the starts (:data:`~gqakit.pipelines.starts.STARTS`), one curve each; the first
+            is the reference the savings are computed against (mean pooling by default).
+        lr: peak learning rate of every start.
+        start_lr: a start's own learning rate where one was measured better (``refined=1e-4``).
+        objective: ``distill`` (KL to the original, the default) or ``lm``.
+        precision: ``auto`` (bf16 autocast where the CPU or GPU has bf16 instructions, else fp32),
+            ``bf16`` or ``fp32``; the weights stay float32.
+        seq_len, batch_size: the packed blocks and blocks per step (one step = their product in tokens).
+        warmup_steps: linear warmup, then a constant learning rate, so that the point at N tokens is
+            what a run stopped at N tokens gives.
+        evals_per_decade: log-spaced held-out evaluations per factor of ten tokens.
+        eval_tokens: held-out tokens per evaluation.
+        calib_tokens, refine_steps: the calibrated and refined conversions.
+        checkpoint_every: steps between resumable checkpoints of each run.
+        out, work_dir: the report, and the checkpoints and cached results (a rerun reuses them).
+        fresh: recompute everything.
+        device, seed: where to run, and the seed of data order and initialisation.
+        cache_dir, wheelhouse: the asset cache and a wheel directory (offline machines).
+        progress: progress bars.
+        echo: where step lines go.
+    """
+
+    src: str
+    groups: int
+    data: Path | None = None
+    tokens: int = 200_000
+    starts: tuple[str, ...] = DEFAULT_STARTS
+    lr: float = 2e-4
+    start_lr: tuple[str, ...] = ()
+    objective: str = "distill"
+    precision: str = "auto"
+    seq_len: int = 256
+    batch_size: int = 4
+    warmup_steps: int = 10
+    evals_per_decade: int = 4
+    eval_tokens: int = 8192
+    calib_tokens: int = 4096
+    refine_steps: int = 200
+    checkpoint_every: int = 25
+    out: Path = Path("recovery-report")
+    work_dir: Path = Path("recovery-work")
+    fresh: bool = False
+    device: str = "auto"
+    seed: int = 0
+    cache_dir: Path | None = None
+    wheelhouse: Path | None = None
+    progress: bool = True
+    echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per start: ``tokens`` rounded up to whole steps."""
+        return -(-self.tokens // self.tokens_per_step)
+
+    def results_key(self) -> dict[str, str]:
+        """The settings the figures depend on (not where they are shown, progress bars or checkpoints)."""
+        skip = {"out", "fresh", "progress", "echo", "checkpoint_every", "cache_dir", "wheelhouse"}
+        return {name: repr(getattr(self, name)) for name in self.__dataclass_fields__ if name not in skip}
+
+    def lr_of(self, start: str) -> float:
+        """The peak learning rate of ``start``: its own from ``start_lr``, else ``lr``."""
+        own = dict(_pair(item) for item in self.start_lr)
+        return float(own.get(start, self.lr))
+
+    def validate(self) -> None:
+        """Every problem with the options at once, before any model is read."""
+        p = Problems("recovery")
+        f = p.flag
+        if self.groups < 1:
+            p.add(f"{f('groups')} must be a positive number of K/V heads, got {self.groups}.")
+        if not self.starts:
+            p.add(f"{f('starts')} needs at least one of {', '.join(STARTS)}.")
+        p.add(STARTS.unknown_in(self.starts, f("starts")))
+        dup = sorted({s for s in self.starts if self.starts.count(s) > 1})
+        if dup:
+            p.add(f"{f('starts')} names {', '.join(dup)} more than once.")
+        if self.tokens < self.tokens_per_step:
+            p.add(
+                f"{f('tokens')} {self.tokens:,} is smaller than the first evaluation point, one step of "
+                f"{self.tokens_per_step:,} tokens ({f('batch_size')} {self.batch_size} x {f('seq_len')} "
+                f"{self.seq_len}); give at least {self.tokens_per_step:,}."
+            )
+        for item in self.start_lr:
+            try:
+                start, value = _pair(item)
+            except ValueError:
+                p.add(f"{f('start_lr')} {item!r} must be START=LR, e.g. refined=1e-4.")
+                continue
+            p.add(STARTS.unknown(start, f"{f('start_lr')} start", among=self.starts))
+            if not value > 0:
+                p.add(f"{f('start_lr')} {item!r}: the learning rate must be positive.")
+        if not self.lr > 0:
+            p.add(f"{f('lr')} must be positive, got {self.lr}.")
+        if self.objective not in OBJECTIVES:
+            p.add(f"{f('objective')} {self.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}.")
+        if self.precision not in PRECISIONS:
+            p.add(f"{f('precision')} {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
+        for name in (
+            "seq_len", "batch_size", "evals_per_decade", "eval_tokens", "calib_tokens", "refine_steps",
+        ):  # fmt: skip
+            if getattr(self, name) < 1:
+                p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
+        for name in ("warmup_steps", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                p.add(f"{f(name)} must be >= 0, got {getattr(self, name)}.")
+        if self.data is not None and not Path(self.data).expanduser().is_file():
+            p.add(f"{f('data')} {self.data} does not exist or is not a file.")
+        if Path(self.out).resolve() == Path(self.work_dir).resolve():
+            p.add(f"{f('out')} and {f('work_dir')} must differ.")
+        p.raise_if_any()
+
+
+@dataclass
+class Inputs:
+    """The resolved inputs: the original checkpoint and the three text files."""
+
+    src: str
+    train: Path
+    calibration: Path
+    heldout: Path
+
+
+def _pair(item: str) -> tuple[str, float]:
+    """``"refined=1e-4"`` -> ``("refined", 1e-4)``; ValueError when it is not START=NUMBER."""
+    name, sep, value = item.partition("=")
+    if not sep:
+        raise ValueError(item)
+    return name.strip(), float(value)
+
+
+__all__ = ["DEFAULT_STARTS", "OBJECTIVES", "PRECISIONS", "Inputs", "RecoveryOptions"]

@@ -1,0 +1,207 @@
+"""The recovery report: ``recovery.png``, ``report.md`` and ``results.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from gqakit import __version__
+from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, savings
+from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
+from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
+from gqakit.pipelines.store import ResultStore
+
+PLOT = "recovery.png"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def plot_curves(original: float, curves: list[Curve], path: Path, title: str) -> Path:
+    """Perplexity / the original's against uptraining tokens: log y, and an x axis that is log from the
+    first step on and linear below it, so the start itself (0 tokens) is on the plot."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    first = min((t for c in curves for t, _ in c.points if t > 0), default=1)
+    for c in curves:
+        xs, ys = zip(*c.ratios(original), strict=True)
+        ax.plot(xs, ys, marker="o", markersize=3.5, label=f"{c.start} (lr {c.lr:g})")
+    ax.axhline(1.0, color="black", linewidth=1.2, label=f"original ({fmt_ppl(original)})")
+    for t in THRESHOLDS:
+        ax.axhline(t, color="grey", linestyle=":", linewidth=0.8)
+        ax.annotate(f"{t:g}x", (1.0, t), xycoords=("axes fraction", "data"), fontsize=7, color="grey",
+                    xytext=(2, 0), textcoords="offset points", va="center")  # fmt: skip
+    ax.set_xscale("symlog", linthresh=first)
+    ax.set_xlim(left=0)
+    ax.set_yscale("log")
+    ax.set_xlabel("uptraining tokens (0, then log scale)")
+    ax.set_ylabel("held-out perplexity / original's")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def write_report(
+    o: RecoveryOptions,
+    inputs: Inputs,
+    precision: str,
+    original: float,
+    curves: list[Curve],
+    elapsed_s: float,
+    store: ResultStore,
+) -> tuple[Path, Path, Path]:
+    """Write the three files into ``o.out``; return their paths (report, results, plot)."""
+    out = Path(o.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = o.steps * o.tokens_per_step
+    plot = plot_curves(
+        original, curves, out / PLOT, f"{Path(inputs.src).name} -> {o.groups} K/V heads: recovery by start"
+    )
+    saved = savings(curves)
+    ref = curves[0].start
+    command = "gqakit recovery " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else ""
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    versions = {
+        "gqakit": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+    head = "| start | lr | at 0 tokens | at " + f"{tokens:,}" + " tokens | " + " | ".join(
+        f"{t:g}x" for t in THRESHOLDS
+    ) + " |"  # fmt: skip
+    rows = [head, "|---|---:|---:|---:|" + "---:|" * len(THRESHOLDS)]
+    for c in curves:
+        p0, pn = c.points[0][1], c.points[-1][1]
+        cells = " | ".join(c.reach[t].label() for t in THRESHOLDS)
+        rows.append(
+            f"| {c.start} | {c.lr:g} | {fmt_ppl(p0)} ({p0 / original:.2f}x) | {fmt_ppl(pn)} "
+            f"({pn / original:.3f}x) | {cells} |"
+        )
+    save_rows = ["| start | " + " | ".join(f"{t:g}x" for t in THRESHOLDS) + " |",
+                 "|---|" + "---:|" * len(THRESHOLDS)]  # fmt: skip
+    for start, by_t in saved.items():
+        save_rows.append(f"| {start} | " + " | ".join(by_t[t].label() for t in THRESHOLDS) + " |")
+    point_rows = ["| tokens | " + " | ".join(c.start for c in curves) + " |"]
+    point_rows.append("|---:|" + "---:|" * len(curves))
+    by_tokens: dict[int, dict[str, float]] = {}
+    for c in curves:
+        for t, p in c.points:
+            by_tokens.setdefault(t, {})[c.start] = p
+    for t in sorted(by_tokens):
+        cells = [
+            f"{fmt_ppl(by_tokens[t][c.start])} ({by_tokens[t][c.start] / original:.3f}x)"
+            if c.start in by_tokens[t] else "" for c in curves
+        ]  # fmt: skip
+        point_rows.append(f"| {t:,} | " + " | ".join(cells) + " |")
+    time_rows = [f"- {c.start}: conversion {fmt_duration(c.convert_s)}, uptraining {fmt_duration(c.train_s)}"
+                 for c in curves]  # fmt: skip
+    lr_note = (
+        "every start at the same peak learning rate"
+        if len({c.lr for c in curves}) == 1
+        else "each start at its own peak learning rate (the lr column), set with --start-lr"
+    )
+    text = f"""# gqakit recovery: {Path(inputs.src).name} -> {o.groups} K/V heads
+
+How many uptraining tokens each start needs to come back to the original's quality. Each start is
+converted from the original, then uptrained once for {tokens:,} tokens ({o.steps} steps of {o.batch_size} x
+{o.seq_len} tokens; objective {o.objective}{" from the original" if o.objective == "distill" else ""};
+{lr_note}: a warmup of {o.warmup_steps} steps, then constant, so each point is what a run stopped there
+gives), and scored on the held-out text at log-spaced token counts during that run. Perplexity on
+{max(1, o.eval_tokens // o.seq_len) * o.seq_len:,} held-out tokens in {o.seq_len}-token blocks, {precision};
+the original scores **{fmt_ppl(original)}** the same way.
+
+![recovery]({PLOT})
+
+## Tokens to reach each multiple of the original's perplexity
+
+Interpolated between measured points in log tokens; "<= N": reached by the first point, "> N": not reached
+within the run.
+
+{chr(10).join(rows)}
+
+## Savings over {ref}
+
+How many times fewer uptraining tokens than {ref} each start needs to reach the threshold; ">=" is a lower
+bound ({ref} never got there within the run, or the start got there by its first point).
+
+{chr(10).join(save_rows)}
+
+## Every measured point
+
+Held-out perplexity (and its multiple of the original's) after each number of uptraining tokens.
+
+{chr(10).join(point_rows)}
+
+## Settings
+
+- source: `{inputs.src}`; groups {o.groups}; starts {", ".join(o.starts)} (calibration {o.calib_tokens:,}
+  tokens, refinement {o.refine_steps} steps per layer)
+- text: train `{inputs.train}`, calibration `{inputs.calibration}`, held out `{inputs.heldout}`
+- seed {o.seed}; precision {precision}; device {o.device}
+- wall time: {fmt_duration(elapsed_s)} to compute ({store.reused} results reused from `{o.work_dir}`)
+{chr(10).join(time_rows)}
+- machine: {machine}; {", ".join(f"{k} {v}" for k, v in versions.items())}
+- command: `{command}`
+
+Machine-readable figures: `results.json`.
+"""
+    report = out / "report.md"
+    _write(report, text)
+    results: dict[str, Any] = {
+        "command": command,
+        "source": str(inputs.src),
+        "groups": o.groups,
+        "settings": {
+            "tokens": tokens,
+            "steps": o.steps,
+            "tokens_per_step": o.tokens_per_step,
+            "seq_len": o.seq_len,
+            "batch_size": o.batch_size,
+            "objective": o.objective,
+            "precision": precision,
+            "warmup_steps": o.warmup_steps,
+            "eval_tokens": o.eval_tokens,
+            "calib_tokens": o.calib_tokens,
+            "refine_steps": o.refine_steps,
+            "seed": o.seed,
+            "data": o.data and str(o.data),
+        },  # fmt: skip
+        "original_ppl": original,
+        "thresholds": list(THRESHOLDS),
+        "starts": {
+            c.start: {
+                "lr": c.lr,
+                "points": [{"tokens": t, "ppl": p, "ratio": p / original} for t, p in c.points],
+                "reach": {f"{t:g}": c.reach[t].as_dict() for t in THRESHOLDS},
+                "convert_s": round(c.convert_s, 1),
+                "train_s": round(c.train_s, 1),
+            }
+            for c in curves
+        },
+        "reference": ref,
+        "savings": {s: {f"{t:g}": v.as_dict() for t, v in by_t.items()} for s, by_t in saved.items()},
+        "elapsed_s": round(elapsed_s, 1),
+        "machine": machine,
+        "versions": versions,
+    }
+    results_json = out / "results.json"
+    _write(results_json, json.dumps(results, indent=2) + "\n")
+    return report, results_json, plot
+
+
+__all__ = ["PLOT", "plot_curves", "write_report"]

@@ -1,0 +1,183 @@
+"""``gqakit recovery`` on a tiny model: the curve arithmetic (evaluation points, thresholds, savings), the
+whole pipeline with its cache, and the bad-input messages, each given before any conversion."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gqakit.cli import main
+from gqakit.errors import GqakitError
+from gqakit.pipelines.recovery.curves import Reach, eval_steps, saving, tokens_to_reach
+from gqakit.pipelines.recovery.options import RecoveryOptions
+from gqakit.pipelines.recovery.run import run_recovery
+from gqakit.testing import TINY_TEXT, save_tiny_model
+
+# ------------------------------------------------------------------------------------ curve arithmetic
+
+
+def test_eval_steps_are_log_spaced_from_the_first_step_to_the_last():
+    steps = eval_steps(200, 4)
+    assert steps[0] == 1 and steps[-1] == 200 and steps == sorted(set(steps))
+    ratios = [b / a for a, b in zip(steps[3:], steps[4:], strict=False)]
+    assert all(1.5 < r < 2.0 for r in ratios), ratios  # about 10 ** (1/4) apart once past rounding
+    assert len(eval_steps(2000, 4)) > len(steps)
+    assert eval_steps(1, 4) == [1]
+
+
+def test_tokens_to_reach_interpolates_in_log_tokens():
+    curve = [(0, 10.0), (100, 4.0), (1000, 1.0)]
+    # 2x is two thirds of the way from 4.0 to 1.0 between 100 and 1,000 tokens, on a log axis
+    assert tokens_to_reach(curve, 2.0) == Reach(pytest.approx(100 * 10 ** (2 / 3)), "=")
+    assert tokens_to_reach(curve, 1.0).tokens == pytest.approx(1000)
+    assert tokens_to_reach(curve, 0.9) == Reach(1000, ">")
+    assert tokens_to_reach(curve, 5.0) == Reach(100, "<=")  # crossed before the first measured point
+    assert tokens_to_reach([(0, 1.01), (10, 1.0)], 1.05) == Reach(0, "=")
+    assert tokens_to_reach(curve, 0.9).label() == "> 1,000"
+
+
+def test_savings_are_exact_lower_bounds_or_not_applicable():
+    assert saving(Reach(100, "="), Reach(1000, "=")).label() == "10.0x"
+    lower = saving(Reach(100, "="), Reach(5000, ">"))  # the reference never got there
+    assert lower.factor == pytest.approx(50) and lower.label() == ">= 50.0x"
+    assert saving(Reach(100, ">"), Reach(1000, "=")).label() == "n/a"
+    assert saving(Reach(0, "="), Reach(1000, "=")).label() == "no uptraining needed"
+    assert saving(Reach(256, "<="), Reach(1000, "=")).label() == ">= 3.9x"
+
+
+# ------------------------------------------------------------------------------------ the pipeline
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("recovery")
+    sentences = [s.strip() + "." for s in TINY_TEXT.split(".") if s.strip()]
+    rng = random.Random(0)
+    data = root / "data.txt"
+    data.write_text("\n".join(" ".join(rng.sample(sentences, 4)) for _ in range(400)) + "\n")
+    return {"src": save_tiny_model(root / "src", "llama", heads=4, kv_heads=4), "data": data}
+
+
+def options(tiny, tmp_path: Path, messages: list[str], **kw) -> RecoveryOptions:
+    base = dict(
+        src=str(tiny["src"]), groups=1, data=tiny["data"], tokens=1024, starts=("mean", "random", "refined"),
+        lr=1e-2, objective="lm", precision="fp32", seq_len=32, batch_size=4, warmup_steps=1,
+        eval_tokens=256, calib_tokens=2048, refine_steps=5, checkpoint_every=3, device="cpu",
+        out=tmp_path / "report", work_dir=tmp_path / "work", progress=False, echo=messages.append,
+    )  # fmt: skip
+    return RecoveryOptions(**{**base, **kw})
+
+
+def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_path):
+    messages: list[str] = []
+    first = run_recovery(options(tiny, tmp_path, messages, start_lr=("random=5e-3",)))
+
+    results = json.loads(first.results_json.read_text())
+    assert list(results["starts"]) == ["mean", "random", "refined"] and results["reference"] == "mean"
+    steps = [0, *eval_steps(8, 4)]  # 8 steps of 128 tokens: the start, then log-spaced points
+    for start, curve in results["starts"].items():
+        assert [p["tokens"] for p in curve["points"]] == [s * 128 for s in steps]
+        ppl = [p["ppl"] for p in curve["points"]]
+        assert ppl[-1] < ppl[0], (start, ppl)  # uptraining recovers
+        ratio = curve["points"][-1]["ratio"]
+        assert ratio == pytest.approx(ppl[-1] / results["original_ppl"])
+        assert set(curve["reach"]) == {"2", "1.5", "1.2", "1.1", "1.05"}
+    assert results["starts"]["random"]["lr"] == 5e-3 and results["starts"]["mean"]["lr"] == 1e-2
+    assert set(results["savings"]) == {"random", "refined"}
+    # the start's own perplexity is the converted model's; mean pooling's is worse than the original's
+    assert results["starts"]["mean"]["points"][0]["ratio"] > 1
+    assert first.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = first.report.read_text()
+    assert "| start | lr | at 0 tokens | at 1,024 tokens | 2x | 1.5x | 1.2x | 1.1x | 1.05x |" in report
+    assert "## Savings over mean" in report and "random at its own" not in report
+
+    # A rerun with only progress and echo changed computes nothing and reports the first run's time.
+    again: list[str] = []
+    second = run_recovery(options(tiny, tmp_path, again, start_lr=("random=5e-3",), checkpoint_every=5))
+    assert json.loads(second.results_json.read_text())["starts"] == results["starts"]
+    assert second.elapsed_s == pytest.approx(first.elapsed_s)
+    assert not any("uptrain" in m.lower() and "step" in m for m in again if m.startswith("20"))
+
+    # A changed learning rate reruns that start only: its conversion is reused.
+    third = run_recovery(options(tiny, tmp_path, [], start_lr=("random=2e-3",)))
+    after = json.loads(third.results_json.read_text())["starts"]
+    assert after["mean"] == results["starts"]["mean"] and after["random"] != results["starts"]["random"]
+
+
+def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
+    from gqakit.uptrain.loop import UptrainLoop
+
+    opts = options(tiny, tmp_path, [], starts=("mean",))
+    save = UptrainLoop._save_checkpoint
+    calls = []
+
+    def die_after_first_checkpoint(self):
+        save(self)
+        calls.append(self.state.step)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(UptrainLoop, "_save_checkpoint", die_after_first_checkpoint)
+        with pytest.raises(KeyboardInterrupt):
+            run_recovery(opts)
+    assert calls == [3]
+    resumed = run_recovery(opts)
+    history = (tmp_path / "work" / "runs" / "mean" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(h)["step"] for h in history if '"loss"' in h]
+    assert steps == list(range(1, 9))  # steps 1-3 kept, 4-8 trained after the resume
+    whole = run_recovery(options(tiny, tmp_path / "whole", [], starts=("mean",)))
+    a = json.loads(resumed.results_json.read_text())["starts"]["mean"]["points"]
+    b = json.loads(whole.results_json.read_text())["starts"]["mean"]["points"]
+    assert [p["ppl"] for p in a] == pytest.approx([p["ppl"] for p in b], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _cli(tiny, tmp_path, *args: str):
+    base = ["recovery", str(tiny["src"]), "--data", str(tiny["data"]), "--work-dir", str(tmp_path / "w")]
+    return CliRunner().invoke(main, [*base, "--out", str(tmp_path / "o"), *args])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--groups", "1", "--starts", "mean,refind"], "--starts refind: unknown start; choose from"),
+        (["--groups", "1", "--tokens", "100"], "--tokens 100 is smaller than the first evaluation point"),
+        (["--groups", "3"], "--groups 3 does not divide the 4 K/V heads of this checkpoint. Valid --groups"),
+        (["--groups", "1", "--start-lr", "mean"], "--start-lr 'mean' must be START=LR"),
+        (["--groups", "1", "--start-lr", "first=1e-3"], "--start-lr start 'first' is unknown"),
+    ],
+)
+def test_bad_input_is_one_clear_message_before_any_conversion(tiny, tmp_path, args, message):
+    result = _cli(tiny, tmp_path, *args)
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+    assert not (tmp_path / "w" / "models").exists() and not (tmp_path / "o").exists()
+
+
+def test_unknown_start_suggests_the_closest(tiny, tmp_path):
+    assert (
+        'did you mean "refined"' in _cli(tiny, tmp_path, "--groups", "1", "--starts", "refind").output.lower()
+    )
+
+
+def test_an_unwritable_output_is_refused_before_any_work(tiny, tmp_path):
+    (tmp_path / "afile").write_text("a file")
+    base = ["recovery", str(tiny["src"]), "--groups", "1", "--data", str(tiny["data"])]
+    out = str(tmp_path / "afile" / "report")
+    result = CliRunner().invoke(main, [*base, "--work-dir", str(tmp_path / "w"), "--out", out])
+    assert result.exit_code != 0
+    assert f"--out {out} cannot be written (Not a directory)" in result.output, result.output
+    assert not (tmp_path / "w").exists()
+
+
+def test_options_from_python_name_the_flags():
+    with pytest.raises(GqakitError, match="--tokens 10 is smaller"):
+        RecoveryOptions(src="x", groups=1, tokens=10).validate()
+    assert math.isclose(RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).lr_of("refined"), 1e-4)
