@@ -7,7 +7,9 @@ the whole API from one place.
 
 from __future__ import annotations
 
+import sys
 import time
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from gqakit.cli_options import Problems
 from gqakit.convert.calibrate import calibrate, calibration_sequences
 from gqakit.convert.inspect import Inspection, inspect_checkpoint
 from gqakit.convert.layerwise import write_layerwise
+from gqakit.convert.layerwise_resume import LayerwiseResume, resume_dir, tokens_digest
 from gqakit.convert.merge_fit import fit_layer_merges, merge_report
 from gqakit.convert.merge_plan import plan_merged
 from gqakit.convert.methods import METHODS
@@ -28,6 +31,7 @@ from gqakit.convert.retarget import RETARGETS
 from gqakit.convert.retarget_convert import convert_retargeted
 from gqakit.convert.write import ConvertResult, write_converted
 from gqakit.errors import GqakitError
+from gqakit.files import fingerprint
 from gqakit.geometry import AttentionGeometry
 from gqakit.safetensors_io import DTYPES
 
@@ -92,12 +96,42 @@ def _convert(
         sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
         if options.refine_steps:
             check_sequences(sequences)
-        weights = partial(write_layerwise, ckpt, adapter, geom, spec, options, sequences, record)
-    else:
-        weights = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
+        resume = LayerwiseResume(resume_dir(dst), _resume_key(ckpt, options, sequences))
+        weights = partial(
+            write_layerwise, ckpt, adapter, geom, spec, options, sequences, record, resume=resume
+        )
+        try:
+            result = write_converted(
+                ckpt, dst, weights, geom, options.groups, spec.out_dtype, options.force, record, start
+            )
+        except GqakitError:  # bad input: nothing to resume, nothing left behind
+            resume.clear()
+            raise
+        except BaseException:  # killed, out of memory...: keep the finished layers for the next run
+            if resume.done:
+                print(
+                    f"{resume.done} finished layer(s) kept in {resume.root}: run the same conversion again "
+                    "to resume there.",
+                    file=sys.stderr,
+                )
+            raise
+        resume.clear()
+        return result
+    weights = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
     return write_converted(
         ckpt, dst, weights, geom, options.groups, spec.out_dtype, options.force, record, start
     )
+
+
+def _resume_key(ckpt: Checkpoint, options: ConvertOptions, sequences: list) -> dict[str, Any]:
+    """What the finished layers of a layer-wise conversion depend on: the source's files, every option
+    but ``force``, and the calibration tokens."""
+    origin = Path(ckpt.origin)
+    return {
+        "source": fingerprint(origin) if origin.exists() else ckpt.origin,
+        "options": {k: v for k, v in asdict(options).items() if k != "force"},
+        "tokens": tokens_digest(sequences),
+    }
 
 
 def plan_with_merges(

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from gqakit.checkpoint import Checkpoint
 from gqakit.convert.calibrate import CALIB_BATCH, batch_gram, batches, calibration_record, key_module
 from gqakit.convert.decoder_stream import DecoderStream
+from gqakit.convert.layerwise_resume import LayerwiseResume
 from gqakit.convert.merge_fit import KEY_FALLBACK, MergeReport, fit_one_layer, rotary_dim
 from gqakit.convert.merge_plan import base_plan, merged_layer
 from gqakit.convert.options import ConvertOptions
@@ -96,23 +97,48 @@ def write_layerwise(
     sequences: list[torch.Tensor],
     record: dict[str, Any],
     out_dir: Path,
+    resume: LayerwiseResume | None = None,
 ) -> list[str]:
     """Convert layer by layer into ``out_dir`` (see the module docstring); add what was measured to
-    ``record`` and return the shard names."""
+    ``record`` and return the shard names.
+
+    With ``resume``, each finished layer is saved there, and the layers a killed run of the same
+    conversion finished are written from there instead of being converted again. Progress is one bar
+    in layers, its ETA the mean time per layer of this run (the first layer includes loading).
+    """
     start = time.perf_counter()
     with ckpt.reader() as reader:
         job = _LayerwiseJob(ckpt, reader, adapter, geom, spec, options, sequences)
-        writer = PlanWriter(ckpt, job.plan, out_dir, reader, desc=f"convert -> G={options.groups}")
+        writer = PlanWriter(ckpt, job.plan, out_dir, reader, f"convert -> G={options.groups}", progress=False)
+        first = resume.done if resume is not None else 0
+        bar = tqdm(
+            total=geom.num_layers, initial=first, desc=f"convert -> G={options.groups}", unit="layer",
+            smoothing=0, dynamic_ncols=True,
+        )  # fmt: skip
+        if first:
+            bar.write(f"resuming at layer {first}: layers 0-{first - 1} were finished by an earlier run")
         try:
-            for i in tqdm(range(geom.num_layers), desc="calibrate", unit="layer"):
-                for out, value in job.convert_layer(i):
+            for i in range(first):
+                for out, value in job.finished_layer(i, resume):  # type: ignore[arg-type]
                     writer.write(out, value)
+            if first:
+                job.hidden = resume.hidden()  # type: ignore[union-attr]
+            for i in range(first, geom.num_layers):
+                outs = job.convert_layer(i)
+                for out, value in outs:
+                    writer.write(out, value)
+                if resume is not None:
+                    computed = {out.name: v for out, v in outs if v is not None}
+                    resume.save(i, computed, job.layer_info(i), job.hidden)
+                bar.update(1)
             for out in job.rest:
                 writer.write(out)
             files = writer.close()
         except BaseException:
             writer.abort()
             raise
+        finally:
+            bar.close()
     record.update(job.record(time.perf_counter() - start))
     return files
 
@@ -172,7 +198,9 @@ class _LayerwiseJob:
             capture, next_hidden = self._capture(module, i, self.needs_gram, self.hidden)
         release_memory(self.device)
         outs = self._merged_outputs(i, capture.gram)
-        values: dict[str, torch.Tensor] = {}
+        base = {id(o) for o in self.per_layer[i]}
+        # the merged tensors, computed once: written, and kept for a resumed run
+        values = {o.name: execute(o, self.reader.read) for o in outs if id(o) not in base}
         if self.refine is not None:
             path = f"{self.stream.layer_prefix(i)}{self.stream.attention_name}"
             attn = self.stream.layers[i].get_submodule(self.stream.attention_name)
@@ -192,6 +220,30 @@ class _LayerwiseJob:
         release_memory(self.device)
         self.seconds.append(round(time.perf_counter() - t0, 3))
         return [(out, values.get(out.name)) for out in outs]
+
+    def layer_info(self, i: int) -> dict[str, Any]:
+        """What was measured on layer ``i`` (just converted), as a resumed run needs it back."""
+        return {
+            "merge": self.merges.layers[-1] if self.options.merged else None,
+            "key_merge": self.merges.key_merge,
+            "refine": self.refined.layers[-1] if self.refined is not None else None,
+            "seconds": self.seconds[-1],
+        }
+
+    def finished_layer(
+        self, i: int, resume: LayerwiseResume
+    ) -> list[tuple[OutputTensor, torch.Tensor | None]]:
+        """Layer ``i`` as an earlier run converted it: its computed tensors from ``resume``, the rest as
+        planned; its measurements join this run's records."""
+        values, info = resume.layer(i)
+        if info["merge"] is not None:
+            self.merges.layers.append(info["merge"])
+            self.merges.key_merge = info["key_merge"]
+        if info["refine"] is not None and self.refined is not None:
+            self.refined.layers.append(info["refine"])
+        self.seconds.append(info["seconds"])
+        self.stream.release(i)
+        return [(out, values.get(out.name)) for out in self.per_layer[i]]
 
     def _merged_outputs(self, i: int, gram: torch.Tensor | None) -> list[OutputTensor]:
         """Layer ``i``'s planned output tensors, its attention merged when the conversion merges."""

@@ -38,10 +38,17 @@ class PlanWriter:
         out_dir: where the shards (and the index, for more than one) go.
         reader: an open reader of ``ckpt``.
         desc: the progress bar's label (bytes written).
+        progress: show that bar (off where the caller shows progress in its own unit, e.g. layers).
     """
 
     def __init__(
-        self, ckpt: Checkpoint, plan: list[OutputTensor], out_dir: Path, reader: TensorReader, desc: str
+        self,
+        ckpt: Checkpoint,
+        plan: list[OutputTensor],
+        out_dir: Path,
+        reader: TensorReader,
+        desc: str,
+        progress: bool = True,
     ) -> None:
         self.ckpt, self.reader, self.out_dir = ckpt, reader, out_dir
         by_shard: dict[str, list[OutputTensor]] = {s.file: [] for s in ckpt.shards}
@@ -57,7 +64,9 @@ class PlanWriter:
             for f, outs in by_shard.items()
             if outs
         }
-        self._bar = tqdm(total=self.total, unit="B", unit_scale=True, desc=desc, leave=False)
+        self._bar = tqdm(
+            total=self.total, unit="B", unit_scale=True, desc=desc, leave=False, disable=not progress
+        )
 
     def write(self, out: OutputTensor, value: torch.Tensor | None = None) -> None:
         """Write ``out``: ``value`` when given, else computed from the source (or copied raw when the plan

@@ -136,3 +136,73 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path, calib_txt):
     assert growth["layerwise"] < 2 * layer_bytes, growth
     prov = json.loads((tmp_path / "l14-layerwise" / "gqakit.json").read_text())
     assert len(prov["layerwise"]["seconds_per_layer"]) == 14
+
+
+def test_a_killed_conversion_resumes_at_the_first_unfinished_layer(tmp_path, calib_txt, monkeypatch, capsys):
+    from gqakit.convert import layerwise
+    from gqakit.convert.layerwise_resume import resume_dir
+
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=3)
+    opts = ConvertOptions(
+        groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=1024, refine_steps=4
+    )
+    whole = convert_checkpoint(src, tmp_path / "whole", opts)
+
+    convert_layer = layerwise._LayerwiseJob.convert_layer
+    converted: list[int] = []
+
+    def dies_at_layer_2(self, i):
+        if i == 2:
+            raise KeyboardInterrupt
+        converted.append(i)
+        return convert_layer(self, i)
+
+    dst = tmp_path / "cut"
+    with monkeypatch.context() as m:
+        m.setattr(layerwise._LayerwiseJob, "convert_layer", dies_at_layer_2)
+        with pytest.raises(KeyboardInterrupt):
+            convert_checkpoint(src, dst, opts)
+    assert not dst.exists() and json.loads((resume_dir(dst) / "state.json").read_text())["done"] == 2
+    assert "2 finished layer(s) kept in" in capsys.readouterr().err
+
+    def counts(self, i):
+        converted.append(i)
+        return convert_layer(self, i)
+
+    converted.clear()
+    with monkeypatch.context() as m:
+        m.setattr(layerwise._LayerwiseJob, "convert_layer", counts)
+        resumed = convert_checkpoint(src, dst, opts)
+    assert converted == [2]  # layers 0 and 1 came from the earlier run
+    a, b = _tensors(whole.dst), _tensors(resumed.dst)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rec_a = json.loads((whole.dst / "gqakit.json").read_text())
+    rec_b = json.loads((resumed.dst / "gqakit.json").read_text())
+    assert rec_a["refine"]["attention_error"] == rec_b["refine"]["attention_error"]
+    assert rec_a["reconstruction_error"] == rec_b["reconstruction_error"]
+    assert not resume_dir(dst).exists()  # removed once DST is complete
+
+
+def test_finished_layers_of_another_conversion_are_not_reused(tmp_path, calib_txt, monkeypatch):
+    from gqakit.convert import layerwise
+    from gqakit.convert.layerwise_resume import resume_dir
+
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=2)
+    opts = ConvertOptions(groups=2, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    convert_layer = layerwise._LayerwiseJob.convert_layer
+
+    def dies_at_layer_1(self, i):
+        if i == 1:
+            raise KeyboardInterrupt
+        return convert_layer(self, i)
+
+    with monkeypatch.context() as m:
+        m.setattr(layerwise._LayerwiseJob, "convert_layer", dies_at_layer_1)
+        with pytest.raises(KeyboardInterrupt):
+            convert_checkpoint(src, tmp_path / "out", opts)
+    assert resume_dir(tmp_path / "out").exists()
+    other = ConvertOptions(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    res = convert_checkpoint(src, tmp_path / "out", other)
+    assert json.loads((res.dst / "config.json").read_text())["num_key_value_heads"] == 1
+    assert len(json.loads((res.dst / "gqakit.json").read_text())["reconstruction_error"]) == 2
+    assert not resume_dir(tmp_path / "out").exists()

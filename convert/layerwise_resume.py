@@ -1,0 +1,103 @@
+"""Finished layers of a layer-wise conversion, kept on disk so that a killed conversion resumes.
+
+A calibrated, similarity-grouped or refined conversion runs one decoder layer at a time
+(:mod:`gqakit.convert.layerwise`); on a 7B-shaped model on a CPU that is most of an hour. After each
+layer, what it produced is saved beside DST in ``.DST.layerwise/``: the layer's computed tensors
+(``layer-NNNNN.safetensors``), what was measured on it, and the calibration hidden states the next layer
+starts from. The next run of the same conversion (same source, options and calibration tokens) writes
+the finished layers from there and goes on at the first unfinished one; a different conversion
+discards them. The directory is removed when DST is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE = "state.json"
+HIDDEN = "hidden.pt"
+
+
+def resume_dir(dst: str | Path) -> Path:
+    """Where the finished layers of a conversion into ``dst`` are kept: ``.DST.layerwise`` beside it."""
+    dst = Path(dst).expanduser().absolute()
+    return dst.parent / f".{dst.name}.layerwise"
+
+
+def tokens_digest(sequences: list[torch.Tensor]) -> str:
+    """A hash of the calibration token ids (another text or tokenizer gives other layers)."""
+    h = hashlib.sha256()
+    for s in sequences:
+        h.update(s.to(torch.int64).contiguous().numpy().tobytes())
+        h.update(b";")
+    return h.hexdigest()[:16]
+
+
+def _replace_atomically(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class LayerwiseResume:
+    """The finished layers of one conversion, valid only for its ``key``.
+
+    Args:
+        root: the directory (:func:`resume_dir`); created when the first layer is saved.
+        key: everything the layers depend on (source fingerprint, options, calibration tokens), as JSON.
+
+    Attributes:
+        done: how many layers (from layer 0, in order) are finished and saved.
+        infos: per finished layer, what was measured on it (merge and refinement records, seconds).
+    """
+
+    def __init__(self, root: Path, key: dict[str, Any]) -> None:
+        self.root, self.key = root, key
+        self.done, self.infos = 0, []
+        try:
+            state = json.loads((root / STATE).read_text())
+        except (OSError, json.JSONDecodeError):
+            state = None
+        if state is not None and state.get("key") == key:
+            self.done, self.infos = int(state["done"]), list(state["infos"])
+        elif root.exists():  # another conversion's layers, or a kill before the first layer was saved
+            shutil.rmtree(root, ignore_errors=True)
+
+    def layer(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Finished layer ``index``: its computed tensors by name, and what was measured on it."""
+        return load_file(str(self.root / f"layer-{index:05d}.safetensors")), self.infos[index]
+
+    def hidden(self) -> list[torch.Tensor]:
+        """The calibration hidden states after the last finished layer."""
+        return torch.load(self.root / HIDDEN, weights_only=True)
+
+    def save(
+        self, index: int, values: dict[str, torch.Tensor], info: dict[str, Any], hidden: list[torch.Tensor]
+    ) -> None:
+        """Record layer ``index`` (the next one) as finished; the state file is written last, so a kill
+        at any point leaves the previous state valid."""
+        if index != self.done:
+            raise ValueError(f"layer {index} saved after {self.done} finished layers")
+        self.root.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous() for k, v in values.items()}
+        _replace_atomically(
+            self.root / f"layer-{index:05d}.safetensors", lambda p: save_file(tensors, str(p))
+        )
+        _replace_atomically(self.root / HIDDEN, lambda p: torch.save([h.cpu() for h in hidden], p))
+        self.done, self.infos = index + 1, [*self.infos, info]
+        state = {"key": self.key, "done": self.done, "infos": self.infos}
+        _replace_atomically(self.root / STATE, lambda p: p.write_text(json.dumps(state) + "\n"))
+
+    def clear(self) -> None:
+        """Remove the saved layers (the conversion is complete)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+__all__ = ["LayerwiseResume", "resume_dir", "tokens_digest"]
