@@ -16,7 +16,7 @@ from gqakit.convert.api import (
     inspect_checkpoint,
 )
 from gqakit.convert.methods import GROUPINGS, METHODS
-from gqakit.convert.refine import REFINE_LR
+from gqakit.convert.refine import REFINE_LR, REFINE_TARGETS
 
 _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 
@@ -63,6 +63,21 @@ _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 @click.option(
     "--refine-lr", type=float, default=REFINE_LR, show_default=True, help="Learning rate of --refine-steps."
 )
+@click.option(
+    "--refine-target",
+    type=click.Choice(list(REFINE_TARGETS)),
+    default="attention",
+    show_default=True,
+    help="What each converted attention block is fitted to: "
+    + "; ".join(f"{k}: {v}" for k, v in REFINE_TARGETS.items())
+    + " (docs/convert.md compares them).",
+)
+@click.option(
+    "--refine-qk-lr",
+    type=float,
+    default=None,
+    help="A learning rate of its own for the query/key side of --refine-steps [default: --refine-lr].",
+)
 @device_option()
 @force_option()
 def convert_cmd(
@@ -77,6 +92,8 @@ def convert_cmd(
     grouping: str,
     refine_steps: int,
     refine_lr: float,
+    refine_target: str,
+    refine_qk_lr: float | None,
     device: str,
     force: bool,
 ) -> None:
@@ -93,6 +110,8 @@ def convert_cmd(
         device,
         refine_steps=refine_steps,
         refine_lr=refine_lr,
+        refine_target=refine_target,
+        refine_qk_lr=refine_qk_lr,
     )
     res = convert_checkpoint(src, dst, options)
     extra = f", {grouping} grouping" if grouping != "contiguous" else ""

@@ -154,7 +154,13 @@ class _LayerwiseJob:
         self.needs_gram = options.merged
         self.refine = None
         if options.refine_steps:
-            self.refine = RefineSettings(options.refine_steps, options.refine_lr, options.seed)
+            self.refine = RefineSettings(
+                options.refine_steps,
+                options.refine_lr,
+                options.seed,
+                options.refine_target,
+                options.refine_qk_lr,
+            )
             self.fit_runs, check_runs = split_batches(sequences)
         else:
             self.fit_runs, check_runs = list(batches(sequences, CALIB_BATCH)), []
@@ -180,7 +186,11 @@ class _LayerwiseJob:
     def _capture(self, module: torch.nn.Module, i: int, gram: bool, hidden: list[torch.Tensor]):
         """Run the loaded layer ``i`` on ``hidden`` with capture hooks; return (capture, outputs)."""
         key = key_module(self.adapter, i)[len(self.stream.layer_prefix(i)) :]
-        cap = LayerCapture(module, key, self.stream.attention_name, gram, self.refine is not None)
+        # the block is fitted to the attention output, or to the whole layer's (its own inputs and output)
+        target = (
+            "" if self.refine is not None and self.refine.target == "layer" else self.stream.attention_name
+        )
+        cap = LayerCapture(module, key, target, gram, self.refine is not None)
         try:
             return cap, self.stream.run(i, module, hidden)
         finally:
@@ -194,8 +204,11 @@ class _LayerwiseJob:
         of their own, run after it is freed (its unchanged tensors are copied from the shards).
         """
         t0 = time.perf_counter()
+        layer_copy = None
         with self.stream.layer(i) as module:
             capture, next_hidden = self._capture(module, i, self.needs_gram, self.hidden)
+            if self.refine is not None and self.refine.target == "layer":
+                layer_copy = copy.deepcopy(module).float().requires_grad_(False)
         release_memory(self.device)
         outs = self._merged_outputs(i, capture.gram)
         base = {id(o) for o in self.per_layer[i]}
@@ -207,14 +220,19 @@ class _LayerwiseJob:
             block = _planned_block(attn, self.conv_config, i, self.device, path, outs, self.reader.read)
             pairs, n = capture.io, len(self.fit_runs)
             del capture
-            fitted = fit_block(block, pairs[:n], pairs[n:], self.refine)
+            run = block
+            if layer_copy is not None:  # the converted block inside a copy of the original layer
+                layer_copy.set_submodule(self.stream.attention_name, block)
+                run = layer_copy
+            qk = _qk_parameters(self.adapter, i, path, block)
+            fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, trained=block, qk_params=qk)
             self.refined.layers.append({"layer": i, **fitted})  # type: ignore[union-attr]
             del pairs
             by_name = {o.name: o for o in outs}
             for name, p in block.named_parameters():
                 out = by_name[f"{path}.{name}"]
                 values[out.name] = p.detach().to("cpu", DTYPES[out.dtype]).contiguous()
-            del block
+            del block, run, layer_copy
         self.hidden = next_hidden
         self.stream.release(i)
         release_memory(self.device)
@@ -275,6 +293,18 @@ class _LayerwiseJob:
         if self.device.type == "cuda":
             rec["layerwise"]["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return rec
+
+
+_QK_ROLES = ("q", "k", "k_norm", "k_norm_flat", "q_norm_flat")
+
+
+def _qk_parameters(adapter: ArchAdapter, layer: int, path: str, block: torch.nn.Module) -> list[str]:
+    """The names, in ``block`` (the attention module at ``path``), of the query/key-side parameters:
+    the q and k projections and their norms (none for a fused qkv projection)."""
+    mods = [
+        m[len(path) + 1 :] for m in (adapter.module(r, layer) for r in _QK_ROLES) if m and m.startswith(path)
+    ]
+    return [n for n, _ in block.named_parameters() if any(n.startswith(m + ".") for m in mods)]
 
 
 def _planned_block(

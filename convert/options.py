@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gqakit.cli_options import Problems
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
-from gqakit.convert.refine import REFINE_LR
+from gqakit.convert.refine import REFINE_LR, REFINE_TARGETS
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 
@@ -36,6 +36,9 @@ class ConvertOptions:
         refine_steps: Adam steps per layer fitting each converted attention block to the original's
             output on the calibration data (``gqakit.convert.refine``); 0 skips it. Needs ``calib_data``.
         refine_lr: the learning rate of those steps.
+        refine_target: what each block is fitted to: ``attention`` (its output) or ``layer`` (the whole
+            decoder layer's output, attention and MLP through the residual).
+        refine_qk_lr: a learning rate of its own for the query/key side (None: ``refine_lr``).
     """
 
     groups: int
@@ -49,6 +52,8 @@ class ConvertOptions:
     device: str = "auto"
     refine_steps: int = 0
     refine_lr: float = REFINE_LR
+    refine_target: str = "attention"
+    refine_qk_lr: float | None = None
 
     @property
     def merged(self) -> bool:
@@ -70,6 +75,13 @@ class ConvertOptions:
             p.add(f"{f('refine_steps')} must be 0 (off) or a positive step count, got {self.refine_steps}.")
         if not self.refine_lr > 0:
             p.add(f"{f('refine_lr')} must be a positive learning rate, got {self.refine_lr}.")
+        if self.refine_target not in REFINE_TARGETS:
+            p.add(
+                f"{f('refine_target')} {self.refine_target!r} is unknown; choose one of "
+                f"{', '.join(REFINE_TARGETS)}."
+            )
+        if self.refine_qk_lr is not None and not self.refine_qk_lr > 0:
+            p.add(f"{f('refine_qk_lr')} must be a positive learning rate, got {self.refine_qk_lr}.")
         method = METHODS.get(self.method)
         grouping = GROUPINGS.get(self.grouping)
         needs = [

@@ -30,6 +30,14 @@ HELDOUT_FRACTION = 8  # one calibration sequence in 8 (at least one) is held out
 REFINE_LR = 1e-3
 
 
+# What a converted attention block is fitted to (``gqakit convert --refine-target``).
+REFINE_TARGETS = {
+    "attention": "the original attention block's output, on the original's inputs",
+    "layer": "the original decoder layer's output (attention and MLP through the residual); only the "
+    "attention weights move",
+}
+
+
 @dataclass(frozen=True)
 class RefineSettings:
     """How hard to refine.
@@ -38,11 +46,16 @@ class RefineSettings:
         steps: Adam steps per layer (0: no refinement).
         lr: Adam's learning rate.
         seed: orders the calibration batches.
+        target: what the block is fitted to (:data:`REFINE_TARGETS`).
+        qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``lr``. A fused
+            qkv projection is one tensor and takes ``lr``.
     """
 
     steps: int
     lr: float = REFINE_LR
     seed: int = 0
+    target: str = "attention"
+    qk_lr: float | None = None
 
 
 @dataclass
@@ -71,9 +84,11 @@ class RefineReport:
             "seed": self.settings.seed,
             "tokens": self.tokens,
             "heldout_tokens": self.heldout_tokens,
-            "objective": "per layer, relative squared error of the attention output against the original's "
-            "on the original's inputs; all attention parameters trained; each layer keeps its weights at the "
-            "best held-out error (best_step 0: the merge)",
+            "target": self.settings.target,
+            "qk_lr": self.settings.qk_lr,
+            "objective": f"per layer, relative squared error against {REFINE_TARGETS[self.settings.target]}; "
+            "all attention parameters trained; each layer keeps its weights at the best held-out error "
+            "(best_step 0: the merge)",
             "attention_error": self.layers,
             "elapsed_s": round(self.elapsed_s, 3),
         }
@@ -105,7 +120,12 @@ def attention_error(module: torch.nn.Module, captured: Sequence[tuple]) -> float
 
 
 def fit_block(
-    module: torch.nn.Module, fit: Sequence[tuple], check: Sequence[tuple], settings: RefineSettings
+    module: torch.nn.Module,
+    fit: Sequence[tuple],
+    check: Sequence[tuple],
+    settings: RefineSettings,
+    trained: torch.nn.Module | None = None,
+    qk_params: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Adam on ``module``'s floating parameters towards the ``fit`` batches' outputs, keeping the weights
     that do best on the held-out ``check`` batches.
@@ -114,11 +134,20 @@ def fit_block(
     minimum are kept (the merge itself, when no step improves on it), so refinement never makes a layer
     worse on text it did not fit and overfitting a short calibration text stops early.
 
+    Args:
+        module: what is run on the batches: the attention block, or a decoder layer holding it.
+        fit, check: ``(args, kwargs, target)`` batches fitted on, and held out.
+        settings: steps, rates, seed.
+        trained: the module whose parameters move (default ``module``).
+        qk_params: names (in ``trained``) of the query/key-side parameters, trained at
+            ``settings.qk_lr`` when it is set.
+
     Returns:
         Relative errors ``before``/``after`` on the fit batches, ``heldout_before``/``heldout_after`` on
         the check batches, and ``best_step`` (0: the merge was kept).
     """
-    params = [p for p in module.parameters() if p.is_floating_point()]
+    named = [(n, p) for n, p in (trained or module).named_parameters() if p.is_floating_point()]
+    params = [p for _, p in named]
     before, best = attention_error(module, fit), attention_error(module, check)
     heldout_before, best_step = best, 0
     best_params = [p.detach().clone() for p in params]
@@ -127,7 +156,10 @@ def fit_block(
     gen = torch.Generator().manual_seed(settings.seed)
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=settings.lr)
+    qk = [p for n, p in named if n in set(qk_params)] if settings.qk_lr is not None else []
+    rest = [p for n, p in named if not any(p is q for q in qk)]
+    groups = [{"params": rest, "lr": settings.lr}] + ([{"params": qk, "lr": settings.qk_lr}] if qk else [])
+    opt = torch.optim.Adam(groups, lr=settings.lr)
     order: list[int] = []
     for step in range(1, settings.steps + 1):
         if not order:  # a fresh random pass over the batches

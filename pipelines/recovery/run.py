@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -164,6 +165,16 @@ def original_ppl(o: RecoveryOptions, store: ResultStore, inputs: Inputs, precisi
     return float(cached["ppl"])
 
 
+def _changed(opts: Any) -> dict[str, Any]:
+    """The options of a conversion that differ from their defaults (not ``force``): the cache key of a
+    start, which an option added later with a default that keeps today's behaviour leaves valid."""
+    return {
+        f.name: getattr(opts, f.name)
+        for f in fields(opts)
+        if f.name != "force" and getattr(opts, f.name) != f.default
+    }
+
+
 def _fingerprint(src: str) -> str:
     return fingerprint(src) if Path(src).exists() else src
 
@@ -177,7 +188,7 @@ def convert_start(
         refine_steps=o.refine_steps, device=o.device, seed=o.seed,
     )  # fmt: skip
     dst = models / f"start-{start}"
-    key = {"source": _fingerprint(inputs.src), "options": repr(opts)}
+    key = {"source": _fingerprint(inputs.src), "options": _changed(opts)}
     cached = store.get_output("convert-" + start, key, dst)
     if cached is not None:
         return dst, float(cached["elapsed_s"])

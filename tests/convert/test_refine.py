@@ -116,6 +116,67 @@ def test_a_diverging_fit_keeps_the_merge(sharp_llama, tmp_path, calib_txt):
     torch.testing.assert_close(_logits(tmp_path / "bad"), _logits(tmp_path / "cal"))
 
 
+def _layer_output_errors(src, converted) -> list[float]:
+    """Relative squared error of each decoder layer's output against the original's, on IDS, each layer
+    fed the original's hidden states (what refinement fits)."""
+    original = AutoModelForCausalLM.from_pretrained(src).eval()
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    captured: dict = {}
+    hook = original.model.layers[0].register_forward_hook(
+        lambda m, args, kw, out: captured.update(kw), with_kwargs=True
+    )
+    with torch.no_grad():
+        hidden = original(IDS, output_hidden_states=True, use_cache=False).hidden_states
+        hook.remove()
+        kw = {k: v for k, v in captured.items() if k != "past_key_values"}  # the same for every layer
+        errors = []
+        for i, (a, b) in enumerate(zip(original.model.layers, model.model.layers, strict=True)):
+            ya, yb = (y[0] if isinstance(y, tuple) else y for y in (a(hidden[i], **kw), b(hidden[i], **kw)))
+            errors.append(float((yb - ya).pow(2).sum() / ya.pow(2).sum()))
+    return errors
+
+
+def test_layer_target_fits_the_whole_layer_and_moves_only_attention(sharp_llama, tmp_path, calib_txt):
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
+    attn = convert_checkpoint(sharp_llama, tmp_path / "attn", ConvertOptions(**opts))
+    layer = convert_checkpoint(sharp_llama, tmp_path / "layer", ConvertOptions(refine_target="layer", **opts))
+    assert layer.provenance["refine"]["target"] == "layer"
+    a, b = _tensors(tmp_path / "attn"), _tensors(tmp_path / "layer")
+    moved = {k for k in a if not torch.equal(a[k], b[k])}
+    assert moved and all(".self_attn." in k for k in moved)  # MLP, norms and embeddings untouched
+    # fitted to the layer's output, it is closer there on held-out text than the attention-only fit
+    ea, eb = (
+        _layer_output_errors(sharp_llama, tmp_path / "attn"),
+        _layer_output_errors(sharp_llama, tmp_path / "layer"),
+    )
+    assert sum(eb) < sum(ea), (eb, ea)
+    assert attn.files == layer.files
+
+
+def test_a_separate_query_key_rate_moves_that_side_at_its_own_pace(sharp_llama, tmp_path, calib_txt):
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048)
+    convert_checkpoint(sharp_llama, tmp_path / "cal", ConvertOptions(**opts))
+    res = convert_checkpoint(
+        sharp_llama, tmp_path / "qk", ConvertOptions(refine_steps=30, refine_qk_lr=1e-12, **opts)
+    )
+    assert res.provenance["refine"]["qk_lr"] == 1e-12
+    a, b = _tensors(tmp_path / "cal"), _tensors(tmp_path / "qk")
+    for k in a:
+        if ".q_proj." in k or ".k_proj." in k:  # a rate of 1e-12: Adam moves them by ~1e-11 at most
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)  # (the merge's own rounding: 1e-7)
+    vo = [float((a[k] - b[k]).abs().max()) for k in a if ".v_proj." in k or ".o_proj." in k]
+    assert max(vo) > 1e-3, vo
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 @pytest.mark.parametrize("family", sorted(ADAPTERS))
 def test_every_family_refines_and_loads(tmp_path, calib_txt, family):
     """The converted attention block is rebuilt from each family's own class, fitted, and written back:
@@ -194,6 +255,11 @@ def test_refine_options_are_checked_together(tiny_llama, tmp_path):
     assert "--refine-steps must be 0 (off) or a positive step count, got -1" in msg
     assert "--refine-lr must be a positive learning rate, got 0.0" in msg
     assert not (tmp_path / "o").exists()
+    bad = ConvertOptions(groups=2, method="calibrated", refine_target="mlp", refine_qk_lr=-1.0)
+    with pytest.raises(GqakitError) as e:
+        convert_checkpoint(tiny_llama, tmp_path / "o", bad)
+    assert "--refine-target 'mlp' is unknown; choose one of attention, layer" in e.value.message
+    assert "--refine-qk-lr must be a positive learning rate, got -1.0" in e.value.message
 
 
 def test_refine_without_data_or_from_random_is_a_clear_error(tiny_llama, tmp_path, calib_txt):
