@@ -40,11 +40,15 @@ def plot_curves(original: float, curves: list[Curve], path: Path, title: str) ->
     ax.axhline(1.0, color="black", linewidth=1.2, label=f"original ({fmt_ppl(original)})")
     for t in THRESHOLDS:
         ax.axhline(t, color="grey", linestyle=":", linewidth=0.8)
-        ax.annotate(f"{t:g}x", (1.0, t), xycoords=("axes fraction", "data"), fontsize=7, color="grey",
-                    xytext=(2, 0), textcoords="offset points", va="center")  # fmt: skip
     ax.set_xscale("symlog", linthresh=first)
     ax.set_xlim(left=0)
     ax.set_yscale("log")
+    top = max(r for c in curves for _, r in c.ratios(original))
+    ax.set_ylim(0.95, max(2.2, top * 1.2))
+    ticks = [t for t in (1, 1.05, 1.1, 1.2, 1.5, 2, 5, 10, 100, 1000, 10000) if t <= max(2.2, top * 1.2)]
+    ax.set_yticks(ticks)
+    ax.yaxis.set_minor_locator(plt.NullLocator())
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.set_xlabel("uptraining tokens (0, then log scale)")
     ax.set_ylabel("held-out perplexity / original's")
     ax.set_title(title, fontsize=10)
