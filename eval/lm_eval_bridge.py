@@ -87,13 +87,43 @@ def _evaluate_params() -> list[str]:
     return list(inspect.signature(lm_eval.simple_evaluate).parameters)
 
 
+def _protect_json(text: str) -> tuple[str, list[str]]:
+    """``text`` with each top-level ``{...}`` replaced by a placeholder, and the objects in order: shell
+    splitting would strip the quotes inside ``--metadata {"ppl_file": "x.txt"}`` and leave no JSON."""
+    out, objects, depth, start = [], [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                out.append(f"\x00{len(objects)}\x00")
+                objects.append(text[start : i + 1])
+            continue
+        if depth == 0:
+            out.append(ch)
+    if depth:  # unbalanced: leave the text as it was, the parser names what it cannot read
+        return text, []
+    return "".join(out), objects
+
+
+def _restore_json(token: str, objects: list[str]) -> str:
+    for n, obj in enumerate(objects):
+        token = token.replace(f"\x00{n}\x00", obj)
+    return token
+
+
 def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEvalArgs:
     """Parse ``"--num_fewshot 5 --limit 100"`` or ``"num_fewshot=5,limit=100"`` (either style, dashes or
     underscores) into :class:`LmEvalArgs`, rejecting unknown names with the known ones."""
     out = LmEvalArgs()
     if not text or not text.strip():
         return out
+    text, objects = _protect_json(text)
     tokens = shlex.split(text.replace(",", " ") if "--" not in text and "{" not in text else text)
+    tokens = [_restore_json(t, objects) for t in tokens]
     pairs: list[tuple[str, str]] = []
     i = 0
     while i < len(tokens):
@@ -121,7 +151,8 @@ def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEval
         elif key == "metadata":
             parsed = _value(val)
             if not isinstance(parsed, dict):
-                problems.append(f"metadata must be a JSON object, got {val!r}.")
+                example = """--metadata '{"ppl_file": "test.txt"}'"""
+                problems.append(f"metadata must be a JSON object, e.g. {example}, got {val!r}.")
             else:
                 out.metadata.update(parsed)
         elif key in _HFLM_KEYS:

@@ -138,6 +138,9 @@ def test_parse_lm_eval_args_both_styles():
     b = parse_lm_eval_args("num-fewshot=3,apply_chat_template=false")
     assert b.evaluate == {"num_fewshot": 3, "apply_chat_template": False}
     assert parse_lm_eval_args("").evaluate == {}
+    # JSON written without shell quotes around it keeps its own quotes (and spaces)
+    c = parse_lm_eval_args('--metadata {"ppl_file": "my text.txt", "n": {"k": 1}} --limit 4')
+    assert c.metadata == {"ppl_file": "my text.txt", "n": {"k": 1}} and c.evaluate == {"limit": 4}
 
 
 @pytest.mark.parametrize(
