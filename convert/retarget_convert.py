@@ -16,8 +16,10 @@ from typing import Any
 from gqakit import __version__
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.cli_options import Problems
+from gqakit.convert.calibrate import calibration_sequences
 from gqakit.convert.methods import POOLING_METHODS
 from gqakit.convert.options import DTYPE_CHOICES, ConvertOptions
+from gqakit.convert.refine import RefineSettings, check_sequences
 from gqakit.convert.retarget import (
     RETARGETS,
     Retarget,
@@ -25,9 +27,11 @@ from gqakit.convert.retarget import (
     write_target,
 )
 from gqakit.convert.retarget_bigcode import bigcode_to_mqa
+from gqakit.convert.retarget_bigcode_merge import calibrated_mqa
 from gqakit.convert.write import ConvertResult
 from gqakit.errors import GqakitError
 from gqakit.files import write_json
+from gqakit.models import resolve_device
 from gqakit.outputs import atomic_output_dir, check_output_dir
 from gqakit.safetensors_io import DTYPES
 
@@ -49,11 +53,23 @@ def retarget_problems(ckpt: Checkpoint, retarget: Retarget, options: ConvertOpti
         )
     pooled = options.method in POOLING_METHODS and not options.merged and not options.refine_steps
     if not retarget.any_groups and not pooled:
-        p.add(
-            f"{p.flag('method')} {options.method} (or {p.flag('grouping')} {options.grouping}, "
-            f"{p.flag('refine_steps')} {options.refine_steps}): a {retarget.target} target takes the pooling "
-            f"methods only ({', '.join(POOLING_METHODS)}) with contiguous groups and no refinement."
-        )
+        if options.groups != 1:
+            p.add(
+                f"{p.flag('method')} {options.method} (or {p.flag('refine_steps')} "
+                f"{options.refine_steps}) at {p.flag('groups')} {options.groups}: G = H is "
+                f"{retarget.target}'s exact rewrite, nothing to merge; the calibrated merge and "
+                f"refinement go to {p.flag('groups')} 1."
+            )
+        if options.grouping != "contiguous":
+            p.add(
+                f"{p.flag('grouping')} {options.grouping}: a {retarget.target} target holds one K/V head, "
+                "so every head is in the one group and there is nothing to choose."
+            )
+        if options.refine_steps and options.refine_target != "attention":
+            p.add(
+                f"{p.flag('refine_target')} {options.refine_target}: a {retarget.target} target is refined "
+                "against the attention output only."
+            )
     return p.messages
 
 
@@ -95,6 +111,29 @@ def convert_retargeted(
             return convert(target, dst, options, start, extra)
 
 
+def _fitted_mqa(
+    ckpt: Checkpoint, options: ConvertOptions, config: dict[str, Any], mha: dict
+) -> tuple[dict, dict[str, Any]]:
+    """The gpt_bigcode MQA state by the calibrated merge or from a pooled start, refined when asked
+    (:mod:`gqakit.convert.retarget_bigcode_merge`), with its record for gqakit.json."""
+    sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
+    refine = None
+    if options.refine_steps:
+        check_sequences(sequences)
+        refine = RefineSettings(options.refine_steps, options.refine_lr, options.seed)
+    start = (
+        None if options.method == "calibrated" else bigcode_to_mqa(mha, config, options.method, options.seed)
+    )
+    device = resolve_device(options.device)
+    state, record = calibrated_mqa(mha, config, sequences, start=start, refine=refine, device=device)
+    record["calibration"] = {
+        "data": str(options.calib_data),
+        "tokens": sum(s.numel() for s in sequences),
+        "device": str(device),
+    }
+    return state, record
+
+
 def _write_bigcode(
     ckpt: Checkpoint,
     dst: str | Path,
@@ -106,7 +145,10 @@ def _write_bigcode(
 ) -> ConvertResult:
     heads = config["n_head"]
     mqa = options.groups == 1 and heads > 1
-    if mqa:
+    if mqa and (options.method == "calibrated" or options.refine_steps):
+        state, measured = _fitted_mqa(ckpt, options, config, state)
+        extra = {**extra, **measured}
+    elif mqa:
         state = bigcode_to_mqa(state, config, options.method, options.seed)
     config = {**config, "multi_query": mqa}
     out_dtype = DTYPE_CHOICES[options.dtype]

@@ -125,9 +125,80 @@ def test_bigcode_targets_hold_only_mqa_or_mha(tmp_path):
     assert "--groups 2: gpt_bigcode holds only G = 1 (multi_query) or G = 4 heads" in res.output
     text = tmp_path / "calib.txt"
     text.write_text("some words " * 400)
-    res = _convert(src, tmp_path / "out", "-g", "1", "--method", "calibrated", "--calib-data", str(text))
-    assert res.exit_code == 2 and "takes the pooling methods only" in res.output
+    calib = ["--method", "calibrated", "--calib-data", str(text)]
+    res = _convert(src, tmp_path / "out", "-g", "4", *calib)
+    assert res.exit_code == 2 and "G = H is gpt_bigcode's exact rewrite, nothing to merge" in res.output
+    res = _convert(src, tmp_path / "out", "-g", "1", *calib, "--grouping", "similarity")
+    assert (
+        res.exit_code == 2 and "every head is in the one group and there is nothing to choose" in res.output
+    )
     assert not (tmp_path / "out").exists()
+
+
+def _related_heads(src, family: str) -> None:
+    """Make every K head of each layer a linear map of head 0's (k_h = A_h k_0, biases too), and every V
+    head likewise: one K/V head then holds all they say, so a calibrated MQA merge is exact where mean
+    pooling is not."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    heads, hidden = 4, 64
+    d = hidden // heads
+    for i in range(2):
+        w, b = state[f"transformer.h.{i}.attn.c_attn.weight"], state[f"transformer.h.{i}.attn.c_attn.bias"]
+        for part in (1, 2):  # k, v (GPT-2's Conv1D: columns q | k | v, heads within)
+            base = part * hidden
+            w0, b0 = w[:, base : base + d].clone(), b[base : base + d].clone()
+            for h in range(1, heads):
+                a = torch.eye(d) + 0.3 * torch.randn(d, d, generator=gen)
+                w[:, base + h * d : base + (h + 1) * d] = w0 @ a.T
+                b[base + h * d : base + (h + 1) * d] = b0 @ a.T
+    save_file(state, src / "model.safetensors", {"format": "pt"})
+
+
+def _calib_text(tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i % 37} token{i % 11}." for i in range(3000)))
+    return text
+
+
+def test_gpt2_calibrated_mqa_is_exact_where_one_head_holds_everything(tmp_path):
+    src = _model(tmp_path, "gpt2")
+    _related_heads(src, "gpt2")
+    calib = ["--calib-data", str(_calib_text(tmp_path)), "--calib-tokens", "1024"]
+    assert _convert(src, tmp_path / "mean", "-g", "1").exit_code == 0
+    res = _convert(src, tmp_path / "cal", "-g", "1", "--method", "calibrated", *calib)
+    assert res.exit_code == 0, res.output
+    want, _ = _logits(src)
+    got, model = _logits(tmp_path / "cal")
+    assert model.config.multi_query is True
+    assert (got - want).abs().max().item() < 1e-4
+    mean, _ = _logits(tmp_path / "mean")
+    assert (mean - want).abs().max().item() > 1e-2  # mean pooling is not exact here
+    prov = json.loads((tmp_path / "cal" / "gqakit.json").read_text())
+    assert prov["method"] == "calibrated" and len(prov["reconstruction_error"]) == 2
+    assert all(e["key_error"] < 1e-6 and e["value_error"] < 1e-6 for e in prov["reconstruction_error"])
+
+
+def test_gpt2_and_opt_refine_towards_the_original(tmp_path):
+    for family in ("gpt2", "opt"):
+        src = _model(tmp_path, family)
+        calib = ["--calib-data", str(_calib_text(tmp_path)), "--calib-tokens", "2048"]
+        res = _convert(src, tmp_path / f"{family}-ref", "-g", "1", *calib, "--refine-steps", "40")
+        assert res.exit_code == 0, res.output
+        assert _convert(src, tmp_path / f"{family}-mean", "-g", "1").exit_code == 0
+        rec = json.loads((tmp_path / f"{family}-ref" / "gqakit.json").read_text())["refine"]
+        assert len(rec["attention_error"]) == 2 and rec["tokens"] + rec["heldout_tokens"] == 2048
+        assert all(e["heldout_after"] <= e["heldout_before"] for e in rec["attention_error"])
+        assert any(e["best_step"] > 0 for e in rec["attention_error"])
+        # closer to the original's next-token distribution than the mean-pooled start it refined
+        want = _logits(src)[0].log_softmax(-1)
+        kl = {}
+        for kind in ("ref", "mean"):
+            got = _logits(tmp_path / f"{family}-{kind}")[0].log_softmax(-1)
+            kl[kind] = float((want.exp() * (want - got)).sum(-1).mean())
+        assert kl["ref"] < kl["mean"], (family, kl)
 
 
 def test_inspect_says_which_class_the_output_will_be_and_why(tmp_path):
