@@ -19,6 +19,8 @@ from gqakit.convert.merge_fit import fit_layer_merges
 from gqakit.convert.methods import MERGE_METHODS, METHODS
 from gqakit.convert.plan import RegroupSpec, plan_regroup
 from gqakit.convert.registry import ArchAdapter, get_adapter
+from gqakit.convert.retarget import RETARGETS
+from gqakit.errors import GqakitError
 from gqakit.eval import load_texts, perplexity
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_tokenizer
@@ -62,10 +64,31 @@ def attention_errors(original, converted, adapter: ArchAdapter, num_layers: int,
     return [n / d if d > 0 else 0.0 for n, d in zip(num, den, strict=True)]
 
 
+def _retargeted_hint(model_type: str, config: dict) -> str:
+    """What to do instead of probing a family that converts by an exact rewrite into another class."""
+    retarget = RETARGETS[model_type]
+    heads = retarget.geometry(config).num_heads
+    head = (
+        f"gqakit probe measures the families it converts directly; {model_type} converts by an exact "
+        f"rewrite into {retarget.target}."
+    )
+    if retarget.any_groups:
+        return (
+            f"{head} Rewrite it first (`gqakit convert SRC SRC-{retarget.target} --groups {heads}`: the same "
+            f"logits) and probe that."
+        )
+    return (
+        f"{head} {retarget.target} holds only G = 1 or {heads}: compare `gqakit convert SRC OUT --groups 1 "
+        "--method mean` and `--method calibrated` with `gqakit eval OUT --baseline SRC`."
+    )
+
+
 def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: ProbeOptions) -> ProbeResult:
     """Measure every combination of ``options`` on ``src``; write the table, JSON and plot to ``out_dir``."""
     options.validate()
     with resolve_checkpoint(src) as ckpt:
+        if ckpt.model_type in RETARGETS:
+            raise GqakitError(_retargeted_hint(ckpt.model_type, ckpt.config))
         adapter = get_adapter(ckpt.model_type)
         geom = AttentionGeometry.from_config(ckpt.config)
         for g in options.groups:

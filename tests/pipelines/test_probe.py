@@ -125,3 +125,26 @@ def test_probe_rejects_a_group_count_that_does_not_divide(tmp_path, texts):
     assert res.exit_code == 2 and "does not divide" in res.output
     res = CliRunner().invoke(main, ["probe", str(src), "--eval-data", str(held_out), "--groups", "one"])
     assert res.exit_code == 2 and "comma-separated list of int" in res.output
+
+
+@pytest.mark.parametrize(
+    ("family", "kw", "says"),
+    [
+        (
+            "gpt_neox",
+            dict(use_parallel_residual=True),
+            "Rewrite it first (`gqakit convert SRC SRC-phi --groups 4",
+        ),
+        ("gpt2", dict(activation_function="gelu_new"), "gpt_bigcode holds only G = 1 or 4: compare"),
+    ],
+)
+def test_retargeted_families_get_what_to_do_instead(tmp_path, family, kw, says):
+    src = save_tiny_model(tmp_path / family, family, **kw)
+    text = tmp_path / "t.txt"
+    text.write_text("some words here. " * 200)
+    with pytest.raises(GqakitError) as e:
+        probe_checkpoint(
+            src, tmp_path / "o", ProbeOptions(groups=(1,), eval_data=str(text), methods=("mean",))
+        )
+    assert says in e.value.message and f"{family} converts by an exact rewrite" in e.value.message
+    assert not (tmp_path / "o").exists()
