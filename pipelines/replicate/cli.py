@@ -16,7 +16,7 @@ from gqakit.cli_options import (
     wheelhouse_option,
     work_dir_option,
 )
-from gqakit.pipelines.replicate.options import ARMS, ReplicateOptions
+from gqakit.pipelines.replicate.options import ARCHES, ARMS, ReplicateOptions
 from gqakit.pipelines.replicate.run import pretrain_mha, run_replicate
 
 
@@ -30,6 +30,13 @@ from gqakit.pipelines.replicate.run import pretrain_mha, run_replicate
     show_default=True,
     help="Model width (x) and depth (x sqrt) and every token budget: 1 runs in under an hour on 2 CPU "
     "cores; 4 or more for a GPU.",
+)
+@click.option(
+    "--arch",
+    type=click.Choice(ARCHES.names),
+    default="llama",
+    show_default=True,
+    help="Architecture of the MHA model pretrained here: " + ARCHES.describe() + ".",
 )
 @device_option()
 @list_option("--seeds", kind=int, default="0,1", help="Seeds of the headline comparison.")

@@ -21,11 +21,22 @@ import click
 
 from gqakit.cli_options import Problems
 from gqakit.convert.methods import PAPER_METHODS
+from gqakit.names import NameTable
 from gqakit.pipelines.starts import REFINED, STARTS
 
 # The conversions an MQA arm can start from (gqakit.pipelines.starts): every conversion method, and the
 # calibrated merge followed by layer-wise refinement.
 ARMS = STARTS
+
+# The architectures of the MHA model pretrained here.
+ARCHES: NameTable[str] = NameTable(
+    "architecture",
+    {
+        "llama": "Llama: RMSNorm, rotary, SwiGLU; converts within its own class (the asset replicate-mha)",
+        "neox": "GPT-NeoX (Pythia): LayerNorm, parallel attention + MLP, a quarter of each head rotary; "
+        "converts into phi (every G)",
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,8 @@ class ReplicateOptions:
         groups: the K/V head counts of the G sweep (G = H, the MHA model itself, is always shown).
         methods: conversion methods of the MQA arms.
         shape: the model pretrained from scratch.
+        arch: its architecture (:data:`ARCHES`): ``llama``, or ``neox`` (GPT-NeoX, Pythia's block:
+            LayerNorm, parallel attention + MLP, partial rotary), whose conversions go into ``phi``.
         pretrain_steps, batch_size, lr: the pretraining run (the uptraining runs use the same batch and
             schedule shape, at ``uptrain_lr``).
         calib_tokens, refine_steps: the calibrated and refined conversions.
@@ -88,6 +101,7 @@ class ReplicateOptions:
     groups: tuple[int, ...] = (1, 2, 4)
     methods: tuple[str, ...] = ARMS.names
     shape: ModelShape = field(default_factory=ModelShape)
+    arch: str = "llama"
     pretrain_steps: int = 500
     batch_size: int = 16
     lr: float = 2e-3
@@ -122,6 +136,7 @@ class ReplicateOptions:
                 f"be fewer (G = {self.shape.heads} is the MHA model itself)."
             )
         p.add(ARMS.unknown_in(self.methods, f("methods")))
+        p.add(ARCHES.unknown(self.arch, f("arch")))
         for name in ("pretrain_steps", "batch_size", "calib_tokens", "eval_tokens", "decode_rounds"):
             if getattr(self, name) < 1:
                 p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
@@ -156,4 +171,4 @@ class ReplicateOptions:
         return nonzero[(len(nonzero) - 1) // 2]
 
 
-__all__ = ["ARMS", "PAPER_METHODS", "REFINED", "ModelShape", "ReplicateOptions"]
+__all__ = ["ARCHES", "ARMS", "PAPER_METHODS", "REFINED", "ModelShape", "ReplicateOptions"]

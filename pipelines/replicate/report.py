@@ -31,6 +31,12 @@ PAPER_CLAIMS = {
 }
 
 
+_ARCH_NAME = {
+    "llama": "Llama-architecture",
+    "neox": "GPT-NeoX-architecture (converted into phi, the class that holds fewer K/V heads)",
+}
+
+
 def _ppl(arms, **where) -> list[float]:
     return [a.ppl for a in arms if all(getattr(a, k) == v for k, v in where.items()) and a.ppl is not None]
 
@@ -112,7 +118,7 @@ def _markdown(o: ReplicateOptions, f, elapsed_s: float, reused: int, figures: li
     m, top, mid = o.model, max(o.alphas), o.middle_alpha
     f4, f5, f6 = f["fig4"], f["fig5"], f["fig6"]
     intro = (
-        f"A Llama-architecture model ({m.layers} layers, hidden {m.hidden}, {m.heads} query and {m.heads} "
+        f"A {_ARCH_NAME[o.arch]} model ({m.layers} layers, hidden {m.hidden}, {m.heads} query and {m.heads} "
         f"K/V heads, vocabulary {m.vocab:,}: byte-level BPE on the train split) pretrained from random "
         f"initialisation on {o.pretrain_tokens:,} tokens of wiki-en ({o.steps} steps, LM objective). Test "
         f"perplexity on the first {o.eval_tokens:,} test tokens in {m.seq_len}-token windows. MHA: "

@@ -75,7 +75,8 @@ def _setup(o: ReplicateOptions, total_steps: int) -> tuple[Context, Path, Arm, f
     steps = Steps(total_steps, o.echo)
     m = o.model
     o.echo(
-        f"gqakit replicate: {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab}; "
+        f"gqakit replicate: {o.arch}, {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
+        f"vocab {m.vocab}; "
         f"pretraining {o.steps} steps x {o.tokens_per_step:,} tokens = {o.pretrain_tokens:,} tokens; "
         f"alphas {', '.join(map(str, o.alphas))}; working directory {work}"
     )
@@ -89,7 +90,8 @@ def _setup(o: ReplicateOptions, total_steps: int) -> tuple[Context, Path, Arm, f
         init = init_model(ctx, tok, m.heads, seed=0)
         mha = ctx.models / MHA
         summary = train_run(ctx, init, mha, o.steps, o.lr, seed=0, pretraining=o.pretrain_tokens)
-        _publish(ctx, mha, summary)
+        if o.arch == "llama":  # the asset replicate-mha is the Llama model
+            _publish(ctx, mha, summary)
     return ctx, tok, Arm(MHA, "mha", m.heads, path=str(mha), uptrain=summary), start
 
 

@@ -79,23 +79,54 @@ def train_tokenizer(ctx: Context) -> Path:
 
 
 def model_config(o: ReplicateOptions, kv_heads: int) -> dict[str, Any]:
-    """The Llama config of the pretrained model, with ``kv_heads`` K/V heads (= heads: MHA)."""
+    """The config of the pretrained model (``o.arch``) with ``kv_heads`` K/V heads (= heads: MHA).
+
+    GPT-NeoX holds no fewer K/V heads: its models with fewer (the from-scratch arms) are ``phi``, the
+    class its conversions go into, of the same shape and block.
+    """
     m = o.model
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+    common = {
         "vocab_size": m.vocab,
         "hidden_size": m.hidden,
         "intermediate_size": m.intermediate,
         "num_hidden_layers": m.layers,
         "num_attention_heads": m.heads,
-        "num_key_value_heads": kv_heads,
         "max_position_embeddings": m.seq_len,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
         "bos_token_id": 1,
         "eos_token_id": 2,
+    }
+    if o.arch == "llama":
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            **common,
+            "num_key_value_heads": kv_heads,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+        }
+    if kv_heads == m.heads:
+        return {
+            "model_type": "gpt_neox",
+            "architectures": ["GPTNeoXForCausalLM"],
+            **common,
+            "rotary_pct": 0.25,
+            "rotary_emb_base": 10000.0,
+            "hidden_act": "gelu",
+            "layer_norm_eps": 1e-5,
+            "use_parallel_residual": True,
+            "tie_word_embeddings": False,
+        }
+    return {
+        "model_type": "phi",
+        "architectures": ["PhiForCausalLM"],
+        **common,
+        "num_key_value_heads": kv_heads,
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000.0,
+        "hidden_act": "gelu",
+        "layer_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
     }
 
 

@@ -170,3 +170,30 @@ def test_cli_help_and_bad_lists():
     assert res.exit_code == 0 and "--scale" in res.output and "--alphas" in res.output
     res = CliRunner().invoke(main, ["replicate", "--alphas", "a,b"])
     assert res.exit_code != 0 and "comma-separated numbers" in res.output
+
+
+def test_a_gpt_neox_model_replicates_through_phi(tmp_path, corpus):
+    messages: list[str] = []
+    opts = tiny(
+        tmp_path, corpus, messages, arch="neox", seeds=(0,), alphas=(0.0, 0.5), groups=(1, 2),
+        methods=("mean", "calibrated"),
+    )  # fmt: skip
+    res = run_replicate(opts)
+    by_name = {a.name: a for a in res.arms}
+    types = {
+        name: json.loads((Path(a.path) / "config.json").read_text())["model_type"]
+        for name, a in by_name.items()
+    }
+    assert types["mha"] == "gpt_neox"  # the model pretrained here is GPT-NeoX ...
+    for a in res.arms:  # ... and every model with fewer K/V heads is phi, converted or from scratch
+        if a.groups < TINY.heads:
+            config = json.loads((Path(a.path) / "config.json").read_text())
+            assert config["model_type"] == "phi" and config["num_key_value_heads"] == a.groups, a.name
+    assert all(a.ppl and a.ppl > 1 for a in res.arms)
+    assert "GPT-NeoX-architecture" in res.report.read_text()
+    assert any("gqakit replicate: neox" in m for m in messages)
+
+
+def test_an_unknown_arch_is_refused_with_the_choices(tmp_path, corpus):
+    with pytest.raises(GqakitError, match=r"--arch 'gpt9' is unknown; choose one of llama, neox"):
+        run_replicate(tiny(tmp_path, corpus, [], arch="gpt9"))
