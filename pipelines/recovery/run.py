@@ -60,7 +60,6 @@ def resolve_source(o: RecoveryOptions) -> str:
 def check_source(o: RecoveryOptions, src: str, calibration: Path) -> None:
     """Refuse what would fail in a later conversion, before the first one: a G the source cannot be
     converted to (convert's own message), and calibration text too short for the refined start."""
-
     with resolve_checkpoint(src) as ckpt:
         if ckpt.model_type in RETARGETS:
             problem = retarget_groups_problem(ckpt.config, o.groups)
@@ -68,7 +67,7 @@ def check_source(o: RecoveryOptions, src: str, calibration: Path) -> None:
                 raise GqakitError(problem)
         else:
             check_groups(AttentionGeometry.from_config(ckpt.config), o.groups)
-        if REFINED in o.starts and ckpt.model_type not in RETARGETS:
+        if REFINED in o.starts:
             check_sequences(calibration_sequences(ckpt, calibration, o.calib_tokens))
 
 
