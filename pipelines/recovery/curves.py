@@ -125,6 +125,7 @@ class Curve:
         lr: its peak learning rate.
         points: ``(tokens, perplexity)``, the first at 0 tokens (the converted model itself).
         convert_s, train_s: wall time of its conversion and of its uptraining run (as first computed).
+        resumed: the run was resumed after a kill; ``train_s`` is then the time after the resume.
         reach: threshold -> the tokens it needed (:class:`~gqakit.pipelines.recovery.curves.Reach`).
     """
 
@@ -133,6 +134,7 @@ class Curve:
     points: list[tuple[int, float]]
     convert_s: float
     train_s: float
+    resumed: bool = False
     reach: dict[float, Reach] = field(default_factory=dict)
 
     def ratios(self, original: float) -> list[tuple[float, float]]:

@@ -84,11 +84,6 @@ class RecoveryOptions:
         """Optimizer steps per start: ``tokens`` rounded up to whole steps."""
         return -(-self.tokens // self.tokens_per_step)
 
-    def results_key(self) -> dict[str, str]:
-        """The settings the figures depend on (not where they are shown, progress bars or checkpoints)."""
-        skip = {"out", "fresh", "progress", "echo", "checkpoint_every", "cache_dir", "wheelhouse"}
-        return {name: repr(getattr(self, name)) for name in self.__dataclass_fields__ if name not in skip}
-
     def lr_of(self, start: str) -> float:
         """The peak learning rate of ``start``: its own from ``start_lr``, else ``lr``."""
         own = dict(_pair(item) for item in self.start_lr)

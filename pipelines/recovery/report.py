@@ -28,12 +28,8 @@ def _write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def plot_curves(original: float, curves: list[Curve], path: Path, title: str) -> Path:
-    """Perplexity / the original's against uptraining tokens: log y, and an x axis that is log from the
-    first step on and linear below it, so the start itself (0 tokens) is on the plot."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    first = min((t for c in curves for t, _ in c.points if t > 0), default=1)
+def _axes(ax, plt, curves: list[Curve], original: float, first: float, low: float, high: float) -> None:
+    """One panel: the curves between ``low`` and ``high`` times the original, the thresholds as ticks."""
     for c in curves:
         xs, ys = zip(*c.ratios(original), strict=True)
         ax.plot(xs, ys, marker="o", markersize=3.5, label=f"{c.start} (lr {c.lr:g})")
@@ -43,17 +39,32 @@ def plot_curves(original: float, curves: list[Curve], path: Path, title: str) ->
     ax.set_xscale("symlog", linthresh=first)
     ax.set_xlim(left=0)
     ax.set_yscale("log")
-    top = max(r for c in curves for _, r in c.ratios(original))
-    ax.set_ylim(0.95, max(2.2, top * 1.2))
-    ticks = [t for t in (1, 1.05, 1.1, 1.2, 1.5, 2, 5, 10, 100, 1000, 10000) if t <= max(2.2, top * 1.2)]
-    ax.set_yticks(ticks)
+    ax.set_ylim(low, high)
+    marks = (1, 1.05, 1.1, 1.2, 1.5, 2) if high < 3 else (1, 1.5, 2, 5, 10, 100, 1000, 10000, 100000)
+    ax.set_yticks([t for t in marks if low <= t <= high])
     ax.yaxis.set_minor_locator(plt.NullLocator())
     ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.set_xlabel("uptraining tokens (0, then log scale)")
-    ax.set_ylabel("held-out perplexity / original's")
-    ax.set_title(title, fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8)
+
+
+def plot_curves(original: float, curves: list[Curve], path: Path, title: str) -> Path:
+    """Perplexity / the original's against uptraining tokens, with an x axis that is log from the first
+    step on and linear below it, so the start itself (0 tokens) is on the plot. A start far above the
+    original gets a second panel: the whole range, beside the thresholds' range (0.95x-2.2x) enlarged."""
+    plt = pyplot()
+    first = min((t for c in curves for t, _ in c.points if t > 0), default=1)
+    top = max(r for c in curves for _, r in c.ratios(original))
+    wide = top > 2.5
+    fig, axes = plt.subplots(1, 2 if wide else 1, figsize=(12 if wide else 7.5, 4.8), squeeze=False)
+    _axes(axes[0][0], plt, curves, original, first, 0.95, 2.2)
+    axes[0][0].set_title("near the original: the thresholds" if wide else title, fontsize=10)
+    axes[0][0].set_ylabel("held-out perplexity / original's")
+    axes[0][0].legend(fontsize=8)
+    if wide:
+        _axes(axes[0][1], plt, curves, original, first, 0.95, top * 1.3)
+        axes[0][1].set_title("the whole range", fontsize=10)
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return save_figure(fig, path)
 
@@ -71,9 +82,7 @@ def write_report(
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     tokens = o.steps * o.tokens_per_step
-    plot = plot_curves(
-        original, curves, out / PLOT, f"{Path(inputs.src).name} -> {o.groups} K/V heads: recovery by start"
-    )
+    plot = plot_curves(original, curves, out / PLOT, f"{o.src} -> {o.groups} K/V heads: recovery by start")
     saved = savings(curves)
     ref = curves[0].start
     command = "gqakit recovery " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else ""
@@ -112,14 +121,18 @@ def write_report(
             if c.start in by_tokens[t] else "" for c in curves
         ]  # fmt: skip
         point_rows.append(f"| {t:,} | " + " | ".join(cells) + " |")
-    time_rows = [f"- {c.start}: conversion {fmt_duration(c.convert_s)}, uptraining {fmt_duration(c.train_s)}"
-                 for c in curves]  # fmt: skip
+    time_rows = [
+        f"- {c.start}: conversion {fmt_duration(c.convert_s)}, uptraining {fmt_duration(c.train_s)}"
+        + (" (after a resume; the part before it is not counted)" if c.resumed else "")
+        for c in curves
+    ]
+    figures_s = sum(c.convert_s + c.train_s for c in curves)
     lr_note = (
         "every start at the same peak learning rate"
         if len({c.lr for c in curves}) == 1
         else "each start at its own peak learning rate (the lr column), set with --start-lr"
     )
-    text = f"""# gqakit recovery: {Path(inputs.src).name} -> {o.groups} K/V heads
+    text = f"""# gqakit recovery: {o.src} -> {o.groups} K/V heads
 
 How many uptraining tokens each start needs to come back to the original's quality. Each start is
 converted from the original, then uptrained once for {tokens:,} tokens ({o.steps} steps of {o.batch_size} x
@@ -157,7 +170,8 @@ Held-out perplexity (and its multiple of the original's) after each number of up
   tokens, refinement {o.refine_steps} steps per layer)
 - text: train `{inputs.train}`, calibration `{inputs.calibration}`, held out `{inputs.heldout}`
 - seed {o.seed}; precision {precision}; device {o.device}
-- wall time: {fmt_duration(elapsed_s)} to compute ({store.reused} results reused from `{o.work_dir}`)
+- wall time: the conversions and uptraining runs took {fmt_duration(figures_s)} together; this run of the
+  command {fmt_duration(elapsed_s)} ({store.reused} results reused from `{o.work_dir}`)
 {chr(10).join(time_rows)}
 - machine: {machine}; {", ".join(f"{k} {v}" for k, v in versions.items())}
 - command: `{command}`
@@ -194,6 +208,7 @@ Machine-readable figures: `results.json`.
                 "reach": {f"{t:g}": c.reach[t].as_dict() for t in THRESHOLDS},
                 "convert_s": round(c.convert_s, 1),
                 "train_s": round(c.train_s, 1),
+                "resumed": c.resumed,
             }
             for c in curves
         },

@@ -201,9 +201,10 @@ def convert_start(
 def uptrain_start(
     o: RecoveryOptions, store: ResultStore, inputs: Inputs, start: str, start_dir: Path, runs: Path,
     precision: str,
-) -> tuple[list[tuple[int, float]], float]:  # fmt: skip
+) -> tuple[list[tuple[int, float]], float, bool]:  # fmt: skip
     """One uptraining run of ``start``, evaluated on the held-out text at log-spaced steps; cached, and
-    resumed from its last checkpoint when it was killed. Returns the curve and the run's wall time."""
+    resumed from its last checkpoint when it was killed. Returns the curve, the run's wall time and
+    whether it was resumed (its time is then the time after the resume)."""
     out = runs / start
     recipe = recipe_from_dict(recipe_data(o, inputs, str(start_dir), out, o.lr_of(start), precision))
     key = {"start": fingerprint(start_dir), "recipe": _weights_key(recipe.to_dict())}
@@ -216,7 +217,8 @@ def uptrain_start(
         points = sorted({int(r["tokens"]): float(r["val_ppl"]) for r in history if "val_ppl" in r}.items())
         value = {"points": points, "elapsed_s": res.elapsed_s, "resumed": resume}
         cached = store.put_output("run-" + start, key, out, value)
-    return [(int(t), float(p)) for t, p in cached["points"]], float(cached["elapsed_s"])
+    points = [(int(t), float(p)) for t, p in cached["points"]]
+    return points, float(cached["elapsed_s"]), bool(cached.get("resumed", False))
 
 
 def run_recovery(options: RecoveryOptions) -> RecoveryResult:
@@ -257,8 +259,10 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
         lr = o.lr_of(start)
         with steps.step(f"Start {start!r}: convert, then uptrain {o.steps} steps at lr {lr:g}"):
             start_dir, convert_s = convert_start(o, store, inputs, start, work / "models")
-            points, train_s = uptrain_start(o, store, inputs, start, start_dir, work / "runs", precision)
-            curve = Curve(start, lr, points, convert_s, train_s)
+            points, train_s, resumed = uptrain_start(
+                o, store, inputs, start, start_dir, work / "runs", precision
+            )
+            curve = Curve(start, lr, points, convert_s, train_s, resumed)
             curve.reach = {t: tokens_to_reach(curve.ratios(original), t) for t in THRESHOLDS}
             steps.note(
                 f"{start}: {points[0][1]:,.2f} -> {points[-1][1]:,.2f} at {points[-1][0]:,} tokens "
@@ -266,7 +270,7 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
             )
             curves.append(curve)
     with steps.step("Report: recovery.png, report.md, results.json"):
-        elapsed = store.compute_time(o.results_key(), time.perf_counter() - t_start)
+        elapsed = time.perf_counter() - t_start
         report, results_json, plot = write_report(o, inputs, precision, original, curves, elapsed, store)
     o.echo(f"Report: {report}")
     return RecoveryResult(original, curves, report, results_json, plot, elapsed)

@@ -100,7 +100,9 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
     again: list[str] = []
     second = run_recovery(options(tiny, tmp_path, again, start_lr=("random=5e-3",), checkpoint_every=5))
     assert json.loads(second.results_json.read_text())["starts"] == results["starts"]
-    assert second.elapsed_s == pytest.approx(first.elapsed_s)
+    assert second.elapsed_s < first.elapsed_s / 3
+    figures = [ln for ln in second.report.read_text().splitlines() if "runs took" in ln]
+    assert figures == [ln for ln in first.report.read_text().splitlines() if "runs took" in ln]
     assert not any("uptrain" in m.lower() and "step" in m for m in again if m.startswith("20"))
 
     # A changed learning rate reruns that start only: its conversion is reused.
