@@ -27,7 +27,10 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 # Files we regenerate or that hold weights; everything else in SRC (tokenizer, generation config,
 # chat template, licence) is copied verbatim.
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
-_NOT_COPIED_NAMES = {SAFE_INDEX, BIN_INDEX, "config.json", "gqakit.json", "README.md"}
+# The records of the run that made a checkpoint (gqakit uptrain's metrics and recipe, HF Trainer's state)
+# describe that run, not a model converted or trained from it: a copy would replace the new run's own.
+_RUN_RECORDS = {"metrics.jsonl", "recipe.yaml", "trainer_state.json"}
+_NOT_COPIED_NAMES = {SAFE_INDEX, BIN_INDEX, "config.json", "gqakit.json", "README.md", *_RUN_RECORDS}
 
 
 @dataclass

@@ -211,3 +211,19 @@ def test_eval_at_steps_must_be_positive(recipe):
 
     with pytest.raises(RecipeError, match=r"eval.at_steps must hold steps of at least 1, got \[0\]"):
         recipe("eval.at_steps=[0, 4]")
+
+
+def test_a_start_made_by_an_earlier_run_does_not_replace_this_runs_records(recipe, tmp_path):
+    """A checkpoint written by an earlier run holds that run's metrics.jsonl and recipe.yaml: uptraining
+    from it (or converting it) must keep the new run's own records, not copy the old ones over them."""
+    first = uptrain(recipe("budget.steps=3", f"output_dir={tmp_path / 'first'}"))
+    assert (first.output_dir / "metrics.jsonl").is_file() and (first.output_dir / "recipe.yaml").is_file()
+    second = uptrain(
+        recipe(
+            "budget.steps=5", "eval.every=0", "model.convert=null", f"model.path={first.output_dir}",
+            f"output_dir={tmp_path / 'second'}",
+        )
+    )  # fmt: skip
+    steps = [h["step"] for h in read_history(second.output_dir) if "loss" in h]
+    assert steps == [1, 2, 3, 4, 5]
+    assert str(tmp_path / "second") in (second.output_dir / "recipe.yaml").read_text()
