@@ -1,11 +1,13 @@
-"""Orchestration above the verbs: cached, keyed, resumable pipelines (``demo``, ``probe``, ``replicate``).
+"""Orchestration above the verbs: cached, keyed, resumable pipelines (``demo``, ``probe``, ``replicate``,
+``recovery``).
 
 The verbs (``gqakit.convert``, ``gqakit.eval``, ``gqakit.uptrain``) never import this package.
 
 Each pipeline is a package whose public names are importable from it: ``gqakit.pipelines.demo``
 (``run_demo``, ``DemoOptions``, ``demo_cmd``, ...), ``gqakit.pipelines.probe`` (``probe_checkpoint``,
-``ProbeOptions``, ``probe_cmd``, ...) and ``gqakit.pipelines.replicate`` (``run_replicate``,
-``ReplicateOptions``, ...). Inside each, the parts have the same names: ``options``, ``run`` (the
+``ProbeOptions``, ``probe_cmd``, ...), ``gqakit.pipelines.replicate`` (``run_replicate``,
+``ReplicateOptions``, ...) and ``gqakit.pipelines.recovery`` (``run_recovery``, ``RecoveryOptions``,
+...). Inside each, the parts have the same names: ``options``, ``run`` (the
 pipeline), ``report``, ``cli`` (the click command), and what that pipeline needs besides (the demo's
 ``measure`` and ``decode``, replicate's ``train``). What every pipeline shares sits here:
 

@@ -18,5 +18,6 @@ The package's parts: ``options``, ``curves`` (pure: evaluation steps, thresholds
 
 from gqakit.pipelines.recovery.cli import recovery_cmd
 from gqakit.pipelines.recovery.options import RecoveryOptions
+from gqakit.pipelines.recovery.run import RecoveryResult, run_recovery
 
-__all__ = ["RecoveryOptions", "recovery_cmd"]
+__all__ = ["RecoveryOptions", "RecoveryResult", "recovery_cmd", "run_recovery"]
