@@ -71,13 +71,14 @@ def _model(config: Config, state: StateDict, device: torch.device) -> torch.nn.M
 
 def capture(
     config: Config, state: StateDict, sequences: list[torch.Tensor], refine: bool, device: torch.device
-) -> tuple[list[torch.Tensor], list[list[tuple]], list[int]]:
+) -> tuple[list[torch.Tensor], list[list[tuple]], list[int], int]:
     """Run the MHA model over ``sequences``: per layer, ``[X, 1]^T [X, 1]`` of ``c_attn``'s input, and
     (when ``refine``) the attention block's float32 ``(args, kwargs, output)`` per batch.
 
     Returns:
-        The grams, the captured batches per layer, and the tokens of the batches fitted on and of those
-        held out (:func:`~gqakit.convert.refine.split_batches`; the captured batches come in that order).
+        The grams, the captured batches per layer, the tokens of the batches fitted on and of those held
+        out, and how many batches are fitted on (:func:`~gqakit.convert.refine.split_batches`; the
+        captured batches come in that order).
     """
     model = _model(config, state, device)
     n = config["n_layer"]
@@ -106,7 +107,7 @@ def capture(
         for h in handles:
             h.remove()
     tokens = [sum(b.numel() for b in fit), sum(b.numel() for b in check)]
-    return [g for g in grams if g is not None], io, tokens
+    return [g for g in grams if g is not None], io, tokens, len(fit)
 
 
 def merge_layer(state: StateDict, config: Config, i: int, gram: torch.Tensor) -> tuple[StateDict, dict]:
@@ -185,7 +186,7 @@ def calibrated_mqa(
     Returns:
         The MQA state, and what was measured for gqakit.json (per-layer merge and refinement errors).
     """
-    grams, io, (fit_tokens, held_tokens) = capture(config, mha, sequences, refine is not None, device)
+    grams, io, (fit_tokens, held_tokens), n_fit = capture(config, mha, sequences, refine is not None, device)
     out = dict(mha if start is None else start)
     record: dict[str, Any] = {}
     if start is None:
@@ -198,7 +199,6 @@ def calibrated_mqa(
     if refine is not None:
         mqa_config = {**config, "multi_query": True}
         report = RefineReport(refine, fit_tokens, held_tokens)
-        n_fit = len(split_batches(sequences)[0])
         for i in range(config["n_layer"]):
             layer, fitted = refine_layer(out, mqa_config, i, io[i], n_fit, refine, device)
             out.update(layer)

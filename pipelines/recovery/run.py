@@ -103,7 +103,7 @@ def split_data(o: RecoveryOptions, store: ResultStore, work: Path) -> tuple[Path
 
 def resolve_precision(precision: str) -> str:
     """``auto``: bf16 autocast where the device has bf16 instructions (a CUDA GPU that supports it, a
-    CPU with AVX-512 BF16 or AMX: measured 1.7-2.5x faster per step on SmolLM2), else fp32."""
+    CPU with AVX-512 BF16 or AMX), else fp32."""
     if precision != "auto":
         return precision
     if torch.cuda.is_available():
