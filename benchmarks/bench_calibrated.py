@@ -28,13 +28,13 @@ from pathlib import Path
 CONVERT = r"""
 import json, sys, time
 from gqakit.convert import ConvertOptions, convert_checkpoint
-src, dst, method, calib, tokens, steps, lr = sys.argv[1:8]
+src, dst, method, calib, tokens, steps, lr, qk_lr = sys.argv[1:9]
 t = time.perf_counter()
 refined = method == "refined"  # the calibrated merge, then --refine-steps
 opts = ConvertOptions(groups=1, method="calibrated" if refined else method, force=True, device="cpu",
                       calib_data=calib if method in ("calibrated", "refined") else None,
                       calib_tokens=int(tokens), refine_steps=int(steps) if refined else 0,
-                      refine_lr=float(lr))
+                      refine_lr=float(lr), refine_qk_lr=float(qk_lr))
 res = convert_checkpoint(src, dst, opts)
 print(json.dumps({"wall_s": time.perf_counter() - t,
                   "calib_s": res.provenance.get("calibration", {}).get("elapsed_s"),
@@ -127,7 +127,7 @@ def uptrain_from(starts: dict[str, Path], args, data: dict[str, Path]) -> dict[s
 
 
 def main() -> None:
-    from gqakit.convert.refine import REFINE_LR
+    from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/assets/smol_st")
@@ -148,6 +148,7 @@ def main() -> None:
         help="also convert with --method calibrated --refine-steps N (the 'refined' row); 0: skip",
     )
     ap.add_argument("--refine-lr", type=float, default=REFINE_LR)
+    ap.add_argument("--refine-qk-lr", type=float, default=REFINE_QK_LR, help="give --refine-lr for one rate")
     ap.add_argument("--methods", default="mean,first,calibrated", help="plain rows to convert")
     args = ap.parse_args()
 
@@ -173,6 +174,7 @@ def main() -> None:
                     str(args.calib_tokens),
                     str(args.refine_steps),
                     str(args.refine_lr),
+                    str(args.refine_qk_lr),
                 ]
             )
             timings[method].append(rec)
@@ -195,7 +197,9 @@ def main() -> None:
     result = {
         "model": args.model,
         "calib_tokens": args.calib_tokens,
-        "refine": {"steps": args.refine_steps, "lr": args.refine_lr} if args.refine_steps else None,
+        "refine": {"steps": args.refine_steps, "lr": args.refine_lr, "qk_lr": args.refine_qk_lr}
+        if args.refine_steps
+        else None,
         "seq_len": args.seq_len,
         "repeats": args.repeats,
         "cpu_threads": os.cpu_count(),

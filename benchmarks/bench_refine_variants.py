@@ -4,9 +4,11 @@ Each variant converts the same source with the calibrated merge and the same ref
 layer, calibration tokens), in a child process of its own (so its peak RSS is its own), then scores the
 result on the first ``--eval-tokens`` tokens of held-out text, beside the original. Variants:
 
-* ``attention``: each converted attention block fitted to the original block's output (the default);
+* ``attention``: each converted attention block fitted to the original block's output, one learning rate
+  (``--refine-lr``) for every parameter;
 * ``layer``: fitted to the original decoder layer's output, attention and MLP through the residual;
-* ``qk-lr``: ``attention`` with the query/key side at its own learning rate (``--qk-lr``).
+* ``qk-lr``: ``attention`` with the query/key side at its own learning rate (``--qk-lr``; the package's
+  default is 3e-3 since this comparison).
 
     C=${GQAKIT_CACHE:-~/.cache/gqakit}
     python benchmarks/bench_refine_variants.py --model smollm2-135m --groups 1 --steps 100 \\
@@ -17,8 +19,10 @@ result on the first ``--eval-tokens`` tokens of held-out text, beside the origin
         --out benchmarks/results/refine-variants/replicate-mqa.json
 
 ``--model`` is a checkpoint directory or an asset name (``replicate-mha`` is built by
-``gqakit replicate --pretrain-only``). Figures are printed with this command line and the ratios to the
-first variant.
+``gqakit replicate --pretrain-only``). ``--seeds 0,1,2`` repeats every variant with each refinement seed
+(the order of the calibration batches) and adds the mean, the range and on how many seeds each variant
+beat the first one: a difference smaller than the spread over seeds is not a win. Figures are printed
+with this command line and the ratios to the first variant.
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ _CHILD = textwrap.dedent(
     """
 )
 
+QK_LR = "--qk-lr"  # a placeholder, filled from the flag
 VARIANTS = {
-    "attention": {},
-    "layer": {"refine_target": "layer"},
-    "qk-lr": {"refine_qk_lr": None},  # filled from --qk-lr
+    "attention": {"refine_qk_lr": None},  # None: the query/key side at refine_lr too
+    "layer": {"refine_target": "layer", "refine_qk_lr": None},
+    "qk-lr": {"refine_qk_lr": QK_LR},
 }
 
 
@@ -83,8 +88,10 @@ def main() -> None:
     ap.add_argument("--eval-data", required=True)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seeds", default="0", help="comma-separated refinement seeds, one conversion each")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
 
     from gqakit.text import load_texts
 
@@ -93,37 +100,80 @@ def main() -> None:
     original = _ppl(src, texts, args.seq_len, args.eval_tokens)
     rows = []
     with tempfile.TemporaryDirectory(prefix="refine-variants-") as tmp:
-        for name in args.variants.split(","):
-            opts = {
-                "groups": args.groups, "method": "calibrated", "calib_data": args.calib_data,
-                "calib_tokens": args.calib_tokens, "refine_steps": args.steps, "device": "cpu",
-                **{k: (args.qk_lr if v is None else v) for k, v in VARIANTS[name].items()},
-            }  # fmt: skip
-            dst = Path(tmp) / name
-            child = subprocess.run(
-                [sys.executable, "-c", _CHILD, src, str(dst), json.dumps(opts)],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-            measured = json.loads(child.stdout.strip().splitlines()[-1])
-            ppl = _ppl(str(dst), texts, args.seq_len, args.eval_tokens)
-            rows.append({"variant": name, "options": opts, "ppl": ppl, "ratio": ppl / original, **measured})
-            print(f"{name}: ppl {ppl:.3f} ({ppl / original:.3f}x), {measured['seconds']:.0f} s", flush=True)
+        for seed in seeds:
+            for name in args.variants.split(","):
+                rows.append(_variant(name, seed, args, src, texts, original, Path(tmp) / f"{name}-{seed}"))
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     base = rows[0]
     print(f"\n{command}\noriginal: {original:.3f}")
-    print("| variant | zero-shot ppl | x original | time | x time | peak RSS | x RSS |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| variant | seed | zero-shot ppl | x original | time | x time | peak RSS | x RSS |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['variant']} | {r['ppl']:.2f} | {r['ratio']:.3f} | {r['seconds']:.0f} s | "
+            f"| {r['variant']} | {r['seed']} | {r['ppl']:.2f} | {r['ratio']:.3f} | {r['seconds']:.0f} s | "
             f"{r['seconds'] / base['seconds']:.2f} | {r['peak_rss'] / 2**30:.2f} GiB | "
             f"{r['peak_rss'] / base['peak_rss']:.2f} |"
         )
+    summary = _summary(rows)
+    if len(seeds) > 1:
+        print(f"\nover seeds {args.seeds}:")
+        print("| variant | mean ppl | min | max | below the first variant on |")
+        print("|---|---:|---:|---:|---:|")
+        for v in summary:
+            print(
+                f"| {v['variant']} | {v['mean_ppl']:.2f} | {v['min_ppl']:.2f} | {v['max_ppl']:.2f} | "
+                f"{v['wins']}/{len(seeds)} seeds |"
+            )
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        result = {"command": command, "original_ppl": original, "settings": vars(args), "rows": rows}
+        result = {
+            "command": command, "original_ppl": original, "settings": vars(args), "rows": rows,
+            "summary": summary,
+        }  # fmt: skip
         out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _variant(
+    name: str, seed: int, args: argparse.Namespace, src: str, texts: list[str], original: float, dst: Path
+) -> dict:
+    """Convert ``src`` with variant ``name`` and refinement seed ``seed`` in a child process; score it."""
+    opts = {
+        "groups": args.groups, "method": "calibrated", "calib_data": args.calib_data,
+        "calib_tokens": args.calib_tokens, "refine_steps": args.steps, "device": "cpu", "seed": seed,
+        **{k: (args.qk_lr if v == QK_LR else v) for k, v in VARIANTS[name].items()},
+    }  # fmt: skip
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, src, str(dst), json.dumps(opts)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    measured = json.loads(child.stdout.strip().splitlines()[-1])
+    ppl = _ppl(str(dst), texts, args.seq_len, args.eval_tokens)
+    print(
+        f"{name} seed {seed}: ppl {ppl:.3f} ({ppl / original:.3f}x), {measured['seconds']:.0f} s", flush=True
+    )
+    return {"variant": name, "seed": seed, "options": opts, "ppl": ppl, "ratio": ppl / original, **measured}
+
+
+def _summary(rows: list[dict]) -> list[dict]:
+    """Per variant: mean, min and max perplexity over the seeds, and on how many seeds it scored below
+    the first variant converted with the same seed."""
+    first = rows[0]["variant"]
+    base = {r["seed"]: r["ppl"] for r in rows if r["variant"] == first}
+    out = []
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == name]
+        ppls = [r["ppl"] for r in mine]
+        out.append(
+            {
+                "variant": name, "mean_ppl": sum(ppls) / len(ppls), "min_ppl": min(ppls),
+                "max_ppl": max(ppls), "wins": sum(r["ppl"] < base[r["seed"]] for r in mine),
+                "seeds": len(mine),
+            }
+        )  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from gqakit.convert.api import (
     inspect_checkpoint,
 )
 from gqakit.convert.methods import GROUPINGS, METHODS
-from gqakit.convert.refine import REFINE_LR, REFINE_TARGETS
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_TARGETS
 
 _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 
@@ -58,7 +58,8 @@ _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
     help="After the merge, Adam steps per layer fitting each converted attention block (all its weights) "
     "to the original's output on --calib-data, keeping each layer's best step on held-out calibration "
     "text; 0: off. 200 take SmolLM2-135M -> MQA (calibrated) from test perplexity 91.9 to 30.9, in "
-    "about 7 minutes on 2 CPU cores; 800 on --calib-tokens 32768 to 20.9 (the original: 15.9).",
+    "about 7 minutes on 2 CPU cores; 800 on --calib-tokens 32768 to 20.9 (the original: 15.9; both "
+    "measured at one rate, --refine-qk-lr 1e-3).",
 )
 @click.option(
     "--refine-lr", type=float, default=REFINE_LR, show_default=True, help="Learning rate of --refine-steps."
@@ -75,8 +76,10 @@ _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 @click.option(
     "--refine-qk-lr",
     type=float,
-    default=None,
-    help="A learning rate of its own for the query/key side of --refine-steps [default: --refine-lr].",
+    default=REFINE_QK_LR,
+    show_default=True,
+    help="Learning rate of the query/key side (q, k and their norms) in --refine-steps; the rest take "
+    "--refine-lr, as does a fused qkv projection. Give the --refine-lr value for one rate throughout.",
 )
 @device_option()
 @force_option()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gqakit.cli_options import Problems
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
-from gqakit.convert.refine import REFINE_LR, REFINE_TARGETS
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_TARGETS
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 
@@ -38,7 +38,8 @@ class ConvertOptions:
         refine_lr: the learning rate of those steps.
         refine_target: what each block is fitted to: ``attention`` (its output) or ``layer`` (the whole
             decoder layer's output, attention and MLP through the residual).
-        refine_qk_lr: a learning rate of its own for the query/key side (None: ``refine_lr``).
+        refine_qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``refine_lr``.
+            A fused qkv projection is one tensor and takes ``refine_lr``.
     """
 
     groups: int
@@ -53,7 +54,7 @@ class ConvertOptions:
     refine_steps: int = 0
     refine_lr: float = REFINE_LR
     refine_target: str = "attention"
-    refine_qk_lr: float | None = None
+    refine_qk_lr: float | None = REFINE_QK_LR
 
     @property
     def merged(self) -> bool:

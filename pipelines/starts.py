@@ -4,6 +4,9 @@ followed by layer-wise refinement (``refined``). ``gqakit replicate`` converts i
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Any
+
 from gqakit.convert.methods import METHODS
 from gqakit.convert.options import ConvertOptions
 from gqakit.names import NameTable
@@ -52,4 +55,29 @@ def start_convert_options(
     )
 
 
-__all__ = ["REFINED", "STARTS", "start_convert_options"]
+# Defaults that changed after pipelines first cached conversions under :func:`conversion_key`, with the
+# value the old keys were written against: a conversion made with the old default must miss, one made
+# with the new default must not look like it.
+_KEYED_DEFAULTS: dict[str, Any] = {"refine_qk_lr": None}
+
+
+def conversion_key(opts: ConvertOptions) -> dict[str, Any]:
+    """The cache key of a conversion: its options that can change its output and differ from their
+    defaults, so an option added later, whose default keeps today's output, leaves cached conversions
+    valid. Left out: ``force``, the calibration size of a conversion that reads no calibration text, and
+    the refinement settings of one that is not refined (mean pooling stays cached when only the refined
+    start's budget changes)."""
+    unused = {"force"}
+    if opts.calib_data is None:
+        unused.add("calib_tokens")
+    if not opts.refine_steps:
+        unused.update(f.name for f in fields(opts) if f.name.startswith("refine_"))
+    key = {}
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if f.name not in unused and value != _KEYED_DEFAULTS.get(f.name, f.default):
+            key[f.name] = value
+    return key
+
+
+__all__ = ["REFINED", "STARTS", "conversion_key", "start_convert_options"]

@@ -8,7 +8,7 @@ step runs again. So a second run reuses whatever is still valid, and an interrup
 first step whose result is missing::
 
     store = ResultStore(work / "results")
-    key = {"source": fingerprint(src), "options": repr(opts)}
+    key = {"source": fingerprint(src), "options": {"groups": 8}}
     store.build_once(dst, key, lambda: convert(src, dst, opts))  # skipped while dst is what key built
     value = store.get("eval-" + dst.name, key)  # None: measure, then store.put("eval-...", key, value)
 

@@ -94,6 +94,7 @@ def _convert_first(recipe: Recipe, out: Path) -> tuple[str, dict[str, Any]]:
                 grouping=c.grouping,
                 refine_steps=c.refine_steps,
                 refine_lr=c.refine_lr,
+                refine_qk_lr=c.refine_qk_lr,
             ),
         )
     state.wait_for_everyone()

@@ -47,6 +47,10 @@ def recipe_problems(self: Recipe) -> list[str]:
             p.append(f"model.convert.refine_steps must be 0 (off) or positive, got {c.refine_steps}.")
         if not c.refine_lr > 0:
             p.append(f"model.convert.refine_lr must be a positive learning rate, got {c.refine_lr}.")
+        if c.refine_qk_lr is not None and not c.refine_qk_lr > 0:
+            p.append(
+                f"model.convert.refine_qk_lr must be a positive learning rate or null, got {c.refine_qk_lr}."
+            )
         if c.refine_steps > 0 and method is not None and method.fresh:
             p.append(
                 "model.convert.refine_steps cannot start from method random; use method calibrated or mean."

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
-from gqakit.convert.refine import REFINE_LR
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.errors import GqakitError
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -52,6 +52,7 @@ class ConvertConfig:
         refine_steps: Adam steps per layer fitting each converted attention block to the original's
             output on ``calib_data`` (``gqakit convert --refine-steps``); 0: off.
         refine_lr: their learning rate.
+        refine_qk_lr: the query/key side's learning rate (``--refine-qk-lr``); null: ``refine_lr``.
     """
 
     groups: int
@@ -62,6 +63,7 @@ class ConvertConfig:
     grouping: str = "contiguous"
     refine_steps: int = 0
     refine_lr: float = REFINE_LR
+    refine_qk_lr: float | None = REFINE_QK_LR
 
 
 @dataclass

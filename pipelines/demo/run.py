@@ -33,6 +33,7 @@ from gqakit.pipelines.demo.options import (
     Variant,
 )
 from gqakit.pipelines.demo.report import render_table, write_demo_report
+from gqakit.pipelines.starts import conversion_key
 from gqakit.pipelines.steps import Steps, quiet_transformers
 from gqakit.pipelines.store import ResultStore, fingerprint
 from gqakit.uptrain.api import uptrain
@@ -231,7 +232,7 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
             g = v.resolved_groups(g0)
             dst = models / v.slug
             conv = v.convert_options(g, assets, options.calib_tokens)
-            key = {"source": fingerprint(mha_dir), "options": repr(conv)}
+            key = {"source": fingerprint(mha_dir), "options": conversion_key(conv)}
             store.build_once(dst, key, partial(convert_checkpoint, mha_dir, dst, conv))
             label = _variant_label(v, g0, heads)
             if g == g0:

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from gqakit import __version__
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, savings
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
@@ -167,7 +168,7 @@ Held-out perplexity (and its multiple of the original's) after each number of up
 ## Settings
 
 - source: `{inputs.src}`; groups {o.groups}; starts {", ".join(o.starts)} (calibration {o.calib_tokens:,}
-  tokens, refinement {o.refine_steps} steps per layer)
+  tokens, refinement {o.refine_steps} steps per layer at {REFINE_LR:g}, query/key {REFINE_QK_LR:g})
 - text: train `{inputs.train}`, calibration `{inputs.calibration}`, held out `{inputs.heldout}`
 - seed {o.seed}; precision {precision}; device {o.device}
 - wall time: the conversions and uptraining runs took {fmt_duration(figures_s)} together; this run of the
@@ -196,6 +197,8 @@ Machine-readable figures: `results.json`.
             "eval_tokens": o.eval_tokens,
             "calib_tokens": o.calib_tokens,
             "refine_steps": o.refine_steps,
+            "refine_lr": REFINE_LR,
+            "refine_qk_lr": REFINE_QK_LR,
             "seed": o.seed,
             "data": o.data and str(o.data),
         },  # fmt: skip

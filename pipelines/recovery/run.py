@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -23,7 +22,7 @@ from gqakit.outputs import atomic_output_dir, writable_dir
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, eval_steps, tokens_to_reach
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 from gqakit.pipelines.recovery.report import write_report
-from gqakit.pipelines.starts import REFINED, start_convert_options
+from gqakit.pipelines.starts import REFINED, conversion_key, start_convert_options
 from gqakit.pipelines.steps import Steps, quiet_transformers
 from gqakit.pipelines.store import ResultStore, fingerprint
 from gqakit.uptrain import recipe_from_dict, uptrain, validation_perplexity
@@ -164,16 +163,6 @@ def original_ppl(o: RecoveryOptions, store: ResultStore, inputs: Inputs, precisi
     return float(cached["ppl"])
 
 
-def _changed(opts: Any) -> dict[str, Any]:
-    """The options of a conversion that differ from their defaults (not ``force``): the cache key of a
-    start, which an option added later with a default that keeps today's behaviour leaves valid."""
-    return {
-        f.name: getattr(opts, f.name)
-        for f in fields(opts)
-        if f.name != "force" and getattr(opts, f.name) != f.default
-    }
-
-
 def _fingerprint(src: str) -> str:
     return fingerprint(src) if Path(src).exists() else src
 
@@ -187,7 +176,7 @@ def convert_start(
         refine_steps=o.refine_steps, device=o.device, seed=o.seed,
     )  # fmt: skip
     dst = models / f"start-{start}"
-    key = {"source": _fingerprint(inputs.src), "options": _changed(opts)}
+    key = {"source": _fingerprint(inputs.src), "options": conversion_key(opts)}
     cached = store.get_output("convert-" + start, key, dst)
     if cached is not None:
         return dst, float(cached["elapsed_s"])

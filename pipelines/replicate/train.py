@@ -20,7 +20,7 @@ from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm, load_tokenizer
 from gqakit.outputs import atomic_output_dir
 from gqakit.pipelines.replicate.options import ReplicateOptions
-from gqakit.pipelines.starts import start_convert_options
+from gqakit.pipelines.starts import conversion_key, start_convert_options
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
 from gqakit.text import load_texts
@@ -213,7 +213,7 @@ def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
         refine_steps=o.refine_steps, device=o.device,
     )  # fmt: skip
     dst = ctx.models / f"start-g{groups}-{method}"
-    key = {"source": fingerprint(mha), "options": repr(opts)}
+    key = {"source": fingerprint(mha), "options": conversion_key(opts)}
     ctx.store.build_once(dst, key, lambda: convert_checkpoint(mha, dst, opts))
     return dst
 

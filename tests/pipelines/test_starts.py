@@ -1,0 +1,36 @@
+"""The cache key of a start's conversion (``gqakit.pipelines.starts.conversion_key``)."""
+
+from __future__ import annotations
+
+from gqakit.convert.options import ConvertOptions
+from gqakit.convert.refine import REFINE_QK_LR
+from gqakit.pipelines.starts import conversion_key, start_convert_options
+
+
+def _opts(start: str, **kw) -> ConvertOptions:
+    args = {"calib_data": "calib.txt", "calib_tokens": 4096, "refine_steps": 200, **kw}
+    return start_convert_options(start, 1, **args)
+
+
+def test_mean_pooling_is_keyed_the_same_whatever_the_calibration_and_refinement_budget():
+    assert conversion_key(_opts("mean")) == {"groups": 1}
+    assert conversion_key(_opts("mean", calib_tokens=32768, refine_steps=800)) == {"groups": 1}
+
+
+def test_the_calibrated_and_refined_keys_change_with_their_budgets():
+    cal = conversion_key(_opts("calibrated"))
+    assert cal == {"groups": 1, "method": "calibrated", "calib_data": "calib.txt"}
+    assert conversion_key(_opts("calibrated", calib_tokens=32768))["calib_tokens"] == 32768
+    assert conversion_key(_opts("calibrated", refine_steps=800)) == cal  # not refined: steps unused
+    refined = conversion_key(_opts("refined", refine_steps=800))
+    assert refined["refine_steps"] == 800
+
+
+def test_a_refined_conversion_at_the_new_query_key_rate_misses_caches_keyed_before_it_was_the_default():
+    # keys written when refine_qk_lr defaulted to None held no refine_qk_lr: a conversion at today's
+    # default must not match them, and one asking for the old behaviour must
+    today = conversion_key(_opts("refined"))
+    assert today["refine_qk_lr"] == REFINE_QK_LR
+    old = _opts("refined")
+    old = ConvertOptions(**{**old.__dict__, "refine_qk_lr": None})
+    assert "refine_qk_lr" not in conversion_key(old)
