@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recovery curves of docs/recovery.md, on this machine (2 CPU cores: about 1.5 h for SmolLM2's three
-# starts, 40 min for the replicate model's two G): each command is cached and resumable in its --work-dir,
+# starts, 45 min for its second seed, 1.5 h for each 32k-start run, 40 min for the replicate model's two G): each command is cached and resumable in its --work-dir,
 # so a killed run continues where it stopped when the same command is run again.
 #
 #   bash benchmarks/recovery.sh [WORK_ROOT]      # default WORK_ROOT: ./recovery-work
@@ -15,11 +15,26 @@ RESULTS=benchmarks/results/recovery
 gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,refined,calibrated \
   --out "$RESULTS/smollm2-mqa" --work-dir "$WORK/smollm2-mqa" --no-progress
 
+# Seed 1 (data order and refinement batches) for the spread of mean pooling and the refined start.
+gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,refined --seed 1 \
+  --out "$RESULTS/smollm2-mqa-seed1" --work-dir "$WORK/smollm2-mqa-seed1" --no-progress
+
+# A stronger refined start (32,768 calibration tokens x 800 steps, a 27-minute conversion here), at the
+# shared learning rate and at its own 5e-5. Each work dir converts it once.
+gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,refined --calib-tokens 32768 \
+  --refine-steps 800 --out "$RESULTS/smollm2-mqa-32k" --work-dir "$WORK/smollm2-mqa-32k" --no-progress
+gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,refined --calib-tokens 32768 \
+  --refine-steps 800 --start-lr refined=5e-5 --out "$RESULTS/smollm2-mqa-32k-lr5e-5" \
+  --work-dir "$WORK/smollm2-mqa-32k-lr5e-5" --no-progress
+
 # The replicate model (Llama, 8 heads, pretrained on 1,024,000 tokens by `gqakit replicate --pretrain-only`)
 # -> MQA (8:1) and GQA-2, to 1,024,000 tokens: ten times its alpha 0.1 budget. Its context is 128 tokens;
 # batch and learning rate are replicate's.
 gqakit replicate --pretrain-only --work-dir "$WORK/replicate" --no-progress
-for G in 1 2; do
-  gqakit recovery replicate-mha --groups "$G" --tokens 1024000 --seq-len 128 --batch-size 16 --lr 5e-4 \
-    --refine-steps 100 --out "$RESULTS/replicate-g$G" --work-dir "$WORK/replicate-g$G" --no-progress
-done
+gqakit recovery replicate-mha --groups 1 --tokens 1024000 --seq-len 128 --batch-size 16 --lr 5e-4 \
+  --refine-steps 100 --out "$RESULTS/replicate-g1" --work-dir "$WORK/replicate-g1" --no-progress
+gqakit recovery replicate-mha --groups 2 --tokens 1024000 --seq-len 128 --batch-size 16 --lr 5e-4 \
+  --refine-steps 100 --starts mean,refined --out "$RESULTS/replicate-g2" --work-dir "$WORK/replicate-g2" \
+  --no-progress
+gqakit recovery replicate-mha --groups 1 --tokens 1024000 --seq-len 128 --batch-size 16 --lr 5e-4 \
+  --refine-steps 100 --seed 1 --out "$RESULTS/replicate-g1-seed1" --work-dir "$WORK/replicate-g1-s1" --no-progress
