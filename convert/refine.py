@@ -31,7 +31,7 @@ REFINE_LR = 1e-3
 # The query/key side's own default rate. At 100 steps on 4k tokens, 3e-3 against REFINE_LR for every
 # parameter (docs/convert.md): SmolLM2-135M -> MQA zero-shot 32.14 vs 32.55, and lower on every seed
 # measured; the replicate model -> MQA 237.23 vs 237.45 over three seeds, lower on each; same time and
-# memory. The keys are what the shared head changes most, and their softmax makes small steps slow.
+# memory.
 REFINE_QK_LR = 3e-3
 
 

@@ -14,10 +14,10 @@ import torch
 import transformers
 
 from gqakit import __version__
-from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, savings
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
+from gqakit.pipelines.starts import REFINED, start_convert_options
 from gqakit.pipelines.store import ResultStore
 
 PLOT = "recovery.png"
@@ -88,6 +88,11 @@ def write_report(
     ref = curves[0].start
     command = "gqakit recovery " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else ""
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    # the rates the refined start is converted with: those of the options that convert it
+    refined = start_convert_options(
+        REFINED, o.groups, calib_data=None, calib_tokens=o.calib_tokens, refine_steps=o.refine_steps
+    )
+    rates = f"{refined.refine_lr:g}, query/key {refined.refine_qk_lr or refined.refine_lr:g}"
     versions = {
         "gqakit": __version__,
         "torch": torch.__version__,
@@ -168,7 +173,7 @@ Held-out perplexity (and its multiple of the original's) after each number of up
 ## Settings
 
 - source: `{inputs.src}`; groups {o.groups}; starts {", ".join(o.starts)} (calibration {o.calib_tokens:,}
-  tokens, refinement {o.refine_steps} steps per layer at {REFINE_LR:g}, query/key {REFINE_QK_LR:g})
+  tokens, refinement {o.refine_steps} steps per layer at {rates})
 - text: train `{inputs.train}`, calibration `{inputs.calibration}`, held out `{inputs.heldout}`
 - seed {o.seed}; precision {precision}; device {o.device}
 - wall time: the conversions and uptraining runs took {fmt_duration(figures_s)} together; this run of the
@@ -197,8 +202,8 @@ Machine-readable figures: `results.json`.
             "eval_tokens": o.eval_tokens,
             "calib_tokens": o.calib_tokens,
             "refine_steps": o.refine_steps,
-            "refine_lr": REFINE_LR,
-            "refine_qk_lr": REFINE_QK_LR,
+            "refine_lr": refined.refine_lr,
+            "refine_qk_lr": refined.refine_qk_lr,
             "seed": o.seed,
             "data": o.data and str(o.data),
         },  # fmt: skip
