@@ -56,6 +56,7 @@ VARIANTS = {
     "attention": {"refine_qk_lr": None},  # None: the query/key side at refine_lr too
     "layer": {"refine_target": "layer", "refine_qk_lr": None},
     "qk-lr": {"refine_qk_lr": QK_LR},
+    "layer-all": {"refine_target": "layer-all", "refine_qk_lr": QK_LR},
 }
 
 

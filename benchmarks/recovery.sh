@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The recovery curves of docs/recovery.md, on this machine (2 CPU cores: about 1.5 h for SmolLM2's three
-# starts, 45 min for its second seed, 1.5 h for each 32k-start run, 40 min for the replicate model's two G): each command is cached and resumable in its --work-dir,
+# starts, 45 min for its second seed, 1.5 h for each 32k-start run, 55 min for the 48k start and 30 min
+# for its 409,600-token run, 40 min for the replicate model's two G): each command is cached and
+# resumable in its --work-dir,
 # so a killed run continues where it stopped when the same command is run again.
 #
 #   bash benchmarks/recovery.sh [WORK_ROOT]      # default WORK_ROOT: ./recovery-work
@@ -26,6 +28,16 @@ gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,refined --
 gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,refined --calib-tokens 32768 \
   --refine-steps 800 --start-lr refined=5e-5 --out "$RESULTS/smollm2-mqa-32k-lr5e-5" \
   --work-dir "$WORK/smollm2-mqa-32k-lr5e-5" --no-progress
+
+# Nearly all of wiki-en validation as calibration text (49,152 tokens) x 1,600 steps, a 40-minute
+# conversion here, uptrained at 5e-5; then the same start alone for twice the tokens (its work dir
+# converts it again unless the first one's models/start-refined is copied in).
+gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,refined --calib-tokens 49152 \
+  --refine-steps 1600 --start-lr refined=5e-5 --out "$RESULTS/smollm2-mqa-48k-lr5e-5" \
+  --work-dir "$WORK/smollm2-mqa-48k-lr5e-5" --no-progress
+gqakit recovery smollm2-135m --groups 1 --tokens 409600 --starts refined --calib-tokens 49152 \
+  --refine-steps 1600 --start-lr refined=5e-5 --out "$RESULTS/smollm2-mqa-48k-lr5e-5-410k" \
+  --work-dir "$WORK/smollm2-mqa-48k-lr5e-5-410k" --no-progress
 
 # The replicate model (Llama, 8 heads, pretrained on 1,024,000 tokens by `gqakit replicate --pretrain-only`)
 # -> MQA (8:1) and GQA-2, to 1,024,000 tokens: ten times its alpha 0.1 budget. Its context is 128 tokens;

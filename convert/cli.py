@@ -70,7 +70,7 @@ _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
     default="attention",
     show_default=True,
     help="What each converted attention block is fitted to: "
-    + "; ".join(f"{k}: {v}" for k, v in REFINE_TARGETS.items())
+    + "; ".join(f"{k}: {v.help}" for k, v in REFINE_TARGETS.items())
     + " (docs/convert.md compares them).",
 )
 @click.option(

@@ -37,6 +37,7 @@ from gqakit.convert.merge_plan import base_plan, merged_layer
 from gqakit.convert.options import ConvertOptions
 from gqakit.convert.plan import OutputTensor, RegroupSpec, execute, plan_regroup
 from gqakit.convert.refine import (
+    REFINE_TARGETS,
     RefineReport,
     RefineSettings,
     converted_attention,
@@ -183,13 +184,16 @@ class _LayerwiseJob:
             self.refined = RefineReport(self.refine, *tokens)
         self.seconds: list[float] = []
 
+    @property
+    def _whole_layer(self) -> bool:
+        """Whether refinement fits the whole decoder layer's output (not the attention block's)."""
+        return self.refine is not None and REFINE_TARGETS[self.refine.target].whole_layer
+
     def _capture(self, module: torch.nn.Module, i: int, gram: bool, hidden: list[torch.Tensor]):
         """Run the loaded layer ``i`` on ``hidden`` with capture hooks; return (capture, outputs)."""
         key = key_module(self.adapter, i)[len(self.stream.layer_prefix(i)) :]
         # the block is fitted to the attention output, or to the whole layer's (its own inputs and output)
-        target = (
-            "" if self.refine is not None and self.refine.target == "layer" else self.stream.attention_name
-        )
+        target = "" if self._whole_layer else self.stream.attention_name
         cap = LayerCapture(module, key, target, gram, self.refine is not None)
         try:
             return cap, self.stream.run(i, module, hidden)
@@ -207,7 +211,7 @@ class _LayerwiseJob:
         layer_copy = None
         with self.stream.layer(i) as module:
             capture, next_hidden = self._capture(module, i, self.needs_gram, self.hidden)
-            if self.refine is not None and self.refine.target == "layer":
+            if self._whole_layer:
                 layer_copy = copy.deepcopy(module).float().requires_grad_(False)
         release_memory(self.device)
         outs = self._merged_outputs(i, capture.gram)
@@ -220,17 +224,22 @@ class _LayerwiseJob:
             block = _planned_block(attn, self.conv_config, i, self.device, path, outs, self.reader.read)
             pairs, n = capture.io, len(self.fit_runs)
             del capture
-            run = block
+            run, trained, prefix = block, block, f"{path}."
+            qk = _qk_parameters(self.adapter, i, path, block)
             if layer_copy is not None:  # the converted block inside a copy of the original layer
                 layer_copy.set_submodule(self.stream.attention_name, block)
                 run = layer_copy
-            qk = _qk_parameters(self.adapter, i, path, block)
-            fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, trained=block, qk_params=qk)
+                if REFINE_TARGETS[self.refine.target].moves == "layer":
+                    trained, prefix = layer_copy, self.stream.layer_prefix(i)
+                    qk = [f"{self.stream.attention_name}.{q}" for q in qk]
+            fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, trained=trained, qk_params=qk)
             self.refined.layers.append({"layer": i, **fitted})  # type: ignore[union-attr]
             del pairs
             by_name = {o.name: o for o in outs}
-            for name, p in block.named_parameters():
-                out = by_name[f"{path}.{name}"]
+            for name, p in trained.named_parameters():
+                out = by_name.get(f"{prefix}{name}")
+                if out is None:
+                    raise RuntimeError(f"layer-wise refinement: no output tensor for {prefix}{name}")
                 values[out.name] = p.detach().to("cpu", DTYPES[out.dtype]).contiguous()
             del block, run, layer_copy
         self.hidden = next_hidden

@@ -35,11 +35,37 @@ REFINE_LR = 1e-3
 REFINE_QK_LR = 3e-3
 
 
+@dataclass(frozen=True)
+class RefineTarget:
+    """What a converted block is fitted to, and which weights move.
+
+    Attributes:
+        help: one line for ``--help`` and gqakit.json.
+        whole_layer: fitted to the original decoder layer's output (the converted attention inside a
+            copy of the original layer), not the attention block's.
+        moves: ``attention`` (only the attention weights move) or ``layer`` (every weight of the
+            decoder layer: attention, MLP, norms).
+    """
+
+    help: str
+    whole_layer: bool
+    moves: str = "attention"
+
+
 # What a converted attention block is fitted to (``gqakit convert --refine-target``).
 REFINE_TARGETS = {
-    "attention": "the original attention block's output, on the original's inputs",
-    "layer": "the original decoder layer's output (attention and MLP through the residual); only the "
-    "attention weights move",
+    "attention": RefineTarget("the original attention block's output, on the original's inputs", False),
+    "layer": RefineTarget(
+        "the original decoder layer's output (attention and MLP through the residual); only the "
+        "attention weights move",
+        True,
+    ),
+    "layer-all": RefineTarget(
+        "the original decoder layer's output; every weight of the layer moves (attention, MLP, norms), "
+        "so the MLP can absorb what the shared heads lose",
+        True,
+        "layer",
+    ),
 }
 
 
@@ -83,6 +109,7 @@ class RefineReport:
     elapsed_s: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
+        target = REFINE_TARGETS[self.settings.target]
         return {
             "steps": self.settings.steps,
             "lr": self.settings.lr,
@@ -91,9 +118,9 @@ class RefineReport:
             "heldout_tokens": self.heldout_tokens,
             "target": self.settings.target,
             "qk_lr": self.settings.qk_lr,
-            "objective": f"per layer, relative squared error against {REFINE_TARGETS[self.settings.target]}; "
-            "all attention parameters trained; each layer keeps its weights at the best held-out error "
-            "(best_step 0: the merge)",
+            "objective": f"per layer, relative squared error against {target.help}; all "
+            f"{'attention' if target.moves == 'attention' else 'decoder-layer'} parameters trained; each "
+            "layer keeps its weights at the best held-out error (best_step 0: the merge)",
             "attention_error": self.layers,
             "elapsed_s": round(self.elapsed_s, 3),
         }

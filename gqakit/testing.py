@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 # Our own filler text: enough distinct words to train a small byte-level BPE and fill a few windows.
 TINY_TEXT = (
@@ -128,3 +129,11 @@ def save_tiny_model(
     if tokenizer:
         tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint directory ``path``, by name, across its shards."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out

@@ -34,10 +34,11 @@ class ResultStore:
 
     Args:
         root: the directory of the ``<name>.json`` files; created if missing.
-        fresh: ignore every stored result (each step recomputes and overwrites it).
+        fresh: ignore every result stored before this run (each step recomputes and overwrites it).
 
     Attributes:
-        reused: how many valid results this store has returned, for a pipeline's report.
+        reused: how many valid results this store has returned that an earlier run stored, for a
+            pipeline's report (reading back this run's own results does not count).
         computed: how many results it did not have (missing, or stored for another key).
     """
 
@@ -46,6 +47,7 @@ class ResultStore:
         self.fresh = fresh
         self.reused = 0
         self.computed = 0
+        self._written: set[str] = set()  # results this run stored: reading them back is not a reuse
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, name: str) -> Path:
@@ -54,7 +56,7 @@ class ResultStore:
         return self.root / f"{name}.json"
 
     def _lookup(self, name: str, key: dict[str, Any]) -> dict[str, Any] | None:
-        if self.fresh:
+        if self.fresh and name not in self._written:
             return None
         try:
             stored = json.loads(self._path(name).read_text())
@@ -72,10 +74,10 @@ class ResultStore:
             key: everything the value depends on, JSON-serializable; compared for equality.
         """
         value = self._lookup(name, key)
-        if value is not None:
-            self.reused += 1
-        else:
+        if value is None:
             self.computed += 1
+        elif name not in self._written:
+            self.reused += 1
         return value
 
     def put(self, name: str, key: dict[str, Any], value: dict[str, Any]) -> None:
@@ -84,6 +86,7 @@ class ResultStore:
         tmp = self.root / f".{path.name}.tmp"
         tmp.write_text(json.dumps({"key": key, "value": value}, indent=2) + "\n")
         tmp.replace(path)
+        self._written.add(name)
 
     def get_output(self, name: str, key: dict[str, Any], dst: str | Path) -> dict[str, Any] | None:
         """Like :meth:`get`, and only while the directory ``dst`` is the one stored with the value.
@@ -97,7 +100,8 @@ class ResultStore:
         if value is None or not dst.is_dir() or fingerprint(dst) != value.get(FILES):
             self.computed += 1
             return None
-        self.reused += 1
+        if name not in self._written:
+            self.reused += 1
         return value
 
     def put_output(

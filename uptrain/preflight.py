@@ -24,7 +24,7 @@ from gqakit.convert.api import check_groups
 from gqakit.convert.retarget import RETARGETS, retarget_groups_problem
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
-from gqakit.models import check_causal_lm, max_positions
+from gqakit.models import check_causal_lm, max_positions, resolve_device
 from gqakit.outputs import writable_dir
 from gqakit.text import load_texts
 from gqakit.uptrain.data import BUILDERS, resolve_files
@@ -173,6 +173,19 @@ def precision_problem(precision: str, device_type: str) -> str | None:
         if not torch.cuda.is_bf16_supported():
             return "train.precision=bf16 needs a GPU with bfloat16 (Ampere or newer); use fp16 or fp32."
     return None
+
+
+def resolve_precision(precision: str, device: str = "auto") -> str:
+    """``precision`` with ``auto`` resolved for ``device``: bf16 autocast where it has bf16 instructions (a
+    CUDA GPU that supports it, a CPU with AVX-512 BF16 or AMX), else fp32. Other values pass through."""
+    if precision != "auto":
+        return precision
+    if resolve_device(device).type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    try:
+        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+    except (AttributeError, RuntimeError):
+        return "fp32"
 
 
 def deepspeed_problems(recipe: Recipe) -> list[str]:

@@ -115,6 +115,14 @@ def write_report(
                  "|---|" + "---:|" * len(THRESHOLDS)]  # fmt: skip
     for start, by_t in saved.items():
         save_rows.append(f"| {start} | " + " | ".join(by_t[t].label() for t in THRESHOLDS) + " |")
+    savings_text = (
+        f"How many times fewer uptraining tokens than {ref} each start needs to reach the threshold; "
+        f'">=" is a lower\nbound ({ref} never got there within the run, or the start got there by its first '
+        f"point).\n\n{chr(10).join(save_rows)}"
+        if saved
+        else "Only one start was run: nothing to compare it with (list two or more in --starts; the first "
+        "is the reference)."
+    )
     point_rows = ["| tokens | " + " | ".join(c.start for c in curves) + " |"]
     point_rows.append("|---:|" + "---:|" * len(curves))
     by_tokens: dict[int, dict[str, float]] = {}
@@ -159,10 +167,7 @@ within the run.
 
 ## Savings over {ref}
 
-How many times fewer uptraining tokens than {ref} each start needs to reach the threshold; ">=" is a lower
-bound ({ref} never got there within the run, or the start got there by its first point).
-
-{chr(10).join(save_rows)}
+{savings_text}
 
 ## Every measured point
 

@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from gqakit.assets import ASSETS, fetch_asset
 from gqakit.checkpoint import resolve_checkpoint
 from gqakit.convert import convert_checkpoint
@@ -27,6 +25,7 @@ from gqakit.pipelines.steps import Steps, quiet_transformers
 from gqakit.pipelines.store import ResultStore, fingerprint
 from gqakit.uptrain import recipe_from_dict, uptrain, validation_perplexity
 from gqakit.uptrain.metrics import read_history
+from gqakit.uptrain.preflight import resolve_precision
 
 SPLIT_EVERY = 20  # of every 20 documents of --data: one held out, one for calibration, 18 for training
 
@@ -100,19 +99,6 @@ def split_data(o: RecoveryOptions, store: ResultStore, work: Path) -> tuple[Path
     return dst / "train.txt", dst / "calibration.txt", dst / "heldout.txt"
 
 
-def resolve_precision(precision: str) -> str:
-    """``auto``: bf16 autocast where the device has bf16 instructions (a CUDA GPU that supports it, a
-    CPU with AVX-512 BF16 or AMX), else fp32."""
-    if precision != "auto":
-        return precision
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    try:
-        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
-    except (AttributeError, RuntimeError):
-        return "fp32"
-
-
 def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: float, precision: str) -> dict:
     """The uptraining recipe of one start (and of the original's reference evaluation)."""
     steps = o.steps
@@ -153,8 +139,14 @@ def _weights_key(recipe: dict) -> dict:
 def original_ppl(o: RecoveryOptions, store: ResultStore, inputs: Inputs, precision: str) -> float:
     """The original's held-out perplexity, measured as each run measures its points."""
     recipe = recipe_from_dict(recipe_data(o, inputs, inputs.src, Path("unused"), o.lr, precision))
-    key = {"model": _fingerprint(inputs.src), "recipe": _weights_key(recipe.to_dict())}
-    key["recipe"].pop("output_dir")
+    r = recipe.to_dict()
+    # keyed by what the evaluation reads, not by the uptraining's rate, length or seed
+    key = {
+        "model": _fingerprint(inputs.src),
+        "data": r["data"],
+        "precision": r["train"]["precision"],
+        "batch_size": [r["train"]["batch_size"], r["eval"].get("batch_size")],
+    }
     cached = store.get("original", key)
     if cached is None:
         ppl, blocks = validation_perplexity(recipe, inputs.src)
@@ -229,7 +221,7 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
     work = Path(o.work_dir).resolve()
     store = ResultStore(work / "results", o.fresh)
     steps = Steps(3 + len(o.starts), o.echo)
-    precision = resolve_precision(o.precision)
+    precision = resolve_precision(o.precision, o.device)
     o.echo(
         f"gqakit recovery: {o.src} -> {o.groups} K/V heads from {', '.join(o.starts)}; {o.steps} steps x "
         f"{o.tokens_per_step:,} tokens = {o.steps * o.tokens_per_step:,} tokens per start, {o.objective}, "
@@ -265,4 +257,4 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
     return RecoveryResult(original, curves, report, results_json, plot, elapsed)
 
 
-__all__ = ["RecoveryResult", "resolve_precision", "run_recovery"]
+__all__ = ["RecoveryResult", "run_recovery"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,10 @@ class ReplicateResult:
     results_json: Path
     figures: list[Path]
     elapsed_s: float
+
+
+# options that change no figure of the report
+_UNKEYED = ("out", "work_dir", "fresh", "progress", "echo", "cache_dir", "wheelhouse")
 
 
 def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
@@ -155,7 +159,10 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
         decode = decode_times(ctx, by_g)
     with steps.step("Report"):
         elapsed = time.perf_counter() - start
-        report, results_json, figures = write_report(o, arms, decode, elapsed, store.reused)
+        # the settings pick the run: a cached re-run reports the time its figures took to compute
+        key = {f.name: str(getattr(o, f.name)) for f in fields(o) if f.name not in _UNKEYED}
+        compute_s = store.compute_time(key, elapsed)
+        report, results_json, figures = write_report(o, arms, decode, compute_s, store.reused)
     o.echo(f"Report: {report}")
     return ReplicateResult(arms, decode, o.pretrain_tokens, report, results_json, figures, elapsed)
 

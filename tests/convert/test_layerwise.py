@@ -18,7 +18,7 @@ from gqakit.convert import ConvertOptions, RegroupSpec, convert_checkpoint, get_
 from gqakit.convert.api import plan_with_merges, write_converted
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
-from gqakit.testing import TINY_TEXT, save_tiny_model
+from gqakit.testing import TINY_TEXT, checkpoint_tensors, save_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +26,6 @@ def calib_txt(tmp_path_factory):
     path = tmp_path_factory.mktemp("calib") / "calib.txt"
     path.write_text(TINY_TEXT * 12)
     return path
-
-
-def _tensors(path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def _whole_model(src, dst, opts: ConvertOptions):
@@ -63,7 +56,7 @@ def test_layerwise_writes_exactly_what_calibrating_the_whole_model_writes(
     )
     layerwise = convert_checkpoint(src, tmp_path / "layerwise", opts)
     whole = _whole_model(src, tmp_path / "whole", opts)
-    got, want = _tensors(tmp_path / "layerwise"), _tensors(tmp_path / "whole")
+    got, want = checkpoint_tensors(tmp_path / "layerwise"), checkpoint_tensors(tmp_path / "whole")
     assert got.keys() == want.keys()
     for name, t in want.items():
         assert torch.equal(got[name], t), name
@@ -174,7 +167,7 @@ def test_a_killed_conversion_resumes_at_the_first_unfinished_layer(tmp_path, cal
         m.setattr(layerwise._LayerwiseJob, "convert_layer", counts)
         resumed = convert_checkpoint(src, dst, opts)
     assert converted == [2]  # layers 0 and 1 came from the earlier run
-    a, b = _tensors(whole.dst), _tensors(resumed.dst)
+    a, b = checkpoint_tensors(whole.dst), checkpoint_tensors(resumed.dst)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rec_a = json.loads((whole.dst / "gqakit.json").read_text())
     rec_b = json.loads((resumed.dst / "gqakit.json").read_text())

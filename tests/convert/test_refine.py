@@ -18,7 +18,7 @@ from gqakit.convert.decoder_stream import DecoderStream
 from gqakit.convert.refine import REFINE_LR
 from gqakit.errors import GqakitError
 from gqakit.pipelines.probe import attention_errors
-from gqakit.testing import TINY_TEXT, tiny_model, tiny_tokenizer
+from gqakit.testing import TINY_TEXT, checkpoint_tensors, tiny_model, tiny_tokenizer
 
 WORDS = TINY_TEXT.split()
 
@@ -141,7 +141,7 @@ def test_layer_target_fits_the_whole_layer_and_moves_only_attention(sharp_llama,
     attn = convert_checkpoint(sharp_llama, tmp_path / "attn", ConvertOptions(**opts))
     layer = convert_checkpoint(sharp_llama, tmp_path / "layer", ConvertOptions(refine_target="layer", **opts))
     assert layer.provenance["refine"]["target"] == "layer"
-    a, b = _tensors(tmp_path / "attn"), _tensors(tmp_path / "layer")
+    a, b = checkpoint_tensors(tmp_path / "attn"), checkpoint_tensors(tmp_path / "layer")
     moved = {k for k in a if not torch.equal(a[k], b[k])}
     assert moved and all(".self_attn." in k for k in moved)  # MLP, norms and embeddings untouched
     # fitted to the layer's output, it is closer there on held-out text than the attention-only fit
@@ -153,6 +153,24 @@ def test_layer_target_fits_the_whole_layer_and_moves_only_attention(sharp_llama,
     assert attn.files == layer.files
 
 
+def test_layer_all_target_moves_the_mlp_and_fits_the_layer_closer(sharp_llama, tmp_path, calib_txt):
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
+    convert_checkpoint(sharp_llama, tmp_path / "layer", ConvertOptions(refine_target="layer", **opts))
+    res = convert_checkpoint(sharp_llama, tmp_path / "all", ConvertOptions(refine_target="layer-all", **opts))
+    assert res.provenance["refine"]["target"] == "layer-all"
+    assert "all decoder-layer parameters trained" in res.provenance["refine"]["objective"]
+    src, a, b = (checkpoint_tensors(p) for p in (sharp_llama, tmp_path / "layer", tmp_path / "all"))
+    moved = {k for k in src if not torch.equal(src[k], b[k])}
+    # the MLP and the norms move too; the embedding and the head stay the original's
+    assert any(".mlp." in k for k in moved) and any("layernorm" in k for k in moved)
+    assert all(".layers." in k for k in moved), moved
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype for k in a)
+    # more of the layer to move: closer to the original layer's output on held-out text
+    err_layer = _layer_output_errors(sharp_llama, tmp_path / "layer")
+    err_all = _layer_output_errors(sharp_llama, tmp_path / "all")
+    assert sum(err_all) < sum(err_layer), (err_all, err_layer)
+
+
 def test_a_separate_query_key_rate_moves_that_side_at_its_own_pace(sharp_llama, tmp_path, calib_txt):
     opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048)
     convert_checkpoint(sharp_llama, tmp_path / "cal", ConvertOptions(**opts))
@@ -160,21 +178,12 @@ def test_a_separate_query_key_rate_moves_that_side_at_its_own_pace(sharp_llama, 
         sharp_llama, tmp_path / "qk", ConvertOptions(refine_steps=30, refine_qk_lr=1e-12, **opts)
     )
     assert res.provenance["refine"]["qk_lr"] == 1e-12
-    a, b = _tensors(tmp_path / "cal"), _tensors(tmp_path / "qk")
+    a, b = checkpoint_tensors(tmp_path / "cal"), checkpoint_tensors(tmp_path / "qk")
     for k in a:
         if ".q_proj." in k or ".k_proj." in k:  # a rate of 1e-12: Adam moves them by ~1e-11 at most
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)  # (the merge's own rounding: 1e-7)
     vo = [float((a[k] - b[k]).abs().max()) for k in a if ".v_proj." in k or ".o_proj." in k]
     assert max(vo) > 1e-3, vo
-
-
-def _tensors(path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.mark.parametrize("family", sorted(ADAPTERS))

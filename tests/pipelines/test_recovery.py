@@ -110,6 +110,13 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
     after = json.loads(third.results_json.read_text())["starts"]
     assert after["mean"] == results["starts"]["mean"] and after["random"] != results["starts"]["random"]
 
+    # Another shared rate or length reruns the uptraining, not the original's evaluation.
+    original = tmp_path / "work" / "results" / "original.json"
+    stamp = original.stat().st_mtime_ns
+    fourth = run_recovery(options(tiny, tmp_path, [], starts=("mean",), lr=5e-3, tokens=512))
+    assert original.stat().st_mtime_ns == stamp and fourth.original_ppl == first.original_ppl
+    assert "Only one start was run: nothing to compare it with" in fourth.report.read_text()
+
 
 def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
     from gqakit.uptrain.loop import UptrainLoop

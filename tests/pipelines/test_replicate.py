@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -99,6 +100,11 @@ def test_the_pipeline_end_to_end_then_reused(tmp_path, corpus):
     res2 = run_replicate(tiny(tmp_path, corpus, again))
     assert [a.ppl for a in res2.arms] == [a.ppl for a in res.arms]
     assert not any("steps," in m and "tokens, validation" in m for m in again)  # no training ran
+    # a fresh run reuses nothing; the cached re-run reports the time the figures took to compute
+    took = re.search(r"Took (.+?) \((\d+) results reused", text)
+    took2 = re.search(r"Took (.+?) \((\d+) results reused", res2.report.read_text())
+    assert took and took2 and took.group(2) == "0" and int(took2.group(2)) > 0
+    assert took2.group(1) == took.group(1)
 
 
 def test_a_changed_setting_reruns_only_what_depends_on_it(tmp_path, corpus):

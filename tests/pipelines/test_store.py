@@ -38,10 +38,15 @@ def test_a_result_comes_back_only_for_its_key(tmp_path):
     assert store.get("eval-m", key) == {"ppl": 15.9}
     assert store.get("eval-m", {**key, "seq_len": 256}) is None  # a changed setting is a miss
     assert store.get("eval-other", key) is None
-    assert store.reused == 1
-    # A later run (a new store on the same directory) reuses it; a fresh one does not.
-    assert ResultStore(tmp_path / "results").get("eval-m", key) == {"ppl": 15.9}
-    assert ResultStore(tmp_path / "results", fresh=True).get("eval-m", key) is None
+    assert store.reused == 0  # its own result read back: not a reuse (a fresh run's report says 0)
+    # A later run (a new store on the same directory) reuses it; a fresh one does not, until it has
+    # stored the result itself.
+    later = ResultStore(tmp_path / "results")
+    assert later.get("eval-m", key) == {"ppl": 15.9} and later.reused == 1
+    fresh = ResultStore(tmp_path / "results", fresh=True)
+    assert fresh.get("eval-m", key) is None
+    fresh.put("eval-m", key, {"ppl": 16.0})
+    assert fresh.get("eval-m", key) == {"ppl": 16.0} and fresh.reused == 0
 
 
 def test_a_truncated_result_file_is_a_miss_and_put_replaces_it(tmp_path):
@@ -66,6 +71,9 @@ def test_build_once_reuses_an_untouched_checkpoint_and_rebuilds_otherwise(tmp_pa
     key = {"source": "f00", "options": "groups=1"}
 
     assert store.build_once(dst, key, build) is True and build.runs == 1
+    assert store.build_once(dst, key, build) is False and build.runs == 1
+    assert store.reused == 0  # what this run built itself
+    store = ResultStore(tmp_path / "results")  # a later run
     assert store.build_once(dst, key, build) is False and build.runs == 1
     assert store.reused == 1
 

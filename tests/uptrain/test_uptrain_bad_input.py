@@ -177,6 +177,20 @@ def test_the_precision_that_ran_is_recorded(recipe):
     assert prov["precision"] == "bf16"  # a CPU runs bf16 through autocast
 
 
+def test_auto_precision_follows_the_device_asked_for(monkeypatch):
+    import torch
+
+    from gqakit.uptrain.preflight import resolve_precision
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # a bf16 CPU
+    assert resolve_precision("auto", "cpu") == "bf16" and resolve_precision("fp32", "cpu") == "fp32"
+    # and a GPU without bfloat16: it decides for --device auto, not for --device cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision("auto", "auto") == "fp32"
+    assert resolve_precision("auto", "cpu") == "bf16"
+
+
 def test_other_ranks_log_errors_only_and_show_no_progress_bars(recipe, monkeypatch):
     import datasets
     import transformers
