@@ -229,7 +229,7 @@ class _LayerwiseJob:
             if layer_copy is not None:  # the converted block inside a copy of the original layer
                 layer_copy.set_submodule(self.stream.attention_name, block)
                 run = layer_copy
-                if REFINE_TARGETS[self.refine.target].moves == "layer":
+                if REFINE_TARGETS[self.refine.target].moves_layer:
                     trained, prefix = layer_copy, self.stream.layer_prefix(i)
                     qk = [f"{self.stream.attention_name}.{q}" for q in qk]
             fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, trained=trained, qk_params=qk)

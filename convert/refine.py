@@ -43,13 +43,13 @@ class RefineTarget:
         help: one line for ``--help`` and gqakit.json.
         whole_layer: fitted to the original decoder layer's output (the converted attention inside a
             copy of the original layer), not the attention block's.
-        moves: ``attention`` (only the attention weights move) or ``layer`` (every weight of the
-            decoder layer: attention, MLP, norms).
+        moves_layer: every weight of the decoder layer moves (attention, MLP, norms), not only the
+            attention weights.
     """
 
     help: str
     whole_layer: bool
-    moves: str = "attention"
+    moves_layer: bool = False
 
 
 # What a converted attention block is fitted to (``gqakit convert --refine-target``).
@@ -64,7 +64,7 @@ REFINE_TARGETS = {
         "the original decoder layer's output; every weight of the layer moves (attention, MLP, norms), "
         "so the MLP can absorb what the shared heads lose",
         True,
-        "layer",
+        moves_layer=True,
     ),
 }
 
@@ -119,7 +119,7 @@ class RefineReport:
             "target": self.settings.target,
             "qk_lr": self.settings.qk_lr,
             "objective": f"per layer, relative squared error against {target.help}; all "
-            f"{'attention' if target.moves == 'attention' else 'decoder-layer'} parameters trained; each "
+            f"{'decoder-layer' if target.moves_layer else 'attention'} parameters trained; each "
             "layer keeps its weights at the best held-out error (best_step 0: the merge)",
             "attention_error": self.layers,
             "elapsed_s": round(self.elapsed_s, 3),
