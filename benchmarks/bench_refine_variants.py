@@ -8,7 +8,9 @@ result on the first ``--eval-tokens`` tokens of held-out text, beside the origin
   (``--refine-lr``) for every parameter;
 * ``layer``: fitted to the original decoder layer's output, attention and MLP through the residual;
 * ``qk-lr``: ``attention`` with the query/key side at its own learning rate (``--qk-lr``; the package's
-  default is 3e-3 since this comparison).
+  default is 3e-3 since this comparison);
+* ``layer-all``, ``attention-corrective``, ``layer-corrective``: those ``--refine-target`` values, with the
+  query/key side at ``--qk-lr``.
 
     C=${GQAKIT_CACHE:-~/.cache/gqakit}
     python benchmarks/bench_refine_variants.py --model smollm2-135m --groups 1 --steps 100 \\
@@ -57,6 +59,8 @@ VARIANTS = {
     "layer": {"refine_target": "layer", "refine_qk_lr": None},
     "qk-lr": {"refine_qk_lr": QK_LR},
     "layer-all": {"refine_target": "layer-all", "refine_qk_lr": QK_LR},
+    "attention-corrective": {"refine_target": "attention-corrective", "refine_qk_lr": QK_LR},
+    "layer-corrective": {"refine_target": "layer-corrective", "refine_qk_lr": QK_LR},
 }
 
 

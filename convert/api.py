@@ -36,7 +36,9 @@ from gqakit.geometry import AttentionGeometry
 from gqakit.safetensors_io import DTYPES
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions) -> ConvertResult:
+def convert_checkpoint(
+    src: str | Path, dst: str | Path, options: ConvertOptions, progress: bool = True
+) -> ConvertResult:
     """Convert a checkpoint to ``options.groups`` K/V heads, streaming, into a new directory.
 
     Mean, first and random pooling stream the checkpoint tensor by tensor. Calibrated merges, similarity
@@ -48,6 +50,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
         src: a checkpoint directory, a ``.gguf`` file or a hub id.
         dst: the output directory; written atomically.
         options: what to do.
+        progress: progress bars (in bytes, or in layers for the layer-by-layer path); pipelines that
+            print their own steps turn them off. Not an option of the conversion: the output is the same.
 
     Returns:
         A :class:`ConvertResult` describing the output.
@@ -59,8 +63,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, options: ConvertOptions
     start = time.perf_counter()
     with resolve_checkpoint(src) as ckpt:
         if ckpt.model_type in RETARGETS:
-            return convert_retargeted(ckpt, dst, options, start, _convert)
-        return _convert(ckpt, dst, options, start)
+            return convert_retargeted(ckpt, dst, options, start, partial(_convert, progress=progress))
+        return _convert(ckpt, dst, options, start, progress=progress)
 
 
 def _convert(
@@ -69,6 +73,7 @@ def _convert(
     options: ConvertOptions,
     start: float,
     extra: dict[str, Any] | None = None,
+    progress: bool = True,
 ) -> ConvertResult:
     """Convert an open checkpoint of a family in the adapter registry; ``extra`` joins the provenance."""
     adapter = get_adapter(ckpt.model_type)
@@ -98,7 +103,16 @@ def _convert(
             check_sequences(sequences)
         resume = LayerwiseResume(resume_dir(dst), _resume_key(ckpt, options, sequences))
         weights = partial(
-            write_layerwise, ckpt, adapter, geom, spec, options, sequences, record, resume=resume
+            write_layerwise,
+            ckpt,
+            adapter,
+            geom,
+            spec,
+            options,
+            sequences,
+            record,
+            resume=resume,
+            progress=progress,
         )
         try:
             result = write_converted(
@@ -119,7 +133,16 @@ def _convert(
         return result
     weights = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
     return write_converted(
-        ckpt, dst, weights, geom, options.groups, spec.out_dtype, options.force, record, start
+        ckpt,
+        dst,
+        weights,
+        geom,
+        options.groups,
+        spec.out_dtype,
+        options.force,
+        record,
+        start,
+        progress=progress,
     )
 
 
@@ -166,9 +189,10 @@ def plan_with_merges(
 
 
 def expand_checkpoint(
-    src: str | Path, dst: str | Path, dtype: str = "keep", force: bool = False
+    src: str | Path, dst: str | Path, dtype: str = "keep", force: bool = False, progress: bool = True
 ) -> ConvertResult:
-    """GQA/MQA -> MHA: repeat each K/V head over its group. The output computes exactly the same logits."""
+    """GQA/MQA -> MHA: repeat each K/V head over its group. The output computes exactly the same logits.
+    ``progress`` False: no progress bar."""
     if dtype not in DTYPE_CHOICES:
         flag = Problems("expand").flag("dtype")
         raise GqakitError(f"{flag} {dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
@@ -179,7 +203,9 @@ def expand_checkpoint(
         spec = RegroupSpec(target=geom.num_heads, method="mean", out_dtype=DTYPE_CHOICES[dtype])
         plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
         record = {"command": "expand", "groups": geom.num_heads, "method": "repeat", "dtype": dtype}
-        return write_converted(ckpt, dst, plan, geom, geom.num_heads, spec.out_dtype, force, record, start)
+        return write_converted(
+            ckpt, dst, plan, geom, geom.num_heads, spec.out_dtype, force, record, start, progress=progress
+        )
 
 
 __all__ = [

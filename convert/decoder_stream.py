@@ -13,7 +13,7 @@ tokens' hidden states. A 70B checkpoint thus calibrates in the memory of one of 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -157,11 +157,20 @@ class DecoderStream:
             module.to("meta")  # frees the weights
 
     @torch.no_grad()
-    def run(self, index: int, module: torch.nn.Module, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def run(
+        self,
+        index: int,
+        module: torch.nn.Module,
+        hidden: Sequence[torch.Tensor],
+        cast: Callable[[Any], Any] | None = None,
+    ) -> list[torch.Tensor]:
         """Call decoder layer ``index`` (``module``, loaded) on ``hidden`` (one tensor per batch) with the
-        arguments the model passes it; return its outputs."""
+        arguments the model passes it; return its outputs. ``cast`` is applied to those arguments first
+        (e.g. to run a float32 copy of a layer that the stream runs in bfloat16)."""
         outs = []
         for h, (rest, kwargs) in zip(hidden, self.calls[index], strict=True):
+            if cast is not None:
+                rest, kwargs = cast(rest), cast(kwargs)
             out = module(h, *rest, **kwargs) if self.positional else module(*rest, hidden_states=h, **kwargs)
             outs.append(out[0] if isinstance(out, tuple) else out)
         return outs

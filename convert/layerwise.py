@@ -13,8 +13,11 @@ each layer on the GPU in turn.
 Each layer sees the original model's hidden states, so it is fitted to the inputs it had before
 conversion; over the calibrated merge this gives exactly the statistics, merges and tensors of
 calibrating the whole model at once (tested). Feeding each layer the hidden states of the model
-converted so far instead, as GPTQ-style quantizers do, was measured worse on SmolLM2-135M -> MQA
-(zero-shot test perplexity 110.7 calibrated and 36.0 refined, against 91.9 and 30.9; docs/convert.md).
+converted so far instead, with the original layer's result on them as the target, as GPTQ-style
+quantizers do, was measured worse on SmolLM2-135M -> MQA (zero-shot test perplexity 110.7 calibrated and
+36.0 refined, against 91.9 and 30.9; CHANGELOG). The corrective refinement targets
+(:data:`~gqakit.convert.refine.REFINE_TARGETS`) carry the converted model's hidden states beside the
+original's, and fit each block on them to the original's result on the original's states.
 """
 
 from __future__ import annotations
@@ -99,13 +102,15 @@ def write_layerwise(
     record: dict[str, Any],
     out_dir: Path,
     resume: LayerwiseResume | None = None,
+    progress: bool = True,
 ) -> list[str]:
     """Convert layer by layer into ``out_dir`` (see the module docstring); add what was measured to
     ``record`` and return the shard names.
 
     With ``resume``, each finished layer is saved there, and the layers a killed run of the same
     conversion finished are written from there instead of being converted again. Progress is one bar
-    in layers, its ETA the mean time per layer of this run (the first layer includes loading).
+    in layers, its ETA the mean time per layer of this run (the first layer includes loading); none
+    when ``progress`` is False.
     """
     start = time.perf_counter()
     with ckpt.reader() as reader:
@@ -114,7 +119,7 @@ def write_layerwise(
         first = resume.done if resume is not None else 0
         bar = tqdm(
             total=geom.num_layers, initial=first, desc=f"convert -> G={options.groups}", unit="layer",
-            smoothing=0, dynamic_ncols=True,
+            smoothing=0, dynamic_ncols=True, disable=not progress,
         )  # fmt: skip
         if first:
             bar.write(f"resuming at layer {first}: layers 0-{first - 1} were finished by an earlier run")
@@ -123,14 +128,14 @@ def write_layerwise(
                 for out, value in job.finished_layer(i, resume):  # type: ignore[arg-type]
                     writer.write(out, value)
             if first:
-                job.hidden = resume.hidden()  # type: ignore[union-attr]
+                job.carried = resume.hidden()  # type: ignore[union-attr]
             for i in range(first, geom.num_layers):
                 outs = job.convert_layer(i)
                 for out, value in outs:
                     writer.write(out, value)
                 if resume is not None:
                     computed = {out.name: v for out, v in outs if v is not None}
-                    resume.save(i, computed, job.layer_info(i), job.hidden)
+                    resume.save(i, computed, job.layer_info(i), job.carried)
                 bar.update(1)
             for out in job.rest:
                 writer.write(out)
@@ -177,6 +182,8 @@ class _LayerwiseJob:
             i = layer_of(out.name, self.stream.layers_path + ".")
             (self.rest if i is None else self.per_layer[i]).append(out)
         self.hidden = self.stream.hidden
+        # the hidden states of the model converted so far, when the blocks read them (see RefineTarget)
+        self.conv_hidden: list[torch.Tensor] | None = list(self.hidden) if self._converted_inputs else None
         self.merges = MergeReport(options.method, options.grouping, options.method, None)
         self.refined = None
         if self.refine is not None:
@@ -188,6 +195,23 @@ class _LayerwiseJob:
     def _whole_layer(self) -> bool:
         """Whether refinement fits the whole decoder layer's output (not the attention block's)."""
         return self.refine is not None and REFINE_TARGETS[self.refine.target].whole_layer
+
+    @property
+    def _converted_inputs(self) -> bool:
+        """Whether the blocks read the converted model's hidden states (not the original's)."""
+        return self.refine is not None and REFINE_TARGETS[self.refine.target].converted_inputs
+
+    @property
+    def carried(self) -> list[torch.Tensor]:
+        """The hidden states the next layer reads: the original's, then the converted model's if kept."""
+        return self.hidden + (self.conv_hidden or [])
+
+    @carried.setter
+    def carried(self, states: list[torch.Tensor]) -> None:
+        n = len(states) // 2 if self._converted_inputs else len(states)
+        self.hidden = states[:n]
+        if self._converted_inputs:
+            self.conv_hidden = states[n:]
 
     def _capture(self, module: torch.nn.Module, i: int, gram: bool, hidden: list[torch.Tensor]):
         """Run the loaded layer ``i`` on ``hidden`` with capture hooks; return (capture, outputs)."""
@@ -209,9 +233,12 @@ class _LayerwiseJob:
         """
         t0 = time.perf_counter()
         layer_copy = None
+        conv_io = None
         with self.stream.layer(i) as module:
             capture, next_hidden = self._capture(module, i, self.needs_gram, self.hidden)
-            if self._whole_layer:
+            if self.conv_hidden is not None:  # the same block's inputs in the converted model
+                conv_io = self._capture(module, i, False, self.conv_hidden)[0].io
+            if self._whole_layer or self.conv_hidden is not None:
                 layer_copy = copy.deepcopy(module).float().requires_grad_(False)
         release_memory(self.device)
         outs = self._merged_outputs(i, capture.gram)
@@ -223,11 +250,14 @@ class _LayerwiseJob:
             attn = self.stream.layers[i].get_submodule(self.stream.attention_name)
             block = _planned_block(attn, self.conv_config, i, self.device, path, outs, self.reader.read)
             pairs, n = capture.io, len(self.fit_runs)
-            del capture
+            if conv_io is not None:
+                pairs = self._corrective_pairs(conv_io, pairs)
+            del capture, conv_io
             run, trained, prefix = block, block, f"{path}."
             qk = _qk_parameters(self.adapter, i, path, block)
             if layer_copy is not None:  # the converted block inside a copy of the original layer
                 layer_copy.set_submodule(self.stream.attention_name, block)
+            if self._whole_layer:
                 run = layer_copy
                 if REFINE_TARGETS[self.refine.target].moves_layer:
                     trained, prefix = layer_copy, self.stream.layer_prefix(i)
@@ -241,12 +271,30 @@ class _LayerwiseJob:
                 if out is None:
                     raise RuntimeError(f"layer-wise refinement: no output tensor for {prefix}{name}")
                 values[out.name] = p.detach().to("cpu", DTYPES[out.dtype]).contiguous()
+            if self.conv_hidden is not None:  # the converted layer's outputs: the next layer's inputs
+                outs_conv = self.stream.run(i, layer_copy, [h.float() for h in self.conv_hidden], to_float)
+                self.conv_hidden = [h.to(self.stream.dtype) for h in outs_conv]
             del block, run, layer_copy
         self.hidden = next_hidden
         self.stream.release(i)
         release_memory(self.device)
         self.seconds.append(round(time.perf_counter() - t0, 3))
         return [(out, values.get(out.name)) for out in outs]
+
+    def _corrective_pairs(self, conv_io: list[tuple], orig_io: list[tuple]) -> list[tuple]:
+        """Refinement batches that read the converted model's inputs and aim at the original's result.
+
+        A whole layer is aimed at the original layer's output. An attention block is aimed at the
+        original's state after its residual add, less the converted layer's input: the original block's
+        output plus the drift ``h - h'`` between the two models' inputs, so that ``h' + block(h')`` lands
+        where ``h + attention(h)`` did.
+        """
+        pairs = []
+        for b, ((args, kwargs, _), (_, _, target)) in enumerate(zip(conv_io, orig_io, strict=True)):
+            if not self._whole_layer:
+                target = target + (self.hidden[b].float() - self.conv_hidden[b].float())  # type: ignore[index]
+            pairs.append((args, kwargs, target))
+        return pairs
 
     def layer_info(self, i: int) -> dict[str, Any]:
         """What was measured on layer ``i`` (just converted), as a resumed run needs it back."""

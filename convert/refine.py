@@ -45,11 +45,17 @@ class RefineTarget:
             copy of the original layer), not the attention block's.
         moves_layer: every weight of the decoder layer moves (attention, MLP, norms), not only the
             attention weights.
+        converted_inputs: the block reads the hidden states of the model converted so far (its layers
+            already refined) and is fitted to the original's result on the original's states, so each
+            layer also corrects what the layers before it lost. The attention block's target is then the
+            original's state after the attention's residual add (input + attention output), less the
+            converted layer's input.
     """
 
     help: str
     whole_layer: bool
     moves_layer: bool = False
+    converted_inputs: bool = False
 
 
 # What a converted attention block is fitted to (``gqakit convert --refine-target``).
@@ -65,6 +71,18 @@ REFINE_TARGETS = {
         "so the MLP can absorb what the shared heads lose",
         True,
         moves_layer=True,
+    ),
+    "attention-corrective": RefineTarget(
+        "the original attention block's output plus the residual drift of the layers before it, on the "
+        "converted model's inputs",
+        False,
+        converted_inputs=True,
+    ),
+    "layer-corrective": RefineTarget(
+        "the original decoder layer's output on the original's inputs, from the converted model's "
+        "inputs; only the attention weights move",
+        True,
+        converted_inputs=True,
     ),
 }
 

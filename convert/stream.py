@@ -141,15 +141,16 @@ class PlanWriter:
 
 
 def write_plan(
-    ckpt: Checkpoint, plan: list[OutputTensor], out_dir: Path, desc: str = "converting"
+    ckpt: Checkpoint, plan: list[OutputTensor], out_dir: Path, desc: str = "converting", progress: bool = True
 ) -> list[str]:
-    """Write the planned tensors of ``ckpt`` into ``out_dir`` as safetensors shards (+ index).
+    """Write the planned tensors of ``ckpt`` into ``out_dir`` as safetensors shards (+ index), with a
+    progress bar in bytes unless ``progress`` is False.
 
     Returns:
         The output shard file names.
     """
     with ckpt.reader() as reader:
-        writer = PlanWriter(ckpt, plan, out_dir, reader, desc)
+        writer = PlanWriter(ckpt, plan, out_dir, reader, desc, progress=progress)
         try:
             writer.write_all(plan)
         except BaseException:

@@ -48,13 +48,15 @@ def write_converted(
     record: dict[str, Any],
     start: float,
     config_updates: dict[str, Any] | None = None,
+    progress: bool = True,
 ) -> ConvertResult:
     """Write a conversion atomically: shards, config, tokenizer files, provenance, model card.
 
     Shared by every conversion method, so each writes the same complete, loadable directory. ``weights``
     is either a plan (streamed tensor by tensor) or a function that writes the weight shards into the
     temporary directory itself and returns their names (the layer-by-layer calibrated path); such a
-    function may add to ``record`` what it measured, which then goes into the provenance.
+    function may add to ``record`` what it measured, which then goes into the provenance. ``progress``
+    False: no progress bar for a streamed plan.
     The output directory is claimed (and DST checked) before any weight is computed.
     """
     config = copy.deepcopy(ckpt.config)
@@ -68,7 +70,7 @@ def write_converted(
         if callable(weights):
             files = weights(tmp)
         else:
-            files = write_plan(ckpt, weights, tmp, desc=f"{record['command']} -> G={groups}")
+            files = write_plan(ckpt, weights, tmp, f"{record['command']} -> G={groups}", progress)
         copy_non_weight_files(ckpt.path, tmp)
         write_json(tmp / "config.json", config)
         provenance = {

@@ -30,6 +30,7 @@ def start_convert_options(
     refine_steps: int,
     device: str = "auto",
     seed: int = 0,
+    refine_target: str = "attention",
 ) -> ConvertOptions:
     """The ``gqakit convert`` options that make ``start`` with ``groups`` K/V heads.
 
@@ -40,7 +41,9 @@ def start_convert_options(
         calib_tokens: calibration tokens.
         refine_steps: refinement steps per layer of the ``refined`` start (ignored by the others).
         device: where the calibrated conversions run.
-        seed: the seed of ``random``.
+        seed: the seed of ``random`` and of the refinement's batch order.
+        refine_target: what the ``refined`` start's blocks are fitted to (``gqakit convert
+            --refine-target``).
     """
     method = "calibrated" if start == REFINED else start
     return ConvertOptions(
@@ -52,6 +55,7 @@ def start_convert_options(
         calib_tokens=calib_tokens,
         refine_steps=refine_steps if start == REFINED else 0,
         device=device,
+        refine_target=refine_target if start == REFINED else "attention",
     )
 
 
@@ -66,8 +70,11 @@ def conversion_key(opts: ConvertOptions) -> dict[str, Any]:
     defaults, so an option added later, whose default keeps today's output, leaves cached conversions
     valid. Left out: ``force``, the calibration size of a conversion that reads no calibration text, and
     the refinement settings of one that is not refined (mean pooling stays cached when only the refined
-    start's budget changes)."""
+    start's budget changes), and the seed of one that draws nothing at random (neither ``random`` heads
+    nor the order of refinement batches)."""
     unused = {"force"}
+    if not METHODS[opts.method].fresh and not opts.refine_steps:
+        unused.add("seed")
     if opts.calib_data is None:
         unused.add("calib_tokens")
     if not opts.refine_steps:

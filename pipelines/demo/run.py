@@ -217,7 +217,7 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
 
     mha_dir = models / f"mha-{heads}"
     with steps.step(f"Expand {_label(g0, heads)} -> MHA-{heads}: the exactly equivalent MHA baseline"):
-        expand = partial(expand_checkpoint, assets.model, mha_dir, force=True)
+        expand = partial(expand_checkpoint, assets.model, mha_dir, force=True, progress=options.progress)
         store.build_once(mha_dir, {"source": fingerprint(assets.model)}, expand)
         checks = {f"MHA-{heads} vs original": max_logit_diff(assets.model, mha_dir, texts, s, store)}
         steps.note(f"max |logit difference| vs the original: {checks[f'MHA-{heads} vs original']:.3g}")
@@ -233,7 +233,9 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
             dst = models / v.slug
             conv = v.convert_options(g, assets, options.calib_tokens)
             key = {"source": fingerprint(mha_dir), "options": conversion_key(conv)}
-            store.build_once(dst, key, partial(convert_checkpoint, mha_dir, dst, conv))
+            store.build_once(
+                dst, key, partial(convert_checkpoint, mha_dir, dst, conv, progress=options.progress)
+            )
             label = _variant_label(v, g0, heads)
             if g == g0:
                 checks[f"{label} vs original"] = max_logit_diff(assets.model, dst, texts, s, store)

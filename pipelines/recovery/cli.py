@@ -17,6 +17,7 @@ from gqakit.cli_options import (
     wheelhouse_option,
     work_dir_option,
 )
+from gqakit.convert.refine import REFINE_TARGETS
 from gqakit.pipelines.recovery.options import DEFAULT_STARTS, OBJECTIVES, PRECISIONS, RecoveryOptions
 from gqakit.pipelines.recovery.run import run_recovery
 from gqakit.pipelines.starts import STARTS
@@ -105,6 +106,13 @@ def _default(name: str) -> Any:
     default=_default("refine_steps"),
     show_default=True,
     help="Refinement steps per layer of the refined start.",
+)
+@click.option(
+    "--refine-target",
+    type=click.Choice(list(REFINE_TARGETS)),
+    default=_default("refine_target"),
+    show_default=True,
+    help="What the refined start's blocks are fitted to (gqakit convert --refine-target).",
 )
 @click.option(
     "--checkpoint-every",

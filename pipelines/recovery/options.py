@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from gqakit.cli_options import Problems
+from gqakit.convert.refine import REFINE_TARGETS
 from gqakit.pipelines.starts import REFINED, STARTS
 
 DEFAULT_STARTS = ("mean", "calibrated", REFINED)
@@ -39,6 +40,7 @@ class RecoveryOptions:
         evals_per_decade: log-spaced held-out evaluations per factor of ten tokens.
         eval_tokens: held-out tokens per evaluation.
         calib_tokens, refine_steps: the calibrated and refined conversions.
+        refine_target: what the refined start's blocks are fitted to (``gqakit convert --refine-target``).
         checkpoint_every: steps between resumable checkpoints of each run.
         out, work_dir: the report, and the checkpoints and cached results (a rerun reuses them).
         fresh: recompute everything.
@@ -64,6 +66,7 @@ class RecoveryOptions:
     eval_tokens: int = 8192
     calib_tokens: int = 4096
     refine_steps: int = 200
+    refine_target: str = "attention"
     checkpoint_every: int = 25
     out: Path = Path("recovery-report")
     work_dir: Path = Path("recovery-work")
@@ -120,6 +123,11 @@ class RecoveryOptions:
             p.add(f"{f('lr')} must be positive, got {self.lr}.")
         if self.objective not in OBJECTIVES:
             p.add(f"{f('objective')} {self.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}.")
+        if self.refine_target not in REFINE_TARGETS:
+            p.add(
+                f"{f('refine_target')} {self.refine_target!r} is unknown; choose one of "
+                f"{', '.join(REFINE_TARGETS)}."
+            )
         if self.precision not in PRECISIONS:
             p.add(f"{f('precision')} {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
         for name in (

@@ -90,9 +90,12 @@ def write_report(
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
     # the rates the refined start is converted with: those of the options that convert it
     refined = start_convert_options(
-        REFINED, o.groups, calib_data=None, calib_tokens=o.calib_tokens, refine_steps=o.refine_steps
-    )
+        REFINED, o.groups, calib_data=None, calib_tokens=o.calib_tokens, refine_steps=o.refine_steps,
+        refine_target=o.refine_target,
+    )  # fmt: skip
     rates = f"{refined.refine_lr:g}, query/key {refined.refine_qk_lr or refined.refine_lr:g}"
+    # named only where it is not the default, so that reports of default runs render as before
+    target = f", fitted to {refined.refine_target}" if refined.refine_target != "attention" else ""
     versions = {
         "gqakit": __version__,
         "torch": torch.__version__,
@@ -178,7 +181,7 @@ Held-out perplexity (and its multiple of the original's) after each number of up
 ## Settings
 
 - source: `{inputs.src}`; groups {o.groups}; starts {", ".join(o.starts)} (calibration {o.calib_tokens:,}
-  tokens, refinement {o.refine_steps} steps per layer at {rates})
+  tokens, refinement {o.refine_steps} steps per layer at {rates}{target})
 - text: train `{inputs.train}`, calibration `{inputs.calibration}`, held out `{inputs.heldout}`
 - seed {o.seed}; precision {precision}; device {o.device}
 - wall time: the conversions and uptraining runs took {fmt_duration(figures_s)} together; this run of the
@@ -209,6 +212,7 @@ Machine-readable figures: `results.json`.
             "refine_steps": o.refine_steps,
             "refine_lr": refined.refine_lr,
             "refine_qk_lr": refined.refine_qk_lr,
+            "refine_target": refined.refine_target,
             "seed": o.seed,
             "data": o.data and str(o.data),
         },  # fmt: skip

@@ -165,7 +165,7 @@ def convert_start(
     """``src`` converted to ``start`` (cached); its directory and the conversion's wall time."""
     opts = start_convert_options(
         start, o.groups, calib_data=str(inputs.calibration), calib_tokens=o.calib_tokens,
-        refine_steps=o.refine_steps, device=o.device, seed=o.seed,
+        refine_steps=o.refine_steps, device=o.device, seed=o.seed, refine_target=o.refine_target,
     )  # fmt: skip
     dst = models / f"start-{start}"
     key = {"source": _fingerprint(inputs.src), "options": conversion_key(opts)}
@@ -173,7 +173,7 @@ def convert_start(
     if cached is not None:
         return dst, float(cached["elapsed_s"])
     t0 = time.perf_counter()
-    convert_checkpoint(inputs.src, dst, opts)
+    convert_checkpoint(inputs.src, dst, opts, progress=o.progress)
     elapsed = time.perf_counter() - t0
     store.put_output("convert-" + start, key, dst, {"elapsed_s": elapsed})
     return dst, elapsed

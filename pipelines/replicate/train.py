@@ -214,7 +214,7 @@ def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
     )  # fmt: skip
     dst = ctx.models / f"start-g{groups}-{method}"
     key = {"source": fingerprint(mha), "options": conversion_key(opts)}
-    ctx.store.build_once(dst, key, lambda: convert_checkpoint(mha, dst, opts))
+    ctx.store.build_once(dst, key, lambda: convert_checkpoint(mha, dst, opts, progress=o.progress))
     return dst
 
 

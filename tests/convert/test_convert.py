@@ -172,3 +172,18 @@ def test_per_head_key_norms_are_regrouped(tmp_path):
     # expansion copies each head's norm to every head of its group: exact
     expand_checkpoint(tmp_path / "g2", tmp_path / "mha")
     torch.testing.assert_close(_logits(tmp_path / "mha"), _logits(tmp_path / "g2"), rtol=1e-5, atol=1e-5)
+
+
+def test_progress_false_prints_no_bars(tmp_path, tiny_llama, capfd):
+    """Pipelines that print their own steps turn the converter's bars off (they filled their logs)."""
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    layerwise = ConvertOptions(groups=1, method="calibrated", calib_data=str(calib), calib_tokens=512)
+    convert_checkpoint(tiny_llama, tmp_path / "shown", ConvertOptions(groups=1))
+    assert "convert -> G=1" in capfd.readouterr().err  # the bar a user at a terminal sees
+    convert_checkpoint(tiny_llama, tmp_path / "mean", ConvertOptions(groups=1), progress=False)
+    convert_checkpoint(tiny_llama, tmp_path / "calibrated", layerwise, progress=False)
+    expand_checkpoint(tmp_path / "mean", tmp_path / "expanded", progress=False)
+    assert " -> G=" not in capfd.readouterr().err and (tmp_path / "expanded" / "config.json").exists()
+    convert_checkpoint(tiny_llama, tmp_path / "layers", layerwise)
+    assert "layer/s" in capfd.readouterr().err  # the layer-by-layer path's bar, in layers

@@ -131,13 +131,22 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path, calib_txt):
     assert len(prov["layerwise"]["seconds_per_layer"]) == 14
 
 
-def test_a_killed_conversion_resumes_at_the_first_unfinished_layer(tmp_path, calib_txt, monkeypatch, capsys):
+# layer-corrective carries the converted model's hidden states from layer to layer too
+@pytest.mark.parametrize("target", ["attention", "layer-corrective"])
+def test_a_killed_conversion_resumes_at_the_first_unfinished_layer(
+    tmp_path, calib_txt, monkeypatch, capsys, target
+):
     from gqakit.convert import layerwise
     from gqakit.convert.layerwise_resume import resume_dir
 
     src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=3)
     opts = ConvertOptions(
-        groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=1024, refine_steps=4
+        groups=1,
+        method="calibrated",
+        calib_data=str(calib_txt),
+        calib_tokens=1024,
+        refine_steps=4,
+        refine_target=target,
     )
     whole = convert_checkpoint(src, tmp_path / "whole", opts)
 

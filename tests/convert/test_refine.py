@@ -171,6 +171,38 @@ def test_layer_all_target_moves_the_mlp_and_fits_the_layer_closer(sharp_llama, t
     assert sum(err_all) < sum(err_layer), (err_all, err_layer)
 
 
+def _final_hidden_error(src, converted) -> float:
+    """Relative squared error of the final (normed) hidden state, each model run end to end on IDS."""
+    states = []
+    for path in (src, converted):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            states.append(model(IDS, output_hidden_states=True, use_cache=False).hidden_states[-1])
+    return float((states[1] - states[0]).pow(2).sum() / states[0].pow(2).sum())
+
+
+@pytest.mark.parametrize(
+    ("corrective", "plain"), [("layer-corrective", "layer"), ("attention-corrective", "attention")]
+)
+def test_corrective_targets_read_the_converted_states_and_correct_the_layers_before(
+    sharp_llama, tmp_path, calib_txt, corrective, plain
+):
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
+    convert_checkpoint(sharp_llama, tmp_path / "plain", ConvertOptions(refine_target=plain, **opts))
+    res = convert_checkpoint(sharp_llama, tmp_path / "corr", ConvertOptions(refine_target=corrective, **opts))
+    assert res.provenance["refine"]["target"] == corrective
+    a, b = checkpoint_tensors(tmp_path / "plain"), checkpoint_tensors(tmp_path / "corr")
+    # layer 0 reads the same states either way (nothing is converted before it); layer 1 reads the
+    # converted model's, so it is fitted differently
+    assert all(torch.equal(a[k], b[k]) for k in a if ".layers.0." in k)
+    assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.1.self_attn." in k)
+    assert all(torch.equal(a[k], b[k]) for k in a if ".self_attn." not in k)  # only attention moves
+    # end to end on held-out text, the converted model's last hidden state is closer to the original's
+    err_plain = _final_hidden_error(sharp_llama, tmp_path / "plain")
+    err_corr = _final_hidden_error(sharp_llama, tmp_path / "corr")
+    assert err_corr < err_plain, (err_corr, err_plain)
+
+
 def test_a_separate_query_key_rate_moves_that_side_at_its_own_pace(sharp_llama, tmp_path, calib_txt):
     opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048)
     convert_checkpoint(sharp_llama, tmp_path / "cal", ConvertOptions(**opts))

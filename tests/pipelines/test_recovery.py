@@ -73,9 +73,11 @@ def options(tiny, tmp_path: Path, messages: list[str], **kw) -> RecoveryOptions:
     return RecoveryOptions(**{**base, **kw})
 
 
-def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_path):
+def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_path, capfd):
     messages: list[str] = []
     first = run_recovery(options(tiny, tmp_path, messages, start_lr=("random=5e-3",)))
+    # progress=False: the conversions (streamed and layer by layer) print no bars into a log either
+    assert "convert -> G=" not in capfd.readouterr().err
 
     results = json.loads(first.results_json.read_text())
     assert list(results["starts"]) == ["mean", "random", "refined"] and results["reference"] == "mean"
@@ -189,4 +191,8 @@ def test_an_unwritable_output_is_refused_before_any_work(tiny, tmp_path):
 def test_options_from_python_name_the_flags():
     with pytest.raises(GqakitError, match="--tokens 10 is smaller"):
         RecoveryOptions(src="x", groups=1, tokens=10).validate()
+    with pytest.raises(
+        GqakitError, match="--refine-target 'layers' is unknown; choose one of attention, layer"
+    ):
+        RecoveryOptions(src="x", groups=1, refine_target="layers").validate()
     assert math.isclose(RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).lr_of("refined"), 1e-4)

@@ -17,6 +17,15 @@ def test_mean_pooling_is_keyed_the_same_whatever_the_calibration_and_refinement_
     assert conversion_key(_opts("mean", calib_tokens=32768, refine_steps=800)) == {"groups": 1}
 
 
+def test_the_seed_keys_only_conversions_that_draw_at_random():
+    # a recovery run with --seed 1 reuses mean pooling and the unrefined merge, not random heads or
+    # a refinement (its seed orders the calibration batches)
+    assert conversion_key(_opts("mean", seed=1)) == {"groups": 1}
+    assert conversion_key(_opts("calibrated", seed=1)) == conversion_key(_opts("calibrated"))
+    assert conversion_key(_opts("random", seed=1))["seed"] == 1
+    assert conversion_key(_opts("refined", seed=1))["seed"] == 1
+
+
 def test_the_calibrated_and_refined_keys_change_with_their_budgets():
     cal = conversion_key(_opts("calibrated"))
     assert cal == {"groups": 1, "method": "calibrated", "calib_data": "calib.txt"}
@@ -34,3 +43,14 @@ def test_a_refined_conversion_at_the_new_query_key_rate_misses_caches_keyed_befo
     old = _opts("refined")
     old = ConvertOptions(**{**old.__dict__, "refine_qk_lr": None})
     assert "refine_qk_lr" not in conversion_key(old)
+
+
+def test_the_refine_target_keys_the_refined_start_only():
+    assert (
+        conversion_key(_opts("refined", refine_target="layer-corrective"))["refine_target"]
+        == "layer-corrective"
+    )
+    assert "refine_target" not in conversion_key(_opts("refined"))  # the default keeps cached starts valid
+    assert conversion_key(_opts("calibrated", refine_target="layer-corrective")) == conversion_key(
+        _opts("calibrated")
+    )
