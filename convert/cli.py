@@ -66,12 +66,11 @@ _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 )
 @click.option(
     "--refine-target",
-    type=click.Choice(list(REFINE_TARGETS)),
+    type=click.Choice(REFINE_TARGETS.names),
     default="attention",
     show_default=True,
-    help="What each converted attention block is fitted to: "
-    + "; ".join(f"{k}: {v.help}" for k, v in REFINE_TARGETS.items())
-    + " (docs/convert.md compares them).",
+    help=f"What each converted attention block is fitted to: {REFINE_TARGETS.describe()} (docs/convert.md "
+    "compares them).",
 )
 @click.option(
     "--refine-qk-lr",

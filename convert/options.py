@@ -76,11 +76,7 @@ class ConvertOptions:
             p.add(f"{f('refine_steps')} must be 0 (off) or a positive step count, got {self.refine_steps}.")
         if not self.refine_lr > 0:
             p.add(f"{f('refine_lr')} must be a positive learning rate, got {self.refine_lr}.")
-        if self.refine_target not in REFINE_TARGETS:
-            p.add(
-                f"{f('refine_target')} {self.refine_target!r} is unknown; choose one of "
-                f"{', '.join(REFINE_TARGETS)}."
-            )
+        p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
         if self.refine_qk_lr is not None and not self.refine_qk_lr > 0:
             p.add(f"{f('refine_qk_lr')} must be a positive learning rate, got {self.refine_qk_lr}.")
         method = METHODS.get(self.method)

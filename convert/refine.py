@@ -21,6 +21,7 @@ import torch
 
 from gqakit.convert.calibrate import batches
 from gqakit.errors import GqakitError
+from gqakit.names import NameTable
 
 BATCH_TOKENS = 1024  # calibration tokens per refinement step
 HELDOUT_FRACTION = 8  # one calibration sequence in 8 (at least one) is held out to stop early
@@ -59,32 +60,36 @@ class RefineTarget:
 
 
 # What a converted attention block is fitted to (``gqakit convert --refine-target``).
-REFINE_TARGETS = {
-    "attention": RefineTarget("the original attention block's output, on the original's inputs", False),
-    "layer": RefineTarget(
-        "the original decoder layer's output (attention and MLP through the residual); only the "
-        "attention weights move",
-        True,
-    ),
-    "layer-all": RefineTarget(
-        "the original decoder layer's output; every weight of the layer moves (attention, MLP, norms), "
-        "so the MLP can absorb what the shared heads lose",
-        True,
-        moves_layer=True,
-    ),
-    "attention-corrective": RefineTarget(
-        "the original attention block's output plus the residual drift of the layers before it, on the "
-        "converted model's inputs",
-        False,
-        converted_inputs=True,
-    ),
-    "layer-corrective": RefineTarget(
-        "the original decoder layer's output on the original's inputs, from the converted model's "
-        "inputs; only the attention weights move",
-        True,
-        converted_inputs=True,
-    ),
-}
+REFINE_TARGETS: NameTable[RefineTarget] = NameTable(
+    "refine target",
+    {
+        "attention": RefineTarget("the original attention block's output, on the original's inputs", False),
+        "layer": RefineTarget(
+            "the original decoder layer's output (attention and MLP through the residual); only the "
+            "attention weights move",
+            True,
+        ),
+        "layer-all": RefineTarget(
+            "the original decoder layer's output; every weight of the layer moves (attention, MLP, norms), "
+            "so the MLP can absorb what the shared heads lose",
+            True,
+            moves_layer=True,
+        ),
+        "attention-corrective": RefineTarget(
+            "the original attention block's output plus the residual drift of the layers before it, on the "
+            "converted model's inputs",
+            False,
+            converted_inputs=True,
+        ),
+        "layer-corrective": RefineTarget(
+            "the original decoder layer's output on the original's inputs, from the converted model's "
+            "inputs; only the attention weights move",
+            True,
+            converted_inputs=True,
+        ),
+    },
+    summary=lambda t: t.help,
+)
 
 
 @dataclass(frozen=True)

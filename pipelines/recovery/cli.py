@@ -109,7 +109,7 @@ def _default(name: str) -> Any:
 )
 @click.option(
     "--refine-target",
-    type=click.Choice(list(REFINE_TARGETS)),
+    type=click.Choice(REFINE_TARGETS.names),
     default=_default("refine_target"),
     show_default=True,
     help="What the refined start's blocks are fitted to (gqakit convert --refine-target).",

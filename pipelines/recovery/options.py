@@ -123,11 +123,7 @@ class RecoveryOptions:
             p.add(f"{f('lr')} must be positive, got {self.lr}.")
         if self.objective not in OBJECTIVES:
             p.add(f"{f('objective')} {self.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}.")
-        if self.refine_target not in REFINE_TARGETS:
-            p.add(
-                f"{f('refine_target')} {self.refine_target!r} is unknown; choose one of "
-                f"{', '.join(REFINE_TARGETS)}."
-            )
+        p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
         if self.precision not in PRECISIONS:
             p.add(f"{f('precision')} {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
         for name in (
