@@ -10,9 +10,10 @@ from gqakit.assets import ASSETS, fetch_asset
 from gqakit.checkpoint import resolve_checkpoint
 from gqakit.convert import convert_checkpoint
 from gqakit.convert.calibrate import calibration_sequences
-from gqakit.convert.options import check_groups
+from gqakit.convert.options import ConvertOptions, check_groups
 from gqakit.convert.refine import check_sequences
 from gqakit.convert.retarget import RETARGETS, retarget_groups_problem
+from gqakit.convert.retarget_convert import retarget_problems
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 from gqakit.local_assets import BUILT
@@ -55,14 +56,34 @@ def resolve_source(o: RecoveryOptions) -> str:
     return str(Path(o.src).expanduser()) if Path(o.src).expanduser().exists() else o.src
 
 
+def start_options(o: RecoveryOptions, start: str, calibration: Path) -> ConvertOptions:
+    """The ``gqakit convert`` options of ``start`` in this recovery run."""
+    return start_convert_options(
+        start, o.groups, calib_data=str(calibration), calib_tokens=o.calib_tokens,
+        refine_steps=o.refine_steps, device=o.device, seed=o.seed, refine_target=o.refine_target,
+    )  # fmt: skip
+
+
 def check_source(o: RecoveryOptions, src: str, calibration: Path) -> None:
     """Refuse what would fail in a later conversion, before the first one: a G the source cannot be
-    converted to (convert's own message), and calibration text too short for the refined start."""
+    converted to (convert's own message), a start a retargeted family cannot be converted with (e.g. a
+    refinement target other than the attention output), and calibration text too short for the refined
+    start."""
     with resolve_checkpoint(src) as ckpt:
         if ckpt.model_type in RETARGETS:
             problem = retarget_groups_problem(ckpt.config, o.groups)
             if problem:
                 raise GqakitError(problem)
+            retarget = RETARGETS[ckpt.model_type]
+            found = [
+                m
+                for s in o.starts
+                for m in retarget_problems(ckpt, retarget, start_options(o, s, calibration))
+            ]
+            if found:
+                raise GqakitError(
+                    "\n".join(dict.fromkeys(found))
+                )  # each problem once, whichever starts share it
         else:
             check_groups(AttentionGeometry.from_config(ckpt.config), o.groups)
         if REFINED in o.starts:
@@ -163,10 +184,7 @@ def convert_start(
     o: RecoveryOptions, store: ResultStore, inputs: Inputs, start: str, models: Path
 ) -> tuple[Path, float]:
     """``src`` converted to ``start`` (cached); its directory and the conversion's wall time."""
-    opts = start_convert_options(
-        start, o.groups, calib_data=str(inputs.calibration), calib_tokens=o.calib_tokens,
-        refine_steps=o.refine_steps, device=o.device, seed=o.seed, refine_target=o.refine_target,
-    )  # fmt: skip
+    opts = start_options(o, start, inputs.calibration)
     dst = models / f"start-{start}"
     key = {"source": _fingerprint(inputs.src), "options": conversion_key(opts)}
     cached = store.get_output("convert-" + start, key, dst)

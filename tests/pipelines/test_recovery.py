@@ -196,3 +196,17 @@ def test_options_from_python_name_the_flags():
     ):
         RecoveryOptions(src="x", groups=1, refine_target="layers").validate()
     assert math.isclose(RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).lr_of("refined"), 1e-4)
+
+
+def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversion(tiny, tmp_path):
+    src = save_tiny_model(tmp_path / "gpt2", "gpt2", heads=4, kv_heads=4)
+    base = ["recovery", str(src), "--groups", "1", "--data", str(tiny["data"]), "--starts", "mean,refined"]
+    result = CliRunner().invoke(
+        main,
+        [*base, "--refine-target", "layer", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o")],
+    )
+    assert result.exit_code != 0
+    assert "--refine-target layer: a gpt_bigcode target is refined against the attention output only" in (
+        result.output
+    ), result.output
+    assert not (tmp_path / "w" / "models").exists() and not (tmp_path / "o").exists()
