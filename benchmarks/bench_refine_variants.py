@@ -9,8 +9,9 @@ result on the first ``--eval-tokens`` tokens of held-out text, beside the origin
 * ``layer``: fitted to the original decoder layer's output, attention and MLP through the residual;
 * ``qk-lr``: ``attention`` with the query/key side at its own learning rate (``--qk-lr``; the package's
   default is 3e-3 since this comparison);
-* ``layer-all``, ``attention-corrective``, ``layer-corrective``: those ``--refine-target`` values, with the
-  query/key side at ``--qk-lr``.
+* ``layer-all``, ``attention-corrective``, ``layer-corrective``, ``window``, ``window-corrective``: those
+  ``--refine-target`` values, with the query/key side at ``--qk-lr``;
+* ``cosine``: ``qk-lr`` with ``--refine-schedule cosine`` (the rates fall to 0 over each layer's steps).
 
     C=${GQAKIT_CACHE:-~/.cache/gqakit}
     python benchmarks/bench_refine_variants.py --model smollm2-135m --groups 1 --steps 100 \\
@@ -61,6 +62,9 @@ VARIANTS = {
     "layer-all": {"refine_target": "layer-all", "refine_qk_lr": QK_LR},
     "attention-corrective": {"refine_target": "attention-corrective", "refine_qk_lr": QK_LR},
     "layer-corrective": {"refine_target": "layer-corrective", "refine_qk_lr": QK_LR},
+    "window": {"refine_target": "window", "refine_qk_lr": QK_LR},
+    "window-corrective": {"refine_target": "window-corrective", "refine_qk_lr": QK_LR},
+    "cosine": {"refine_schedule": "cosine", "refine_qk_lr": QK_LR},
 }
 
 

@@ -16,7 +16,7 @@ from gqakit.convert.api import (
     inspect_checkpoint,
 )
 from gqakit.convert.methods import GROUPINGS, METHODS
-from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_TARGETS
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_SCHEDULES, REFINE_TARGETS
 
 _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 
@@ -80,6 +80,13 @@ _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
     help="Learning rate of the query/key side (q, k and their norms) in --refine-steps; the rest take "
     "--refine-lr, as does a fused qkv projection. Give the --refine-lr value for one rate throughout.",
 )
+@click.option(
+    "--refine-schedule",
+    type=click.Choice(REFINE_SCHEDULES.names),
+    default="constant",
+    show_default=True,
+    help=f"How the --refine-steps rates change over each layer's steps: {REFINE_SCHEDULES.describe()}.",
+)
 @device_option()
 @force_option()
 def convert_cmd(
@@ -96,6 +103,7 @@ def convert_cmd(
     refine_lr: float,
     refine_target: str,
     refine_qk_lr: float | None,
+    refine_schedule: str,
     device: str,
     force: bool,
 ) -> None:
@@ -114,6 +122,7 @@ def convert_cmd(
         refine_lr=refine_lr,
         refine_target=refine_target,
         refine_qk_lr=refine_qk_lr,
+        refine_schedule=refine_schedule,
     )
     res = convert_checkpoint(src, dst, options)
     extra = f", {grouping} grouping" if grouping != "contiguous" else ""

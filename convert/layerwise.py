@@ -17,7 +17,9 @@ converted so far instead, with the original layer's result on them as the target
 quantizers do, was measured worse on SmolLM2-135M -> MQA (zero-shot test perplexity 110.7 calibrated and
 36.0 refined, against 91.9 and 30.9; CHANGELOG). The corrective refinement targets
 (:data:`~gqakit.convert.refine.REFINE_TARGETS`) carry the converted model's hidden states beside the
-original's, and fit each block on them to the original's result on the original's states.
+original's, and fit each block on them to the original's result on the original's states. The window
+targets also load the next decoder layer (a second layer's weights, read twice from the shards) and fit
+each block through it.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ class _LayerwiseJob:
                 options.seed,
                 options.refine_target,
                 options.refine_qk_lr,
+                options.refine_schedule,
             )
             self.fit_runs, check_runs = split_batches(sequences)
         else:
@@ -200,6 +203,22 @@ class _LayerwiseJob:
     def _converted_inputs(self) -> bool:
         """Whether the blocks read the converted model's hidden states (not the original's)."""
         return self.refine is not None and REFINE_TARGETS[self.refine.target].converted_inputs
+
+    @property
+    def _window(self) -> bool:
+        """Whether each block is fitted through the next decoder layer too (see RefineTarget.window)."""
+        return self.refine is not None and REFINE_TARGETS[self.refine.target].window
+
+    def _window_next(self, i: int, hidden: list[torch.Tensor]) -> tuple[torch.nn.Module, list, list] | None:
+        """For fitting layer ``i`` through layer ``i + 1``: a float32 copy of the original layer ``i + 1``,
+        its call arguments per batch, and its outputs on ``hidden`` (the original's states after layer
+        ``i``): the window's targets. None for the last layer."""
+        if i + 1 >= self.geom.num_layers:
+            return None
+        with self.stream.layer(i + 1) as module:
+            targets = [h.float() for h in self.stream.run(i + 1, module, hidden)]
+            nxt = copy.deepcopy(module).float().requires_grad_(False)
+        return nxt, [to_float(c) for c in self.stream.calls[i + 1]], targets
 
     @property
     def carried(self) -> list[torch.Tensor]:
@@ -240,6 +259,7 @@ class _LayerwiseJob:
                 conv_io = self._capture(module, i, False, self.conv_hidden)[0].io
             if self._whole_layer or self.conv_hidden is not None:
                 layer_copy = copy.deepcopy(module).float().requires_grad_(False)
+        window = self._window_next(i, next_hidden) if self._window else None
         release_memory(self.device)
         outs = self._merged_outputs(i, capture.gram)
         base = {id(o) for o in self.per_layer[i]}
@@ -257,7 +277,12 @@ class _LayerwiseJob:
             qk = _qk_parameters(self.adapter, i, path, block)
             if layer_copy is not None:  # the converted block inside a copy of the original layer
                 layer_copy.set_submodule(self.stream.attention_name, block)
-            if self._whole_layer:
+            if window is not None:  # through the next layer too, to the original's output after it
+                run = _Window(layer_copy, window[0], self.stream.positional)
+                pairs = [
+                    ((a, k, *call), {}, t) for (a, k, _), call, t in zip(pairs, *window[1:], strict=True)
+                ]
+            elif self._whole_layer:
                 run = layer_copy
                 if REFINE_TARGETS[self.refine.target].moves_layer:
                     trained, prefix = layer_copy, self.stream.layer_prefix(i)
@@ -274,7 +299,7 @@ class _LayerwiseJob:
             if self.conv_hidden is not None:  # the converted layer's outputs: the next layer's inputs
                 outs_conv = self.stream.run(i, layer_copy, [h.float() for h in self.conv_hidden], to_float)
                 self.conv_hidden = [h.to(self.stream.dtype) for h in outs_conv]
-            del block, run, layer_copy
+            del block, run, layer_copy, window
         self.hidden = next_hidden
         self.stream.release(i)
         release_memory(self.device)
@@ -350,6 +375,24 @@ class _LayerwiseJob:
         if self.device.type == "cuda":
             rec["layerwise"]["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return rec
+
+
+class _Window(torch.nn.Module):
+    """Two adjacent decoder layers run as one module: ``first`` on its call arguments, then ``second``
+    on ``first``'s output with its own (``rest``, ``kwargs``: what the model passes it)."""
+
+    def __init__(self, first: torch.nn.Module, second: torch.nn.Module, positional: bool) -> None:
+        super().__init__()
+        self.first, self.second, self.positional = first, second, positional
+
+    def forward(self, args: tuple, kwargs: dict, rest: tuple, next_kwargs: dict) -> torch.Tensor:
+        h = layer_output(self.first(*args, **kwargs))
+        out = (
+            self.second(h, *rest, **next_kwargs)
+            if self.positional
+            else self.second(*rest, hidden_states=h, **next_kwargs)
+        )
+        return layer_output(out)
 
 
 _QK_ROLES = ("q", "k", "k_norm", "k_norm_flat", "q_norm_flat")

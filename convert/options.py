@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gqakit.cli_options import Problems
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
-from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_TARGETS
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_SCHEDULES, REFINE_TARGETS
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 
@@ -36,10 +36,14 @@ class ConvertOptions:
         refine_steps: Adam steps per layer fitting each converted attention block to the original's
             output on the calibration data (``gqakit.convert.refine``); 0 skips it. Needs ``calib_data``.
         refine_lr: the learning rate of those steps.
-        refine_target: what each block is fitted to: ``attention`` (its output) or ``layer`` (the whole
-            decoder layer's output, attention and MLP through the residual).
+        refine_target: what each block is fitted to, a name in
+            :data:`~gqakit.convert.refine.REFINE_TARGETS`: ``attention`` (its output), ``layer`` (the whole
+            decoder layer's output, attention and MLP through the residual), ``window`` (the output two
+            layers on)...
         refine_qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``refine_lr``.
             A fused qkv projection is one tensor and takes ``refine_lr``.
+        refine_schedule: how the refinement rates change over each layer's steps, a name in
+            :data:`~gqakit.convert.refine.REFINE_SCHEDULES` (``constant``, ``cosine``).
     """
 
     groups: int
@@ -55,6 +59,7 @@ class ConvertOptions:
     refine_lr: float = REFINE_LR
     refine_target: str = "attention"
     refine_qk_lr: float | None = REFINE_QK_LR
+    refine_schedule: str = "constant"
 
     @property
     def merged(self) -> bool:
@@ -77,6 +82,7 @@ class ConvertOptions:
         if not self.refine_lr > 0:
             p.add(f"{f('refine_lr')} must be a positive learning rate, got {self.refine_lr}.")
         p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
+        p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
         if self.refine_qk_lr is not None and not self.refine_qk_lr > 0:
             p.add(f"{f('refine_qk_lr')} must be a positive learning rate, got {self.refine_qk_lr}.")
         method = METHODS.get(self.method)

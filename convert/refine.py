@@ -13,7 +13,8 @@ before and after.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,12 +52,17 @@ class RefineTarget:
             layer also corrects what the layers before it lost. The attention block's target is then the
             original's state after the attention's residual add (input + attention output), less the
             converted layer's input.
+        window: the block is fitted through two adjacent decoder layers: its own (the converted block in
+            a copy of the original layer) and the next one as the original has it, to the original's
+            output after both; so a block is shaped by what the next layer, softmax included, makes of
+            its error. Implies ``whole_layer``; the last layer, having no next, is fitted to its own output.
     """
 
     help: str
     whole_layer: bool
     moves_layer: bool = False
     converted_inputs: bool = False
+    window: bool = False
 
 
 # What a converted attention block is fitted to (``gqakit convert --refine-target``).
@@ -87,8 +93,50 @@ REFINE_TARGETS: NameTable[RefineTarget] = NameTable(
             True,
             converted_inputs=True,
         ),
+        "window": RefineTarget(
+            "the original's output two decoder layers on (this layer, then the next as the original has "
+            "it); only this layer's attention weights move",
+            True,
+            window=True,
+        ),
+        "window-corrective": RefineTarget(
+            "the original's output two decoder layers on, from the converted model's inputs; only this "
+            "layer's attention weights move",
+            True,
+            converted_inputs=True,
+            window=True,
+        ),
     },
     summary=lambda t: t.help,
+)
+
+
+@dataclass(frozen=True)
+class RefineSchedule:
+    """How the refinement's learning rates change over a layer's steps.
+
+    Attributes:
+        help: one line for ``--help``.
+        factor: the rates' multiplier at the fraction ``t`` (0 at the first step, 1 after the last) of
+            the layer's steps done.
+    """
+
+    help: str
+    factor: Callable[[float], float]
+
+
+# How the rates change over each layer's steps (``gqakit convert --refine-schedule``).
+REFINE_SCHEDULES: NameTable[RefineSchedule] = NameTable(
+    "refine schedule",
+    {
+        "constant": RefineSchedule("the same rates at every step", lambda t: 1.0),
+        "cosine": RefineSchedule(
+            "the rates fall along a half cosine from their values at the first step to 0 after the last, "
+            "so the last steps make small moves around a minimum instead of jumping across it",
+            lambda t: 0.5 * (1.0 + math.cos(math.pi * t)),
+        ),
+    },
+    summary=lambda s: s.help,
 )
 
 
@@ -103,6 +151,7 @@ class RefineSettings:
         target: what the block is fitted to (:data:`REFINE_TARGETS`).
         qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``lr``. A fused
             qkv projection is one tensor and takes ``lr``.
+        schedule: how the rates change over the steps (:data:`REFINE_SCHEDULES`).
     """
 
     steps: int
@@ -110,6 +159,7 @@ class RefineSettings:
     seed: int = 0
     target: str = "attention"
     qk_lr: float | None = None
+    schedule: str = "constant"
 
 
 @dataclass
@@ -141,6 +191,7 @@ class RefineReport:
             "heldout_tokens": self.heldout_tokens,
             "target": self.settings.target,
             "qk_lr": self.settings.qk_lr,
+            "schedule": self.settings.schedule,
             "objective": f"per layer, relative squared error against {target.help}; all "
             f"{'decoder-layer' if target.moves_layer else 'attention'} parameters trained; each "
             "layer keeps its weights at the best held-out error (best_step 0: the merge)",
@@ -192,7 +243,7 @@ def fit_block(
     Args:
         module: what is run on the batches: the attention block, or a decoder layer holding it.
         fit, check: ``(args, kwargs, target)`` batches fitted on, and held out.
-        settings: steps, rates, seed.
+        settings: steps, rates (and how they change over the steps), seed.
         trained: the module whose parameters move (default ``module``).
         qk_params: names (in ``trained``) of the query/key-side parameters, trained at
             ``settings.qk_lr`` when it is set.
@@ -215,6 +266,8 @@ def fit_block(
     rest = [p for n, p in named if not any(p is q for q in qk)]
     groups = [{"params": rest, "lr": settings.lr}] + ([{"params": qk, "lr": settings.qk_lr}] if qk else [])
     opt = torch.optim.Adam(groups, lr=settings.lr)
+    factor = REFINE_SCHEDULES[settings.schedule].factor
+    rates = torch.optim.lr_scheduler.LambdaLR(opt, lambda done: factor(done / settings.steps))
     order: list[int] = []
     for step in range(1, settings.steps + 1):
         if not order:  # a fresh random pass over the batches
@@ -224,6 +277,7 @@ def fit_block(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        rates.step()
         if step % every == 0 or step == settings.steps:
             err = attention_error(module, check)
             if err < best:  # NaN compares False: a diverged fit is never kept

@@ -120,7 +120,9 @@ def _fitted_mqa(
     refine = None
     if options.refine_steps:
         check_sequences(sequences)
-        refine = RefineSettings(options.refine_steps, options.refine_lr, options.seed)
+        refine = RefineSettings(
+            options.refine_steps, options.refine_lr, options.seed, schedule=options.refine_schedule
+        )
     start = (
         None if options.method == "calibrated" else bigcode_to_mqa(mha, config, options.method, options.seed)
     )

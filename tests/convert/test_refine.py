@@ -15,7 +15,7 @@ from gqakit.checkpoint import resolve_checkpoint
 from gqakit.cli import main
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint
 from gqakit.convert.decoder_stream import DecoderStream
-from gqakit.convert.refine import REFINE_LR
+from gqakit.convert.refine import REFINE_LR, RefineSettings, fit_block
 from gqakit.errors import GqakitError
 from gqakit.pipelines.probe import attention_errors
 from gqakit.testing import TINY_TEXT, checkpoint_tensors, tiny_model, tiny_tokenizer
@@ -153,13 +153,20 @@ def test_layer_target_fits_the_whole_layer_and_moves_only_attention(sharp_llama,
     assert attn.files == layer.files
 
 
-def test_layer_all_target_moves_the_mlp_and_fits_the_layer_closer(sharp_llama, tmp_path, calib_txt):
+def _beside_layer(src, tmp_path, calib_txt, target: str):
+    """Convert ``src`` refined with ``--refine-target layer`` into tmp_path/layer and with ``target`` into
+    tmp_path/TARGET (same budget); return the latter's result, its target checked in the record."""
     opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
-    convert_checkpoint(sharp_llama, tmp_path / "layer", ConvertOptions(refine_target="layer", **opts))
-    res = convert_checkpoint(sharp_llama, tmp_path / "all", ConvertOptions(refine_target="layer-all", **opts))
-    assert res.provenance["refine"]["target"] == "layer-all"
+    convert_checkpoint(src, tmp_path / "layer", ConvertOptions(refine_target="layer", **opts))
+    res = convert_checkpoint(src, tmp_path / target, ConvertOptions(refine_target=target, **opts))
+    assert res.provenance["refine"]["target"] == target
+    return res
+
+
+def test_layer_all_target_moves_the_mlp_and_fits_the_layer_closer(sharp_llama, tmp_path, calib_txt):
+    res = _beside_layer(sharp_llama, tmp_path, calib_txt, "layer-all")
     assert "all decoder-layer parameters trained" in res.provenance["refine"]["objective"]
-    src, a, b = (checkpoint_tensors(p) for p in (sharp_llama, tmp_path / "layer", tmp_path / "all"))
+    src, a, b = (checkpoint_tensors(p) for p in (sharp_llama, tmp_path / "layer", tmp_path / "layer-all"))
     moved = {k for k in src if not torch.equal(src[k], b[k])}
     # the MLP and the norms move too; the embedding and the head stay the original's
     assert any(".mlp." in k for k in moved) and any("layernorm" in k for k in moved)
@@ -167,7 +174,7 @@ def test_layer_all_target_moves_the_mlp_and_fits_the_layer_closer(sharp_llama, t
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype for k in a)
     # more of the layer to move: closer to the original layer's output on held-out text
     err_layer = _layer_output_errors(sharp_llama, tmp_path / "layer")
-    err_all = _layer_output_errors(sharp_llama, tmp_path / "all")
+    err_all = _layer_output_errors(sharp_llama, tmp_path / "layer-all")
     assert sum(err_all) < sum(err_layer), (err_all, err_layer)
 
 
@@ -201,6 +208,63 @@ def test_corrective_targets_read_the_converted_states_and_correct_the_layers_bef
     err_plain = _final_hidden_error(sharp_llama, tmp_path / "plain")
     err_corr = _final_hidden_error(sharp_llama, tmp_path / "corr")
     assert err_corr < err_plain, (err_corr, err_plain)
+
+
+def test_window_target_fits_each_block_through_the_next_layer(sharp_llama, tmp_path, calib_txt):
+    res = _beside_layer(sharp_llama, tmp_path, calib_txt, "window")
+    assert "two decoder layers on" in res.provenance["refine"]["objective"]
+    a, b = checkpoint_tensors(tmp_path / "layer"), checkpoint_tensors(tmp_path / "window")
+    last = len(AutoModelForCausalLM.from_pretrained(sharp_llama).model.layers) - 1
+    assert last >= 1
+    # layer 0 is fitted through layer 1, so differently; the last layer has no next one and is fitted to
+    # its own output, exactly as the layer target does; only attention weights move
+    assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.0.self_attn." in k)
+    assert all(torch.equal(a[k], b[k]) for k in a if f".layers.{last}." in k)
+    assert all(torch.equal(a[k], b[k]) for k in a if ".self_attn." not in k)
+    # the records say the same: layer 0's merge is scored (and fitted) two layers on, so its error
+    # differs from the one-layer score; the last layer's records are the layer target's
+    rec_layer = json.loads((tmp_path / "layer" / "gqakit.json").read_text())["refine"]["attention_error"]
+    rec_win = res.provenance["refine"]["attention_error"]
+    assert rec_win[0]["before"] != rec_layer[0]["before"]
+    assert rec_win[0]["after"] < rec_win[0]["before"]
+    assert rec_win[last] == rec_layer[last]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_the_schedule_sets_each_steps_rates(monkeypatch, schedule):
+    """Every step's rates, as Adam sees them: the same throughout, or down a half cosine to near 0."""
+    seen: list[list[float]] = []
+    step = torch.optim.Adam.step
+
+    def recording(self, *a, **kw):
+        seen.append([g["lr"] for g in self.param_groups])
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording)
+    torch.manual_seed(0)
+    block = torch.nn.Linear(8, 8)
+    data = [((torch.randn(4, 8),), {}, torch.randn(4, 8)) for _ in range(3)]
+    settings = RefineSettings(steps=20, lr=1e-3, qk_lr=3e-3, schedule=schedule)
+    fit_block(block, data[:2], data[2:], settings, qk_params=["weight"])
+    assert len(seen) == 20
+    rest, qk = zip(*seen, strict=True)
+    assert qk[0] == pytest.approx(3e-3) and rest[0] == pytest.approx(1e-3)
+    if schedule == "constant":
+        assert set(qk) == {3e-3} and set(rest) == {1e-3}
+    else:
+        assert all(a > b for a, b in zip(qk, qk[1:], strict=False))  # falls at every step
+        assert qk[10] == pytest.approx(1.5e-3) and rest[10] == pytest.approx(0.5e-3)  # halfway: half
+        assert qk[-1] < 3e-3 * 0.01  # the last step moves by under 1% of the first's rate
+
+
+def test_a_cosine_schedule_is_recorded_and_ends_on_small_steps(sharp_llama, tmp_path, calib_txt):
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=40)
+    convert_checkpoint(sharp_llama, tmp_path / "const", ConvertOptions(**opts))
+    res = convert_checkpoint(sharp_llama, tmp_path / "cos", ConvertOptions(refine_schedule="cosine", **opts))
+    assert res.provenance["refine"]["schedule"] == "cosine"
+    a, b = checkpoint_tensors(tmp_path / "const"), checkpoint_tensors(tmp_path / "cos")
+    assert any(not torch.equal(a[k], b[k]) for k in a if ".self_attn." in k)
+    assert all(torch.equal(a[k], b[k]) for k in a if ".self_attn." not in k)
 
 
 def test_a_separate_query_key_rate_moves_that_side_at_its_own_pace(sharp_llama, tmp_path, calib_txt):
@@ -296,11 +360,14 @@ def test_refine_options_are_checked_together(tiny_llama, tmp_path):
     assert "--refine-steps must be 0 (off) or a positive step count, got -1" in msg
     assert "--refine-lr must be a positive learning rate, got 0.0" in msg
     assert not (tmp_path / "o").exists()
-    bad = ConvertOptions(groups=2, method="calibrated", refine_target="mlp", refine_qk_lr=-1.0)
+    bad = ConvertOptions(
+        groups=2, method="calibrated", refine_target="mlp", refine_qk_lr=-1.0, refine_schedule="linear"
+    )
     with pytest.raises(GqakitError) as e:
         convert_checkpoint(tiny_llama, tmp_path / "o", bad)
     assert "--refine-target 'mlp' is unknown; choose one of attention, layer" in e.value.message
     assert "--refine-qk-lr must be a positive learning rate, got -1.0" in e.value.message
+    assert "--refine-schedule 'linear' is unknown; choose one of constant, cosine" in e.value.message
 
 
 def test_refine_without_data_or_from_random_is_a_clear_error(tiny_llama, tmp_path, calib_txt):
