@@ -95,6 +95,8 @@ def _convert_first(recipe: Recipe, out: Path) -> tuple[str, dict[str, Any]]:
                 refine_steps=c.refine_steps,
                 refine_lr=c.refine_lr,
                 refine_qk_lr=c.refine_qk_lr,
+                refine_target=c.refine_target,
+                refine_schedule=c.refine_schedule,
             ),
         )
     state.wait_for_everyone()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gqakit.convert.methods import GROUPINGS, METHODS, needs_calibration
+from gqakit.convert.refine import REFINE_SCHEDULES, REFINE_TARGETS
 
 if TYPE_CHECKING:
     from gqakit.uptrain.recipe_schema import Recipe
@@ -37,6 +38,8 @@ def recipe_problems(self: Recipe) -> list[str]:
             p.append(f"model.convert.groups must be a positive number of K/V heads, got {c.groups}.")
         p += filter(None, [METHODS.unknown(c.method, "model.convert.method")])
         p += filter(None, [GROUPINGS.unknown(c.grouping, "model.convert.grouping")])
+        p += filter(None, [REFINE_TARGETS.unknown(c.refine_target, "model.convert.refine_target")])
+        p += filter(None, [REFINE_SCHEDULES.unknown(c.refine_schedule, "model.convert.refine_schedule")])
         method = METHODS.get(c.method)
         if (needs_calibration(c.method, c.grouping) or c.refine_steps) and not c.calib_data:
             p.append(

@@ -53,6 +53,10 @@ class ConvertConfig:
             output on ``calib_data`` (``gqakit convert --refine-steps``); 0: off.
         refine_lr: their learning rate.
         refine_qk_lr: the query/key side's learning rate (``--refine-qk-lr``); null: ``refine_lr``.
+        refine_target: what each block is fitted to (``--refine-target``,
+            :data:`gqakit.convert.refine.REFINE_TARGETS`).
+        refine_schedule: how the rates change over each layer's steps (``--refine-schedule``,
+            :data:`gqakit.convert.refine.REFINE_SCHEDULES`).
     """
 
     groups: int
@@ -64,6 +68,8 @@ class ConvertConfig:
     refine_steps: int = 0
     refine_lr: float = REFINE_LR
     refine_qk_lr: float | None = REFINE_QK_LR
+    refine_target: str = "attention"
+    refine_schedule: str = "constant"
 
 
 @dataclass

@@ -166,16 +166,24 @@ def test_convert_block_takes_refinement_and_checks_it():
         TINY_RECIPE,
         [
             "model.convert={groups: 1, method: calibrated, calib_data: /c.txt, "
-            "refine_steps: 200, refine_lr: 3e-4, refine_qk_lr: null}"
+            "refine_steps: 200, refine_lr: 3e-4, refine_qk_lr: null, refine_target: layer-corrective, "
+            "refine_schedule: cosine}"
         ],
     )
     c = r.model.convert
     assert (c.refine_steps, c.refine_lr, c.refine_qk_lr) == (200, 3e-4, None)
+    assert (c.refine_target, c.refine_schedule) == ("layer-corrective", "cosine")
     with pytest.raises(RecipeError) as e:
         load_recipe(
-            TINY_RECIPE, ["model.convert={groups: 1, refine_steps: -5, refine_lr: 0, refine_qk_lr: -1}"]
+            TINY_RECIPE,
+            [
+                "model.convert={groups: 1, refine_steps: -5, refine_lr: 0, refine_qk_lr: -1, "
+                "refine_target: mlp, refine_schedule: linear}"
+            ],
         )
     msg = str(e.value)
+    assert "model.convert.refine_target 'mlp' is unknown; choose one of attention, layer" in msg
+    assert "model.convert.refine_schedule 'linear' is unknown; choose one of constant, cosine" in msg
     assert "model.convert.refine_lr must be a positive learning rate, got 0" in msg
     assert "model.convert.refine_qk_lr must be a positive learning rate or null, got -1" in msg
     assert "model.convert.refine_steps must be 0 (off) or positive, got -5" in msg
