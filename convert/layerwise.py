@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from tqdm.auto import tqdm
 from gqakit.checkpoint import Checkpoint
 from gqakit.convert.calibrate import CALIB_BATCH, batch_gram, batches, calibration_record, key_module
 from gqakit.convert.decoder_stream import DecoderStream
+from gqakit.convert.layerwise_blocks import Window, planned_block, qk_parameters
 from gqakit.convert.layerwise_resume import LayerwiseResume
 from gqakit.convert.merge_fit import KEY_FALLBACK, MergeReport, fit_one_layer, rotary_dim
 from gqakit.convert.merge_plan import base_plan, merged_layer
@@ -45,7 +45,6 @@ from gqakit.convert.refine import (
     REFINE_TARGETS,
     RefineReport,
     RefineSettings,
-    converted_attention,
     fit_block,
     layer_output,
     split_batches,
@@ -268,17 +267,17 @@ class _LayerwiseJob:
         if self.refine is not None:
             path = f"{self.stream.layer_prefix(i)}{self.stream.attention_name}"
             attn = self.stream.layers[i].get_submodule(self.stream.attention_name)
-            block = _planned_block(attn, self.conv_config, i, self.device, path, outs, self.reader.read)
+            block = planned_block(attn, self.conv_config, i, self.device, path, outs, self.reader.read)
             pairs, n = capture.io, len(self.fit_runs)
             if conv_io is not None:
                 pairs = self._corrective_pairs(conv_io, pairs)
             del capture, conv_io
             run, trained, prefix = block, block, f"{path}."
-            qk = _qk_parameters(self.adapter, i, path, block)
+            qk = qk_parameters(self.adapter, i, path, block)
             if layer_copy is not None:  # the converted block inside a copy of the original layer
                 layer_copy.set_submodule(self.stream.attention_name, block)
             if window is not None:  # through the next layer too, to the original's output after it
-                run = _Window(layer_copy, window[0], self.stream.positional)
+                run = Window(layer_copy, window[0], self.stream.positional)
                 pairs = [
                     ((a, k, *call), {}, t) for (a, k, _), call, t in zip(pairs, *window[1:], strict=True)
                 ]
@@ -375,57 +374,6 @@ class _LayerwiseJob:
         if self.device.type == "cuda":
             rec["layerwise"]["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return rec
-
-
-class _Window(torch.nn.Module):
-    """Two adjacent decoder layers run as one module: ``first`` on its call arguments, then ``second``
-    on ``first``'s output with its own (``rest``, ``kwargs``: what the model passes it)."""
-
-    def __init__(self, first: torch.nn.Module, second: torch.nn.Module, positional: bool) -> None:
-        super().__init__()
-        self.first, self.second, self.positional = first, second, positional
-
-    def forward(self, args: tuple, kwargs: dict, rest: tuple, next_kwargs: dict) -> torch.Tensor:
-        h = layer_output(self.first(*args, **kwargs))
-        out = (
-            self.second(h, *rest, **next_kwargs)
-            if self.positional
-            else self.second(*rest, hidden_states=h, **next_kwargs)
-        )
-        return layer_output(out)
-
-
-_QK_ROLES = ("q", "k", "k_norm", "k_norm_flat", "q_norm_flat")
-
-
-def _qk_parameters(adapter: ArchAdapter, layer: int, path: str, block: torch.nn.Module) -> list[str]:
-    """The names, in ``block`` (the attention module at ``path``), of the query/key-side parameters:
-    the q and k projections and their norms (none for a fused qkv projection)."""
-    mods = [
-        m[len(path) + 1 :] for m in (adapter.module(r, layer) for r in _QK_ROLES) if m and m.startswith(path)
-    ]
-    return [n for n, _ in block.named_parameters() if any(n.startswith(m + ".") for m in mods)]
-
-
-def _planned_block(
-    original: torch.nn.Module,
-    config,
-    layer: int,
-    device: torch.device,
-    path: str,
-    outs: list[OutputTensor],
-    read: Callable[[str], torch.Tensor],
-) -> torch.nn.Module:
-    """The converted attention block of ``layer`` in float32, with the planned (merged) weights."""
-    block = converted_attention(original, config, layer, device)
-    by_name = {o.name: o for o in outs}
-    with torch.no_grad():
-        for n, p in block.named_parameters():
-            full = f"{path}.{n}"
-            if full not in by_name:
-                raise RuntimeError(f"layer-wise conversion: no planned tensor for {full}")
-            p.copy_(execute(by_name[full], read).to(p.dtype))
-    return block
 
 
 __all__ = ["LayerCapture", "layer_of", "write_layerwise"]
