@@ -11,7 +11,13 @@ result on the first ``--eval-tokens`` tokens of held-out text, beside the origin
   default is 3e-3 since this comparison);
 * ``layer-all``, ``attention-corrective``, ``layer-corrective``, ``window``, ``window-corrective``: those
   ``--refine-target`` values, with the query/key side at ``--qk-lr``;
-* ``cosine``: ``qk-lr`` with ``--refine-schedule cosine`` (the rates fall to 0 over each layer's steps).
+* ``cosine``: ``qk-lr`` with ``--refine-schedule cosine`` (the rates fall to 0 over each layer's steps);
+* ``layer-qk-lr``: ``layer`` with the query/key side at ``--qk-lr``;
+* ``layer``, ``layer-qk-lr``, ``layer-corrective`` and ``window`` measure with ``--refine-loss relative``
+  (the loss they were first measured with; their default is now ``per-token``);
+* ``per-token``, ``layer-per-token``, ``layer-corrective-per-token``, ``window-per-token``: ``qk-lr``,
+  ``layer``, ``layer-corrective`` and ``window`` with ``--refine-loss per-token`` (each token's error
+  over the mean square of the residual state it lands in).
 
     C=${GQAKIT_CACHE:-~/.cache/gqakit}
     python benchmarks/bench_refine_variants.py --model smollm2-135m --groups 1 --steps 100 \\
@@ -57,14 +63,27 @@ _CHILD = textwrap.dedent(
 QK_LR = "--qk-lr"  # a placeholder, filled from the flag
 VARIANTS = {
     "attention": {"refine_qk_lr": None},  # None: the query/key side at refine_lr too
-    "layer": {"refine_target": "layer", "refine_qk_lr": None},
+    "layer": {"refine_target": "layer", "refine_qk_lr": None, "refine_loss": "relative"},
     "qk-lr": {"refine_qk_lr": QK_LR},
     "layer-all": {"refine_target": "layer-all", "refine_qk_lr": QK_LR},
     "attention-corrective": {"refine_target": "attention-corrective", "refine_qk_lr": QK_LR},
-    "layer-corrective": {"refine_target": "layer-corrective", "refine_qk_lr": QK_LR},
-    "window": {"refine_target": "window", "refine_qk_lr": QK_LR},
+    "layer-corrective": {
+        "refine_target": "layer-corrective",
+        "refine_qk_lr": QK_LR,
+        "refine_loss": "relative",
+    },
+    "window": {"refine_target": "window", "refine_qk_lr": QK_LR, "refine_loss": "relative"},
     "window-corrective": {"refine_target": "window-corrective", "refine_qk_lr": QK_LR},
     "cosine": {"refine_schedule": "cosine", "refine_qk_lr": QK_LR},
+    "layer-qk-lr": {"refine_target": "layer", "refine_qk_lr": QK_LR, "refine_loss": "relative"},
+    "per-token": {"refine_loss": "per-token", "refine_qk_lr": QK_LR},
+    "layer-per-token": {"refine_target": "layer", "refine_loss": "per-token", "refine_qk_lr": QK_LR},
+    "layer-corrective-per-token": {
+        "refine_target": "layer-corrective",
+        "refine_loss": "per-token",
+        "refine_qk_lr": QK_LR,
+    },
+    "window-per-token": {"refine_target": "window", "refine_loss": "per-token", "refine_qk_lr": QK_LR},
 }
 
 

@@ -16,7 +16,8 @@ from gqakit.convert.api import (
     inspect_checkpoint,
 )
 from gqakit.convert.methods import GROUPINGS, METHODS
-from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_SCHEDULES, REFINE_TARGETS
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
+from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
 
 _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 
@@ -87,6 +88,14 @@ _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
     show_default=True,
     help=f"How the --refine-steps rates change over each layer's steps: {REFINE_SCHEDULES.describe()}.",
 )
+@click.option(
+    "--refine-loss",
+    type=click.Choice(REFINE_LOSSES.names),
+    default=None,
+    help=f"How each --refine-steps batch's error is measured: {REFINE_LOSSES.describe()}. Default: the "
+    f"target's own: per-token for {', '.join(REFINE_TARGETS.where(lambda t: t.loss == 'per-token'))} "
+    "(lower with them on both models measured, docs/convert.md), relative for the others.",
+)
 @device_option()
 @force_option()
 def convert_cmd(
@@ -104,6 +113,7 @@ def convert_cmd(
     refine_target: str,
     refine_qk_lr: float | None,
     refine_schedule: str,
+    refine_loss: str | None,
     device: str,
     force: bool,
 ) -> None:
@@ -123,6 +133,7 @@ def convert_cmd(
         refine_target=refine_target,
         refine_qk_lr=refine_qk_lr,
         refine_schedule=refine_schedule,
+        refine_loss=refine_loss,
     )
     res = convert_checkpoint(src, dst, options)
     extra = f", {grouping} grouping" if grouping != "contiguous" else ""

@@ -16,7 +16,7 @@ calibrating the whole model at once (tested). Feeding each layer the hidden stat
 converted so far instead, with the original layer's result on them as the target, as GPTQ-style
 quantizers do, was measured worse on SmolLM2-135M -> MQA (zero-shot test perplexity 110.7 calibrated and
 36.0 refined, against 91.9 and 30.9; CHANGELOG). The corrective refinement targets
-(:data:`~gqakit.convert.refine.REFINE_TARGETS`) carry the converted model's hidden states beside the
+(:data:`~gqakit.convert.refine_names.REFINE_TARGETS`) carry the converted model's hidden states beside the
 original's, and fit each block on them to the original's result on the original's states. The window
 targets also load the next decoder layer (a second layer's weights, read twice from the shards) and fit
 each block through it.
@@ -42,14 +42,15 @@ from gqakit.convert.merge_plan import base_plan, merged_layer
 from gqakit.convert.options import ConvertOptions
 from gqakit.convert.plan import OutputTensor, RegroupSpec, execute, plan_regroup
 from gqakit.convert.refine import (
-    REFINE_TARGETS,
     RefineReport,
     RefineSettings,
     fit_block,
     layer_output,
     split_batches,
     to_float,
+    token_weights,
 )
+from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_TARGETS
 from gqakit.convert.registry import ArchAdapter
 from gqakit.convert.stream import PlanWriter
 from gqakit.geometry import AttentionGeometry
@@ -168,6 +169,7 @@ class _LayerwiseJob:
                 options.refine_target,
                 options.refine_qk_lr,
                 options.refine_schedule,
+                options.refine_loss_used,
             )
             self.fit_runs, check_runs = split_batches(sequences)
         else:
@@ -286,7 +288,8 @@ class _LayerwiseJob:
                 if REFINE_TARGETS[self.refine.target].moves_layer:
                     trained, prefix = layer_copy, self.stream.layer_prefix(i)
                     qk = [f"{self.stream.attention_name}.{q}" for q in qk]
-            fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, trained=trained, qk_params=qk)
+            weights = self._token_weights(pairs)
+            fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, trained, qk, weights)
             self.refined.layers.append({"layer": i, **fitted})  # type: ignore[union-attr]
             del pairs
             by_name = {o.name: o for o in outs}
@@ -304,6 +307,17 @@ class _LayerwiseJob:
         release_memory(self.device)
         self.seconds.append(round(time.perf_counter() - t0, 3))
         return [(out, values.get(out.name)) for out in outs]
+
+    def _token_weights(self, pairs: list[tuple]) -> list[torch.Tensor] | None:
+        """Per batch, the ``per-token`` loss's weights (see REFINE_LOSSES): from the residual state each
+        target token lands in: a whole layer's output is that state; an attention output lands in the
+        block's input state plus itself. None under the ``relative`` loss."""
+        if not REFINE_LOSSES[self.refine.loss].per_token:  # type: ignore[union-attr]
+            return None
+        if self._whole_layer:
+            return [token_weights(t) for _, _, t in pairs]
+        states = self.conv_hidden if self.conv_hidden is not None else self.hidden
+        return [token_weights(s.float() + t) for s, (_, _, t) in zip(states, pairs, strict=True)]
 
     def _corrective_pairs(self, conv_io: list[tuple], orig_io: list[tuple]) -> list[tuple]:
         """Refinement batches that read the converted model's inputs and aim at the original's result.

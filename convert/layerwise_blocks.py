@@ -1,6 +1,6 @@
 """The pieces a layer-wise conversion refines with: the converted attention block built from its planned
 tensors, its query/key-side parameter names, and two decoder layers run as one module (the window
-targets of :data:`~gqakit.convert.refine.REFINE_TARGETS`). Used by :mod:`gqakit.convert.layerwise`."""
+targets of :data:`~gqakit.convert.refine_names.REFINE_TARGETS`). Used by :mod:`gqakit.convert.layerwise`."""
 
 from __future__ import annotations
 

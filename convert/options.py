@@ -7,7 +7,8 @@ from pathlib import Path
 
 from gqakit.cli_options import Problems
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
-from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_SCHEDULES, REFINE_TARGETS
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
+from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS, target_loss
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 
@@ -37,13 +38,16 @@ class ConvertOptions:
             output on the calibration data (``gqakit.convert.refine``); 0 skips it. Needs ``calib_data``.
         refine_lr: the learning rate of those steps.
         refine_target: what each block is fitted to, a name in
-            :data:`~gqakit.convert.refine.REFINE_TARGETS`: ``attention`` (its output), ``layer`` (the whole
-            decoder layer's output, attention and MLP through the residual), ``window`` (the output two
-            layers on)...
+            :data:`~gqakit.convert.refine_names.REFINE_TARGETS`: ``attention`` (its output), ``layer``
+            (the whole decoder layer's output, attention and MLP through the residual), ``window`` (the
+            output two layers on)...
         refine_qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``refine_lr``.
             A fused qkv projection is one tensor and takes ``refine_lr``.
         refine_schedule: how the refinement rates change over each layer's steps, a name in
-            :data:`~gqakit.convert.refine.REFINE_SCHEDULES` (``constant``, ``cosine``).
+            :data:`~gqakit.convert.refine_names.REFINE_SCHEDULES` (``constant``, ``cosine``).
+        refine_loss: how each refinement batch's error is measured, a name in
+            :data:`~gqakit.convert.refine_names.REFINE_LOSSES` (``relative``, ``per-token``); None: the
+            target's own (:func:`~gqakit.convert.refine_names.target_loss`).
     """
 
     groups: int
@@ -60,6 +64,12 @@ class ConvertOptions:
     refine_target: str = "attention"
     refine_qk_lr: float | None = REFINE_QK_LR
     refine_schedule: str = "constant"
+    refine_loss: str | None = None
+
+    @property
+    def refine_loss_used(self) -> str:
+        """The loss the refinement measures with: ``refine_loss``, or the target's own when None."""
+        return target_loss(self.refine_target, self.refine_loss)
 
     @property
     def merged(self) -> bool:
@@ -67,7 +77,14 @@ class ConvertOptions:
         return needs_calibration(self.method, self.grouping)
 
     def validate(self) -> None:
+        """Raise every problem with these options together (:meth:`check`), fields named by their flags."""
         p = Problems("convert")
+        self.check(p)
+        p.raise_if_any()
+
+    def check(self, p: Problems, paths: bool = True) -> None:
+        """Add every problem with these options to ``p``, each field named as ``p`` names it (a recipe
+        names them ``model.convert.*``); ``paths``: whether ``calib_data`` must exist now."""
         f = p.flag
         if self.groups <= 0:
             p.add(f"{f('groups')} must be a positive number of K/V heads, got {self.groups}.")
@@ -83,6 +100,8 @@ class ConvertOptions:
             p.add(f"{f('refine_lr')} must be a positive learning rate, got {self.refine_lr}.")
         p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
         p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
+        if self.refine_loss is not None:
+            p.add(REFINE_LOSSES.unknown(self.refine_loss, f("refine_loss")))
         if self.refine_qk_lr is not None and not self.refine_qk_lr > 0:
             p.add(f"{f('refine_qk_lr')} must be a positive learning rate, got {self.refine_qk_lr}.")
         method = METHODS.get(self.method)
@@ -97,9 +116,10 @@ class ConvertOptions:
             if on
         ]
         if needs and not self.calib_data:
+            verb = "needs" if len(needs) == 1 else "need"
             p.add(
-                f"{' and '.join(needs)} need calibration text: pass {f('calib_data')} FILE (.txt, .jsonl or "
-                ".parquet), e.g. the train split of `gqakit assets fetch wiki-en`."
+                f"{' and '.join(needs)} {verb} calibration text: give {f('calib_data')} FILE (.txt, .jsonl "
+                "or .parquet), e.g. the train split of `gqakit assets fetch wiki-en`."
             )
         if self.calib_data and not needs:
             p.add(
@@ -107,7 +127,7 @@ class ConvertOptions:
                 f"{f('refine_steps')}; add one of them, or drop {f('calib_data')} for {f('method')} "
                 f"{self.method}."
             )
-        if self.calib_data and not Path(self.calib_data).expanduser().is_file():
+        if paths and self.calib_data and not Path(self.calib_data).expanduser().is_file():
             p.add(f"{f('calib_data')} {self.calib_data} does not exist or is not a file.")
         if self.refine_steps > 0 and method is not None and method.fresh:
             p.add(
@@ -124,7 +144,6 @@ class ConvertOptions:
                 f"{f('grouping')} {self.grouping} cannot be combined with {f('method')} {self.method}; use "
                 f"one of {', '.join(MERGE_METHODS)}."
             )
-        p.raise_if_any()
 
 
 def check_groups(geom: AttentionGeometry, groups: int) -> None:

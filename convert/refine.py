@@ -2,8 +2,9 @@
 
 A merge (mean pooling or the calibrated merge) fixes the shared K/V heads in closed form from second
 moments; it cannot see the softmax. Refinement takes the merged weights as a start and runs a few Adam
-steps per layer on one loss: the relative squared error between the converted attention block's output
-and the original's on the calibration text. The block is fitted on its own, like a quantizer's
+steps per layer on one loss: the squared error between the converted block's output and the original's
+on the calibration text, relative to the target's size, over the batch or token by token
+(:data:`REFINE_LOSSES`). The block is fitted on its own, like a quantizer's
 layer-wise reconstruction: no gradient crosses layers, and the layer-by-layer driver
 (:mod:`gqakit.convert.layerwise`) holds one layer's activations at a time. Every parameter of the block
 moves (q/k/v/o weights, biases and norms), so the query and output sides adapt to the shared heads. The
@@ -13,16 +14,15 @@ before and after.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gqakit.convert.calibrate import batches
+from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
 from gqakit.errors import GqakitError
-from gqakit.names import NameTable
 
 BATCH_TOKENS = 1024  # calibration tokens per refinement step
 HELDOUT_FRACTION = 8  # one calibration sequence in 8 (at least one) is held out to stop early
@@ -38,109 +38,6 @@ REFINE_QK_LR = 3e-3
 
 
 @dataclass(frozen=True)
-class RefineTarget:
-    """What a converted block is fitted to, and which weights move.
-
-    Attributes:
-        help: one line for ``--help`` and gqakit.json.
-        whole_layer: fitted to the original decoder layer's output (the converted attention inside a
-            copy of the original layer), not the attention block's.
-        moves_layer: every weight of the decoder layer moves (attention, MLP, norms), not only the
-            attention weights.
-        converted_inputs: the block reads the hidden states of the model converted so far (its layers
-            already refined) and is fitted to the original's result on the original's states, so each
-            layer also corrects what the layers before it lost. The attention block's target is then the
-            original's state after the attention's residual add (input + attention output), less the
-            converted layer's input.
-        window: the block is fitted through two adjacent decoder layers: its own (the converted block in
-            a copy of the original layer) and the next one as the original has it, to the original's
-            output after both; so a block is shaped by what the next layer, softmax included, makes of
-            its error. Implies ``whole_layer``; the last layer, having no next, is fitted to its own output.
-    """
-
-    help: str
-    whole_layer: bool
-    moves_layer: bool = False
-    converted_inputs: bool = False
-    window: bool = False
-
-
-# What a converted attention block is fitted to (``gqakit convert --refine-target``).
-REFINE_TARGETS: NameTable[RefineTarget] = NameTable(
-    "refine target",
-    {
-        "attention": RefineTarget("the original attention block's output, on the original's inputs", False),
-        "layer": RefineTarget(
-            "the original decoder layer's output (attention and MLP through the residual); only the "
-            "attention weights move",
-            True,
-        ),
-        "layer-all": RefineTarget(
-            "the original decoder layer's output; every weight of the layer moves (attention, MLP, norms), "
-            "so the MLP can absorb what the shared heads lose",
-            True,
-            moves_layer=True,
-        ),
-        "attention-corrective": RefineTarget(
-            "the original attention block's output plus the residual drift of the layers before it, on the "
-            "converted model's inputs",
-            False,
-            converted_inputs=True,
-        ),
-        "layer-corrective": RefineTarget(
-            "the original decoder layer's output on the original's inputs, from the converted model's "
-            "inputs; only the attention weights move",
-            True,
-            converted_inputs=True,
-        ),
-        "window": RefineTarget(
-            "the original's output two decoder layers on (this layer, then the next as the original has "
-            "it); only this layer's attention weights move",
-            True,
-            window=True,
-        ),
-        "window-corrective": RefineTarget(
-            "the original's output two decoder layers on, from the converted model's inputs; only this "
-            "layer's attention weights move",
-            True,
-            converted_inputs=True,
-            window=True,
-        ),
-    },
-    summary=lambda t: t.help,
-)
-
-
-@dataclass(frozen=True)
-class RefineSchedule:
-    """How the refinement's learning rates change over a layer's steps.
-
-    Attributes:
-        help: one line for ``--help``.
-        factor: the rates' multiplier at the fraction ``t`` (0 at the first step, 1 after the last) of
-            the layer's steps done.
-    """
-
-    help: str
-    factor: Callable[[float], float]
-
-
-# How the rates change over each layer's steps (``gqakit convert --refine-schedule``).
-REFINE_SCHEDULES: NameTable[RefineSchedule] = NameTable(
-    "refine schedule",
-    {
-        "constant": RefineSchedule("the same rates at every step", lambda t: 1.0),
-        "cosine": RefineSchedule(
-            "the rates fall along a half cosine from their values at the first step to 0 after the last "
-            "(lost to constant rates at 100 steps per layer: docs/convert.md)",
-            lambda t: 0.5 * (1.0 + math.cos(math.pi * t)),
-        ),
-    },
-    summary=lambda s: s.help,
-)
-
-
-@dataclass(frozen=True)
 class RefineSettings:
     """How hard to refine.
 
@@ -152,6 +49,7 @@ class RefineSettings:
         qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``lr``. A fused
             qkv projection is one tensor and takes ``lr``.
         schedule: how the rates change over the steps (:data:`REFINE_SCHEDULES`).
+        loss: how a batch's error is measured (:data:`REFINE_LOSSES`).
     """
 
     steps: int
@@ -160,6 +58,7 @@ class RefineSettings:
     target: str = "attention"
     qk_lr: float | None = None
     schedule: str = "constant"
+    loss: str = "relative"
 
 
 @dataclass
@@ -192,7 +91,8 @@ class RefineReport:
             "target": self.settings.target,
             "qk_lr": self.settings.qk_lr,
             "schedule": self.settings.schedule,
-            "objective": f"per layer, relative squared error against {target.help}; all "
+            "loss": self.settings.loss,
+            "objective": f"per layer, {REFINE_LOSSES[self.settings.loss].help}, against {target.help}; all "
             f"{'decoder-layer' if target.moves_layer else 'attention'} parameters trained; each "
             "layer keeps its weights at the best held-out error (best_step 0: the merge)",
             "attention_error": self.layers,
@@ -215,13 +115,28 @@ def layer_output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def attention_error(module: torch.nn.Module, captured: Sequence[tuple]) -> float:
-    """``sum ||module(x) - y||^2 / sum ||y||^2`` over the captured batches."""
+def token_weights(residual: torch.Tensor) -> torch.Tensor:
+    """Per-token weights of the ``per-token`` loss (:data:`REFINE_LOSSES`): one over the mean square of
+    each token's ``residual`` state (``[..., hidden]``), shaped ``[..., 1]``."""
+    return 1.0 / residual.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12)
+
+
+def _weighted(squares: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """``squares`` with each token's terms multiplied by its ``weight`` (None: as they are)."""
+    return squares if weight is None else squares * weight
+
+
+def attention_error(
+    module: torch.nn.Module, captured: Sequence[tuple], weights: Sequence[torch.Tensor | None] | None = None
+) -> float:
+    """``sum ||module(x) - y||^2 / sum ||y||^2`` over the captured batches, each token's terms multiplied
+    by its weight in ``weights`` (one per batch) when given."""
     num = den = 0.0
     with torch.no_grad():
-        for args, kwargs, target in captured:
-            num += float((layer_output(module(*args, **kwargs)) - target).pow(2).sum())
-            den += float(target.pow(2).sum())
+        for b, (args, kwargs, target) in enumerate(captured):
+            w = weights[b] if weights else None
+            num += float(_weighted((layer_output(module(*args, **kwargs)) - target).pow(2), w).sum())
+            den += float(_weighted(target.pow(2), w).sum())
     return num / den if den > 0 else 0.0
 
 
@@ -232,6 +147,7 @@ def fit_block(
     settings: RefineSettings,
     trained: torch.nn.Module | None = None,
     qk_params: Sequence[str] = (),
+    weights: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Adam on ``module``'s floating parameters towards the ``fit`` batches' outputs, keeping the weights
     that do best on the held-out ``check`` batches.
@@ -247,17 +163,23 @@ def fit_block(
         trained: the module whose parameters move (default ``module``).
         qk_params: names (in ``trained``) of the query/key-side parameters, trained at
             ``settings.qk_lr`` when it is set.
+        weights: per-token weights (``[..., 1]``, see :func:`token_weights`) of the ``fit`` then the
+            ``check`` batches, one per batch, for the ``per-token`` loss; None: unweighted.
 
     Returns:
         Relative errors ``before``/``after`` on the fit batches, ``heldout_before``/``heldout_after`` on
-        the check batches, and ``best_step`` (0: the merge was kept).
+        the check batches (both weighted as the fit is), and ``best_step`` (0: the merge was kept).
     """
+    fit_w, check_w = (weights[: len(fit)], weights[len(fit) :]) if weights is not None else (None, None)
     named = [(n, p) for n, p in (trained or module).named_parameters() if p.is_floating_point()]
     params = [p for _, p in named]
-    before, best = attention_error(module, fit), attention_error(module, check)
+    before, best = attention_error(module, fit, fit_w), attention_error(module, check, check_w)
     heldout_before, best_step = best, 0
     best_params = [p.detach().clone() for p in params]
-    scale = sum(float(t.pow(2).mean()) for _, _, t in fit) / len(fit)
+    scale = sum(
+        float(_weighted(t.pow(2), fit_w[b] if fit_w else None).mean()) for b, (_, _, t) in enumerate(fit)
+    )
+    scale /= len(fit)
     every = max(1, settings.steps // 10)
     gen = torch.Generator().manual_seed(settings.seed)
     for p in params:
@@ -272,16 +194,18 @@ def fit_block(
     for step in range(1, settings.steps + 1):
         if not order:  # a fresh random pass over the batches
             order = torch.randperm(len(fit), generator=gen).tolist()
-        args, kwargs, target = fit[order.pop()]
-        loss = (layer_output(module(*args, **kwargs)) - target).pow(2).mean() / scale
+        b = order.pop()
+        args, kwargs, target = fit[b]
+        err = (layer_output(module(*args, **kwargs)) - target).pow(2)
+        loss = _weighted(err, fit_w[b] if fit_w else None).mean() / scale
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         rates.step()
         if step % every == 0 or step == settings.steps:
-            err = attention_error(module, check)
-            if err < best:  # NaN compares False: a diverged fit is never kept
-                best, best_step = err, step
+            held = attention_error(module, check, check_w)
+            if held < best:  # NaN compares False: a diverged fit is never kept
+                best, best_step = held, step
                 best_params = [p.detach().clone() for p in params]
     for p in params:
         p.requires_grad_(False)
@@ -290,7 +214,7 @@ def fit_block(
             p.copy_(b)
     return {
         "before": round(before, 6),
-        "after": round(attention_error(module, fit), 6),
+        "after": round(attention_error(module, fit, fit_w), 6),
         "heldout_before": round(heldout_before, 6),
         "heldout_after": round(best, 6),
         "best_step": best_step,

@@ -218,6 +218,8 @@ class Problems:
     Args:
         home: the ``gqakit`` command the options belong to (``convert``); its flags name the fields when
             no command is running (a Python caller), the running command's flags otherwise.
+        names: how the fields are named instead of by flags, for options given some other way (a
+            recipe's ``model.convert`` block: ``lambda f: f"model.convert.{f}"``).
 
     ::
 
@@ -227,13 +229,17 @@ class Problems:
         p.raise_if_any()
     """
 
-    def __init__(self, home: str) -> None:
+    def __init__(self, home: str, names: Callable[[str], str] | None = None) -> None:
         self.home = home
+        self.names = names
         self.messages: list[str] = []
         self._flags: dict[str, str] | None = None
 
     def flag(self, field: str) -> str:
-        """How the user gives ``field``: the command's flag for it, else the field's own name."""
+        """How the user gives ``field``: by ``names`` when given, else the command's flag for it, else the
+        field's own name."""
+        if self.names is not None:
+            return self.names(field)
         if self._flags is None:
             self._flags = command_flags(running_command() or load_command(self.home))
         return self._flags.get(field, field)

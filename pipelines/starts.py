@@ -30,7 +30,7 @@ def start_convert_options(
     refine_steps: int,
     device: str = "auto",
     seed: int = 0,
-    refine_target: str = "attention",
+    refine: dict[str, Any] | None = None,
 ) -> ConvertOptions:
     """The ``gqakit convert`` options that make ``start`` with ``groups`` K/V heads.
 
@@ -42,8 +42,9 @@ def start_convert_options(
         refine_steps: refinement steps per layer of the ``refined`` start (ignored by the others).
         device: where the calibrated conversions run.
         seed: the seed of ``random`` and of the refinement's batch order.
-        refine_target: what the ``refined`` start's blocks are fitted to (``gqakit convert
-            --refine-target``).
+        refine: the ``refined`` start's other refinement options, by their
+            :class:`~gqakit.convert.options.ConvertOptions` names (``refine_target``, ``refine_qk_lr``,
+            ``refine_schedule``, ``refine_loss``); the others take none.
     """
     method = "calibrated" if start == REFINED else start
     return ConvertOptions(
@@ -55,14 +56,14 @@ def start_convert_options(
         calib_tokens=calib_tokens,
         refine_steps=refine_steps if start == REFINED else 0,
         device=device,
-        refine_target=refine_target if start == REFINED else "attention",
+        **((refine or {}) if start == REFINED else {}),
     )
 
 
 # Defaults that changed after pipelines first cached conversions under :func:`conversion_key`, with the
 # value the old keys were written against: a conversion made with the old default must miss, one made
 # with the new default must not look like it.
-_KEYED_DEFAULTS: dict[str, Any] = {"refine_qk_lr": None}
+_KEYED_DEFAULTS: dict[str, Any] = {"refine_qk_lr": None, "refine_loss": "relative"}
 
 
 def conversion_key(opts: ConvertOptions) -> dict[str, Any]:
@@ -81,7 +82,8 @@ def conversion_key(opts: ConvertOptions) -> dict[str, Any]:
         unused.update(f.name for f in fields(opts) if f.name.startswith("refine_"))
     key = {}
     for f in fields(opts):
-        value = getattr(opts, f.name)
+        # the loss is keyed as used: None (the target's own) and the name it stands for are one output
+        value = opts.refine_loss_used if f.name == "refine_loss" else getattr(opts, f.name)
         if f.name not in unused and value != _KEYED_DEFAULTS.get(f.name, f.default):
             key[f.name] = value
     return key

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gqakit.convert import ConvertOptions, convert_checkpoint
+from gqakit.convert import convert_checkpoint
 from gqakit.errors import GqakitError
 from gqakit.uptrain.loop import CHECKPOINTS, UptrainLoop, UptrainResult
 from gqakit.uptrain.preflight import (
@@ -84,20 +84,7 @@ def _convert_first(recipe: Recipe, out: Path) -> tuple[str, dict[str, Any]]:
         convert_checkpoint(
             recipe.model.path,
             dst,
-            ConvertOptions(
-                c.groups,
-                c.method,
-                seed=c.seed,
-                force=True,
-                calib_data=expand(c.calib_data) if c.calib_data else None,
-                calib_tokens=c.calib_tokens,
-                grouping=c.grouping,
-                refine_steps=c.refine_steps,
-                refine_lr=c.refine_lr,
-                refine_qk_lr=c.refine_qk_lr,
-                refine_target=c.refine_target,
-                refine_schedule=c.refine_schedule,
-            ),
+            c.options(expand, force=True),
         )
     state.wait_for_everyone()
     return str(dst), {"convert": json.loads((dst / PROVENANCE).read_text())}

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gqakit.convert.methods import GROUPINGS, METHODS, needs_calibration
-from gqakit.convert.refine import REFINE_SCHEDULES, REFINE_TARGETS
+from gqakit.cli_options import Problems
 
 if TYPE_CHECKING:
     from gqakit.uptrain.recipe_schema import Recipe
@@ -32,32 +31,10 @@ def recipe_problems(self: Recipe) -> list[str]:
         )
     if not self.model.path:
         p.append("model.path is empty: give a checkpoint directory or hub id.")
-    if self.model.convert is not None:
-        c = self.model.convert
-        if c.groups < 1:
-            p.append(f"model.convert.groups must be a positive number of K/V heads, got {c.groups}.")
-        p += filter(None, [METHODS.unknown(c.method, "model.convert.method")])
-        p += filter(None, [GROUPINGS.unknown(c.grouping, "model.convert.grouping")])
-        p += filter(None, [REFINE_TARGETS.unknown(c.refine_target, "model.convert.refine_target")])
-        p += filter(None, [REFINE_SCHEDULES.unknown(c.refine_schedule, "model.convert.refine_schedule")])
-        method = METHODS.get(c.method)
-        if (needs_calibration(c.method, c.grouping) or c.refine_steps) and not c.calib_data:
-            p.append(
-                "model.convert.calib_data is needed for method calibrated, grouping similarity or "
-                "refine_steps."
-            )
-        if c.refine_steps < 0:
-            p.append(f"model.convert.refine_steps must be 0 (off) or positive, got {c.refine_steps}.")
-        if not c.refine_lr > 0:
-            p.append(f"model.convert.refine_lr must be a positive learning rate, got {c.refine_lr}.")
-        if c.refine_qk_lr is not None and not c.refine_qk_lr > 0:
-            p.append(
-                f"model.convert.refine_qk_lr must be a positive learning rate or null, got {c.refine_qk_lr}."
-            )
-        if c.refine_steps > 0 and method is not None and method.fresh:
-            p.append(
-                "model.convert.refine_steps cannot start from method random; use method calibrated or mean."
-            )
+    if self.model.convert is not None:  # convert's own rules, its fields named as the recipe names them
+        convert = Problems("convert", names=lambda f: f"model.convert.{f}")
+        self.model.convert.options().check(convert, paths=False)
+        p += convert.messages
     if not self.output_dir:
         p.append("output_dir is empty.")
     if bool(d.files) == bool(d.hub):

@@ -8,11 +8,13 @@ and overrides are in :mod:`gqakit.uptrain.recipe`, the rules that involve severa
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
 
+from gqakit.convert.options import ConvertOptions
 from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.errors import GqakitError
 
@@ -54,9 +56,14 @@ class ConvertConfig:
         refine_lr: their learning rate.
         refine_qk_lr: the query/key side's learning rate (``--refine-qk-lr``); null: ``refine_lr``.
         refine_target: what each block is fitted to (``--refine-target``,
-            :data:`gqakit.convert.refine.REFINE_TARGETS`).
+            :data:`gqakit.convert.refine_names.REFINE_TARGETS`).
         refine_schedule: how the rates change over each layer's steps (``--refine-schedule``,
-            :data:`gqakit.convert.refine.REFINE_SCHEDULES`).
+            :data:`gqakit.convert.refine_names.REFINE_SCHEDULES`).
+        refine_loss: how each refinement batch's error is measured (``--refine-loss``,
+            :data:`gqakit.convert.refine_names.REFINE_LOSSES`); null: the target's own.
+
+    Every field is the :class:`~gqakit.convert.options.ConvertOptions` field of its name, and is checked
+    by its rules (:meth:`options`).
     """
 
     groups: int
@@ -70,6 +77,15 @@ class ConvertConfig:
     refine_qk_lr: float | None = REFINE_QK_LR
     refine_target: str = "attention"
     refine_schedule: str = "constant"
+    refine_loss: str | None = None
+
+    def options(self, expand: Callable[[str], str] = str, force: bool = False) -> ConvertOptions:
+        """The ``gqakit convert`` options this block asks for, ``calib_data`` passed through ``expand``
+        (the recipe's ``${VAR}`` expansion, at run time)."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.calib_data:
+            given["calib_data"] = expand(self.calib_data)
+        return ConvertOptions(**given, force=force)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from gqakit.cli_options import (
     wheelhouse_option,
     work_dir_option,
 )
-from gqakit.convert.refine import REFINE_TARGETS
+from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
 from gqakit.pipelines.recovery.options import DEFAULT_STARTS, OBJECTIVES, PRECISIONS, RecoveryOptions
 from gqakit.pipelines.recovery.run import run_recovery
 from gqakit.pipelines.starts import STARTS
@@ -113,6 +113,28 @@ def _default(name: str) -> Any:
     default=_default("refine_target"),
     show_default=True,
     help="What the refined start's blocks are fitted to (gqakit convert --refine-target).",
+)
+@click.option(
+    "--refine-qk-lr",
+    type=float,
+    default=_default("refine_qk_lr"),
+    show_default=True,
+    help="The refined start's query/key-side refinement rate (gqakit convert --refine-qk-lr).",
+)
+@click.option(
+    "--refine-schedule",
+    type=click.Choice(REFINE_SCHEDULES.names),
+    default=_default("refine_schedule"),
+    show_default=True,
+    help="How the refined start's refinement rates change over each layer's steps (gqakit convert "
+    "--refine-schedule).",
+)
+@click.option(
+    "--refine-loss",
+    type=click.Choice(REFINE_LOSSES.names),
+    default=_default("refine_loss"),
+    help="How the refined start's refinement measures each batch's error (gqakit convert --refine-loss; "
+    "default: the target's own).",
 )
 @click.option(
     "--checkpoint-every",

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 
 from gqakit.cli_options import Problems
-from gqakit.convert.refine import REFINE_TARGETS
+from gqakit.convert.refine import REFINE_QK_LR
+from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
 from gqakit.pipelines.starts import REFINED, STARTS
 
 DEFAULT_STARTS = ("mean", "calibrated", REFINED)
@@ -40,7 +42,8 @@ class RecoveryOptions:
         evals_per_decade: log-spaced held-out evaluations per factor of ten tokens.
         eval_tokens: held-out tokens per evaluation.
         calib_tokens, refine_steps: the calibrated and refined conversions.
-        refine_target: what the refined start's blocks are fitted to (``gqakit convert --refine-target``).
+        refine_target, refine_qk_lr, refine_schedule, refine_loss: the refined start's refinement
+            (``gqakit convert --refine-target`` and the others of those names).
         checkpoint_every: steps between resumable checkpoints of each run.
         out, work_dir: the report, and the checkpoints and cached results (a rerun reuses them).
         fresh: recompute everything.
@@ -67,6 +70,9 @@ class RecoveryOptions:
     calib_tokens: int = 4096
     refine_steps: int = 200
     refine_target: str = "attention"
+    refine_qk_lr: float = REFINE_QK_LR
+    refine_schedule: str = "constant"
+    refine_loss: str | None = None
     checkpoint_every: int = 25
     out: Path = Path("recovery-report")
     work_dir: Path = Path("recovery-work")
@@ -86,6 +92,12 @@ class RecoveryOptions:
     def steps(self) -> int:
         """Optimizer steps per start: ``tokens`` rounded up to whole steps."""
         return -(-self.tokens // self.tokens_per_step)
+
+    @property
+    def refine(self) -> dict[str, Any]:
+        """The refined start's refinement options, by their ``gqakit convert`` option names."""
+        names = ("refine_target", "refine_qk_lr", "refine_schedule", "refine_loss")
+        return {name: getattr(self, name) for name in names}
 
     def lr_of(self, start: str) -> float:
         """The peak learning rate of ``start``: its own from ``start_lr``, else ``lr``."""
@@ -124,6 +136,11 @@ class RecoveryOptions:
         if self.objective not in OBJECTIVES:
             p.add(f"{f('objective')} {self.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}.")
         p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
+        p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
+        if self.refine_loss is not None:
+            p.add(REFINE_LOSSES.unknown(self.refine_loss, f("refine_loss")))
+        if not self.refine_qk_lr > 0:
+            p.add(f"{f('refine_qk_lr')} must be a positive learning rate, got {self.refine_qk_lr}.")
         if self.precision not in PRECISIONS:
             p.add(f"{f('precision')} {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
         for name in (

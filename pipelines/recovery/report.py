@@ -91,11 +91,17 @@ def write_report(
     # the rates the refined start is converted with: those of the options that convert it
     refined = start_convert_options(
         REFINED, o.groups, calib_data=None, calib_tokens=o.calib_tokens, refine_steps=o.refine_steps,
-        refine_target=o.refine_target,
+        refine=o.refine,
     )  # fmt: skip
     rates = f"{refined.refine_lr:g}, query/key {refined.refine_qk_lr or refined.refine_lr:g}"
-    # named only where it is not the default, so that reports of default runs render as before
-    target = f", fitted to {refined.refine_target}" if refined.refine_target != "attention" else ""
+    # named only where they are not the defaults, so that reports of default runs render as before
+    target = "".join(
+        f", {what}" for what, on in (
+            (f"fitted to {refined.refine_target}", refined.refine_target != "attention"),
+            (f"{refined.refine_schedule} schedule", refined.refine_schedule != "constant"),
+            (f"{refined.refine_loss_used} loss", refined.refine_loss_used != "relative"),
+        ) if on
+    )  # fmt: skip
     versions = {
         "gqakit": __version__,
         "torch": torch.__version__,
@@ -213,6 +219,8 @@ Machine-readable figures: `results.json`.
             "refine_lr": refined.refine_lr,
             "refine_qk_lr": refined.refine_qk_lr,
             "refine_target": refined.refine_target,
+            "refine_schedule": refined.refine_schedule,
+            "refine_loss": refined.refine_loss_used,
             "seed": o.seed,
             "data": o.data and str(o.data),
         },  # fmt: skip

@@ -60,7 +60,7 @@ def start_options(o: RecoveryOptions, start: str, calibration: Path) -> ConvertO
     """The ``gqakit convert`` options of ``start`` in this recovery run."""
     return start_convert_options(
         start, o.groups, calib_data=str(calibration), calib_tokens=o.calib_tokens,
-        refine_steps=o.refine_steps, device=o.device, seed=o.seed, refine_target=o.refine_target,
+        refine_steps=o.refine_steps, device=o.device, seed=o.seed, refine=o.refine,
     )  # fmt: skip
 
 

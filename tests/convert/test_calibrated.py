@@ -252,7 +252,7 @@ def test_merge_functions_round_trip_identical_heads():
 
 
 def test_calibrated_without_data_is_a_clear_error(tiny_llama, tmp_path):
-    with pytest.raises(GqakitError, match="--method calibrated need calibration text: pass --calib-data"):
+    with pytest.raises(GqakitError, match="--method calibrated needs calibration text: give --calib-data"):
         convert_checkpoint(tiny_llama, tmp_path / "o", ConvertOptions(groups=2, method="calibrated"))
     assert not (tmp_path / "o").exists()
 

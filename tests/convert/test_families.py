@@ -132,6 +132,13 @@ def test_bigcode_targets_hold_only_mqa_or_mha(tmp_path):
     assert (
         res.exit_code == 2 and "every head is in the one group and there is nothing to choose" in res.output
     )
+    res = _convert(
+        src, tmp_path / "out", "-g", "1", *calib, "--refine-steps", "5", "--refine-loss", "per-token"
+    )
+    assert res.exit_code == 2
+    assert (
+        "--refine-loss per-token: a gpt_bigcode target is refined with the relative loss only" in res.output
+    )
     assert not (tmp_path / "out").exists()
 
 

@@ -15,7 +15,8 @@ from gqakit.checkpoint import resolve_checkpoint
 from gqakit.cli import main
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint
 from gqakit.convert.decoder_stream import DecoderStream
-from gqakit.convert.refine import REFINE_LR, RefineSettings, fit_block
+from gqakit.convert.refine import REFINE_LR, RefineSettings, fit_block, token_weights
+from gqakit.convert.refine_names import REFINE_TARGETS
 from gqakit.errors import GqakitError
 from gqakit.pipelines.probe import attention_errors
 from gqakit.testing import TINY_TEXT, checkpoint_tensors, tiny_model, tiny_tokenizer
@@ -194,7 +195,12 @@ def _final_hidden_error(src, converted) -> float:
 def test_corrective_targets_read_the_converted_states_and_correct_the_layers_before(
     sharp_llama, tmp_path, calib_txt, corrective, plain
 ):
-    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
+    # one loss for both, so that only where the blocks read their states differs (the whole-layer targets'
+    # own loss is per-token; the corrective end-to-end figure below is measured in relative terms)
+    opts = dict(
+        groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60,
+        refine_loss="relative",
+    )  # fmt: skip
     convert_checkpoint(sharp_llama, tmp_path / "plain", ConvertOptions(refine_target=plain, **opts))
     res = convert_checkpoint(sharp_llama, tmp_path / "corr", ConvertOptions(refine_target=corrective, **opts))
     assert res.provenance["refine"]["target"] == corrective
@@ -255,6 +261,54 @@ def test_the_schedule_sets_each_steps_rates(monkeypatch, schedule):
         assert all(a > b for a, b in zip(qk, qk[1:], strict=False))  # falls at every step
         assert qk[10] == pytest.approx(1.5e-3) and rest[10] == pytest.approx(0.5e-3)  # halfway: half
         assert qk[-1] < 3e-3 * 0.01  # the last step moves by under 1% of the first's rate
+
+
+def test_the_per_token_loss_keeps_a_massive_token_from_owning_the_fit():
+    """A first token held at ~100x the others' size (a model's massive activation) with a target no
+    linear map reaches: the relative loss spends the fit on it, the per-token loss on the rest."""
+    torch.manual_seed(0)
+    true = torch.randn(8, 8)
+
+    def batch() -> tuple:
+        x = torch.randn(2, 16, 8)
+        y = x @ true.T
+        y[:, 0] = 300 * torch.randn(2, 8)
+        return (x,), {}, y
+
+    data = [batch() for _ in range(5)]
+    ordinary = {}
+    for loss, weights in (("relative", None), ("per-token", [token_weights(t) for _, _, t in data])):
+        torch.manual_seed(1)
+        block = torch.nn.Linear(8, 8, bias=False)
+        fit_block(block, data[:4], data[4:], RefineSettings(steps=300, lr=3e-2, loss=loss), weights=weights)
+        (x,), _, y = data[4]
+        with torch.no_grad():  # held-out relative error on the ordinary tokens
+            ordinary[loss] = float((block(x)[:, 1:] - y[:, 1:]).pow(2).sum() / y[:, 1:].pow(2).sum())
+    assert ordinary["per-token"] < 0.01 < ordinary["relative"], ordinary
+
+
+def test_whole_layer_targets_fit_per_token_unless_told_and_only_attention_moves(
+    sharp_llama, tmp_path, calib_txt
+):
+    assert {t: ConvertOptions(1, refine_target=t).refine_loss_used for t in REFINE_TARGETS.names} == {
+        "attention": "relative", "layer": "per-token", "layer-all": "relative",
+        "attention-corrective": "relative", "layer-corrective": "per-token", "window": "per-token",
+        "window-corrective": "relative",
+    }  # fmt: skip
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=40)
+    res = {
+        name: convert_checkpoint(
+            sharp_llama, tmp_path / name, ConvertOptions(refine_target="layer", refine_loss=loss, **opts)
+        )
+        for name, loss in (("relative", "relative"), ("default", None))
+    }
+    rec = res["default"].provenance["refine"]
+    assert (rec["loss"], res["relative"].provenance["refine"]["loss"]) == ("per-token", "relative")
+    assert "mean square of the residual state" in rec["objective"]
+    a, b = checkpoint_tensors(tmp_path / "relative"), checkpoint_tensors(tmp_path / "default")
+    assert any(not torch.equal(a[k], b[k]) for k in a if ".self_attn." in k)  # weighted differently
+    assert all(torch.equal(a[k], b[k]) for k in a if ".self_attn." not in k)
+    assert all(r["heldout_after"] <= r["heldout_before"] for r in rec["attention_error"])
 
 
 def test_a_cosine_schedule_is_recorded_and_ends_on_small_steps(sharp_llama, tmp_path, calib_txt):
@@ -361,17 +415,19 @@ def test_refine_options_are_checked_together(tiny_llama, tmp_path):
     assert "--refine-lr must be a positive learning rate, got 0.0" in msg
     assert not (tmp_path / "o").exists()
     bad = ConvertOptions(
-        groups=2, method="calibrated", refine_target="mlp", refine_qk_lr=-1.0, refine_schedule="linear"
-    )
+        groups=2, method="calibrated", refine_target="mlp", refine_qk_lr=-1.0, refine_schedule="linear",
+        refine_loss="l1",
+    )  # fmt: skip
     with pytest.raises(GqakitError) as e:
         convert_checkpoint(tiny_llama, tmp_path / "o", bad)
     assert "--refine-target 'mlp' is unknown; choose one of attention, layer" in e.value.message
     assert "--refine-qk-lr must be a positive learning rate, got -1.0" in e.value.message
     assert "--refine-schedule 'linear' is unknown; choose one of constant, cosine" in e.value.message
+    assert "--refine-loss 'l1' is unknown; choose one of relative, per-token" in e.value.message
 
 
 def test_refine_without_data_or_from_random_is_a_clear_error(tiny_llama, tmp_path, calib_txt):
-    with pytest.raises(GqakitError, match="--refine-steps need calibration text: pass --calib-data"):
+    with pytest.raises(GqakitError, match="--refine-steps needs calibration text: give --calib-data"):
         convert_checkpoint(tiny_llama, tmp_path / "o", ConvertOptions(groups=2, refine_steps=10))
     with pytest.raises(GqakitError, match="--refine-steps cannot start from --method random"):
         convert_checkpoint(

@@ -119,6 +119,13 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
     assert original.stat().st_mtime_ns == stamp and fourth.original_ppl == first.original_ppl
     assert "Only one start was run: nothing to compare it with" in fourth.report.read_text()
 
+    # The refined start's refinement options change that start only, and the report names them.
+    fifth = run_recovery(options(tiny, tmp_path, [], starts=("mean", "refined"), refine_loss="per-token"))
+    res5 = json.loads(fifth.results_json.read_text())
+    assert res5["starts"]["mean"]["points"] == results["starts"]["mean"]["points"]
+    assert res5["starts"]["refined"]["points"][0] != results["starts"]["refined"]["points"][0]
+    assert res5["settings"]["refine_loss"] == "per-token" and "per-token loss" in fifth.report.read_text()
+
 
 def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
     from gqakit.uptrain.loop import UptrainLoop
@@ -195,6 +202,12 @@ def test_options_from_python_name_the_flags():
         GqakitError, match="--refine-target 'layers' is unknown; choose one of attention, layer"
     ):
         RecoveryOptions(src="x", groups=1, refine_target="layers").validate()
+    with pytest.raises(GqakitError) as e:
+        bad = {"refine_loss": "l2", "refine_schedule": "step", "refine_qk_lr": 0}
+        RecoveryOptions(src="x", groups=1, **bad).validate()
+    assert "--refine-loss 'l2' is unknown; choose one of relative, per-token" in e.value.message
+    assert "--refine-schedule 'step' is unknown; choose one of constant, cosine" in e.value.message
+    assert "--refine-qk-lr must be a positive learning rate, got 0" in e.value.message
     assert math.isclose(RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).lr_of("refined"), 1e-4)
 
 

@@ -45,12 +45,20 @@ def test_a_refined_conversion_at_the_new_query_key_rate_misses_caches_keyed_befo
     assert "refine_qk_lr" not in conversion_key(old)
 
 
-def test_the_refine_target_keys_the_refined_start_only():
-    assert (
-        conversion_key(_opts("refined", refine_target="layer-corrective"))["refine_target"]
-        == "layer-corrective"
-    )
-    assert "refine_target" not in conversion_key(_opts("refined"))  # the default keeps cached starts valid
-    assert conversion_key(_opts("calibrated", refine_target="layer-corrective")) == conversion_key(
-        _opts("calibrated")
-    )
+def test_the_refinement_options_key_the_refined_start_only():
+    refine = {"refine_target": "layer-corrective", "refine_schedule": "cosine", "refine_loss": "per-token"}
+    key = conversion_key(_opts("refined", refine=refine))
+    assert {k: key[k] for k in refine} == refine
+    # the defaults keep cached starts valid
+    assert not set(refine) & set(conversion_key(_opts("refined", refine={"refine_loss": "relative"})))
+    assert conversion_key(_opts("calibrated", refine=refine)) == conversion_key(_opts("calibrated"))
+
+
+def test_the_loss_is_keyed_as_used():
+    # a whole-layer target's own loss (per-token) is keyed by its name, so conversions cached when that
+    # target fitted with the relative loss (keyed without one) miss, and naming it changes nothing
+    layer = {"refine_target": "layer-corrective"}
+    own = conversion_key(_opts("refined", refine=layer))
+    assert own["refine_loss"] == "per-token"
+    assert own == conversion_key(_opts("refined", refine={**layer, "refine_loss": "per-token"}))
+    assert "refine_loss" not in conversion_key(_opts("refined", refine={**layer, "refine_loss": "relative"}))

@@ -83,10 +83,12 @@ def test_convert_first_refines_when_the_recipe_asks(recipe, assets):
         "model.convert.refine_steps=3",
         "model.convert.refine_target=layer",
         "model.convert.refine_schedule=cosine",
+        "model.convert.refine_loss=per-token",
     )
     prov = json.loads((uptrain(r).output_dir / "gqakit.json").read_text())
     assert prov["convert"]["method"] == "calibrated" and prov["convert"]["refine"]["steps"] == 3
-    assert (prov["convert"]["refine"]["target"], prov["convert"]["refine"]["schedule"]) == ("layer", "cosine")
+    refine = prov["convert"]["refine"]
+    assert (refine["target"], refine["schedule"], refine["loss"]) == ("layer", "cosine", "per-token")
 
 
 def test_runs_of_different_precision_in_one_process(recipe, tmp_path):

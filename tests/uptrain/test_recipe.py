@@ -158,7 +158,9 @@ def test_convert_block_takes_calibrated_options_and_checks_them():
     with pytest.raises(RecipeError) as e:
         load_recipe(TINY_RECIPE, ["model.convert={groups: 1, method: calibrated, grouping: nearest}"])
     assert "model.convert.grouping 'nearest' is unknown" in str(e.value)
-    assert "model.convert.calib_data is needed" in str(e.value)
+    assert "model.convert.method calibrated needs calibration text: give model.convert.calib_data" in str(
+        e.value
+    )
 
 
 def test_convert_block_takes_refinement_and_checks_it():
@@ -167,30 +169,29 @@ def test_convert_block_takes_refinement_and_checks_it():
         [
             "model.convert={groups: 1, method: calibrated, calib_data: /c.txt, "
             "refine_steps: 200, refine_lr: 3e-4, refine_qk_lr: null, refine_target: layer-corrective, "
-            "refine_schedule: cosine}"
+            "refine_schedule: cosine, refine_loss: per-token}"
         ],
     )
     c = r.model.convert
     assert (c.refine_steps, c.refine_lr, c.refine_qk_lr) == (200, 3e-4, None)
-    assert (c.refine_target, c.refine_schedule) == ("layer-corrective", "cosine")
+    assert (c.refine_target, c.refine_schedule, c.refine_loss) == ("layer-corrective", "cosine", "per-token")
     with pytest.raises(RecipeError) as e:
         load_recipe(
             TINY_RECIPE,
             [
                 "model.convert={groups: 1, refine_steps: -5, refine_lr: 0, refine_qk_lr: -1, "
-                "refine_target: mlp, refine_schedule: linear}"
+                "refine_target: mlp, refine_schedule: linear, refine_loss: l1}"
             ],
         )
     msg = str(e.value)
     assert "model.convert.refine_target 'mlp' is unknown; choose one of attention, layer" in msg
     assert "model.convert.refine_schedule 'linear' is unknown; choose one of constant, cosine" in msg
     assert "model.convert.refine_lr must be a positive learning rate, got 0" in msg
-    assert "model.convert.refine_qk_lr must be a positive learning rate or null, got -1" in msg
-    assert "model.convert.refine_steps must be 0 (off) or positive, got -5" in msg
-    assert (
-        "model.convert.calib_data is needed for method calibrated, grouping similarity or refine_steps" in msg
-    )
-    with pytest.raises(RecipeError, match="refine_steps cannot start from method random"):
+    assert "model.convert.refine_loss 'l1' is unknown; choose one of relative, per-token" in msg
+    assert "model.convert.refine_qk_lr must be a positive learning rate, got -1" in msg
+    assert "model.convert.refine_steps must be 0 (off) or a positive step count, got -5" in msg
+    random = "model.convert.refine_steps cannot start from model.convert.method random"
+    with pytest.raises(RecipeError, match=random):
         load_recipe(
             TINY_RECIPE, ["model.convert={groups: 1, method: random, refine_steps: 5, calib_data: /c.txt}"]
         )
