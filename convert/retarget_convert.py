@@ -70,7 +70,7 @@ def retarget_problems(ckpt: Checkpoint, retarget: Retarget, options: ConvertOpti
                 f"{p.flag('refine_target')} {options.refine_target}: a {retarget.target} target is refined "
                 "against the attention output only."
             )
-        if options.refine_steps and options.refine_loss_used != "relative":
+        if options.refine_steps and options.refine_loss not in (None, "relative"):  # (a target's own: above)
             p.add(
                 f"{p.flag('refine_loss')} {options.refine_loss}: a {retarget.target} target is refined with "
                 "the relative loss only (its blocks are fitted without the residual states)."

@@ -222,4 +222,5 @@ def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversio
     assert "--refine-target layer: a gpt_bigcode target is refined against the attention output only" in (
         result.output
     ), result.output
+    assert "--refine-loss" not in result.output  # the target's own loss is the target's problem, said once
     assert not (tmp_path / "w" / "models").exists() and not (tmp_path / "o").exists()
