@@ -17,7 +17,10 @@ result on the first ``--eval-tokens`` tokens of held-out text, beside the origin
   (the loss they were first measured with; their default is now ``per-token``);
 * ``per-token``, ``layer-per-token``, ``layer-corrective-per-token``, ``window-per-token``: ``qk-lr``,
   ``layer``, ``layer-corrective`` and ``window`` with ``--refine-loss per-token`` (each token's error
-  over the mean square of the residual state it lands in).
+  over the mean square of the residual state it lands in);
+* ``layer-all-per-token``: ``layer-all`` with ``--refine-loss per-token``; ``layer-all-corrective`` and
+  ``layer-all-corrective-per-token``: that target (every weight of the layer moves, on the converted
+  model's states) with each loss.
 
     C=${GQAKIT_CACHE:-~/.cache/gqakit}
     python benchmarks/bench_refine_variants.py --model smollm2-135m --groups 1 --steps 100 \\
@@ -84,6 +87,17 @@ VARIANTS = {
         "refine_qk_lr": QK_LR,
     },
     "window-per-token": {"refine_target": "window", "refine_loss": "per-token", "refine_qk_lr": QK_LR},
+    "layer-all-per-token": {"refine_target": "layer-all", "refine_loss": "per-token", "refine_qk_lr": QK_LR},
+    "layer-all-corrective": {
+        "refine_target": "layer-all-corrective",
+        "refine_loss": "relative",
+        "refine_qk_lr": QK_LR,
+    },
+    "layer-all-corrective-per-token": {
+        "refine_target": "layer-all-corrective",
+        "refine_loss": "per-token",
+        "refine_qk_lr": QK_LR,
+    },
 }
 
 

@@ -60,6 +60,14 @@ REFINE_TARGETS: NameTable[RefineTarget] = NameTable(
             True,
             moves_layer=True,
         ),
+        "layer-all-corrective": RefineTarget(
+            "the original decoder layer's output on the original's inputs, from the converted model's "
+            "inputs; every weight of the layer moves (attention, MLP, norms)",
+            True,
+            moves_layer=True,
+            converted_inputs=True,
+            loss="per-token",
+        ),
         "attention-corrective": RefineTarget(
             "the original attention block's output plus the residual drift of the layers before it, on the "
             "converted model's inputs",

@@ -131,9 +131,12 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path, calib_txt):
     assert len(prov["layerwise"]["seconds_per_layer"]) == 14
 
 
-# layer-corrective carries the converted model's hidden states from layer to layer too; the window
-# targets read the next layer, whose arguments a resumed run must still have
-@pytest.mark.parametrize("target", ["attention", "layer-corrective", "window-corrective"])
+# layer-corrective carries the converted model's hidden states from layer to layer too (layer-all-corrective
+# states made by a moved MLP); the window targets read the next layer, whose arguments a resumed run must
+# still have
+@pytest.mark.parametrize(
+    "target", ["attention", "layer-corrective", "layer-all-corrective", "window-corrective"]
+)
 def test_a_killed_conversion_resumes_at_the_first_unfinished_layer(
     tmp_path, calib_txt, monkeypatch, capsys, target
 ):

@@ -216,6 +216,28 @@ def test_corrective_targets_read_the_converted_states_and_correct_the_layers_bef
     assert err_corr < err_plain, (err_corr, err_plain)
 
 
+def test_layer_all_corrective_moves_whole_layers_on_the_converted_states(sharp_llama, tmp_path, calib_txt):
+    opts = dict(
+        groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60,
+        refine_loss="relative",
+    )  # fmt: skip
+    convert_checkpoint(sharp_llama, tmp_path / "plain", ConvertOptions(refine_target="layer-all", **opts))
+    res = convert_checkpoint(
+        sharp_llama, tmp_path / "corr", ConvertOptions(refine_target="layer-all-corrective", **opts)
+    )
+    assert "all decoder-layer parameters trained" in res.provenance["refine"]["objective"]
+    src, a, b = (checkpoint_tensors(p) for p in (sharp_llama, tmp_path / "plain", tmp_path / "corr"))
+    # layer 0 reads the same states either way; layer 1 reads the converted model's, MLP included
+    assert all(torch.equal(a[k], b[k]) for k in a if ".layers.0." in k)
+    assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.1.mlp." in k)
+    assert any(not torch.equal(src[k], b[k]) for k in b if ".mlp." in k)
+    assert all(torch.equal(src[k], b[k]) for k in b if ".layers." not in k)  # embedding, head, final norm
+    # end to end on held-out text, the last hidden state is closer to the original's
+    err_plain = _final_hidden_error(sharp_llama, tmp_path / "plain")
+    err_corr = _final_hidden_error(sharp_llama, tmp_path / "corr")
+    assert err_corr < err_plain, (err_corr, err_plain)
+
+
 def test_window_target_fits_each_block_through_the_next_layer(sharp_llama, tmp_path, calib_txt):
     res = _beside_layer(sharp_llama, tmp_path, calib_txt, "window")
     assert "two decoder layers on" in res.provenance["refine"]["objective"]
@@ -292,7 +314,8 @@ def test_whole_layer_targets_fit_per_token_unless_told_and_only_attention_moves(
 ):
     assert {t: ConvertOptions(1, refine_target=t).refine_loss_used for t in REFINE_TARGETS.names} == {
         "attention": "relative", "layer": "per-token", "layer-all": "relative",
-        "attention-corrective": "relative", "layer-corrective": "per-token", "window": "per-token",
+        "layer-all-corrective": "per-token", "attention-corrective": "relative",
+        "layer-corrective": "per-token", "window": "per-token",
         "window-corrective": "relative",
     }  # fmt: skip
     opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=40)
