@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from gqakit import __version__
+from gqakit.convert import ConvertOptions
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, savings
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
@@ -94,12 +95,14 @@ def write_report(
         refine=o.refine,
     )  # fmt: skip
     rates = f"{refined.refine_lr:g}, query/key {refined.refine_qk_lr or refined.refine_lr:g}"
-    # named only where they are not the defaults, so that reports of default runs render as before
-    target = "".join(
+    # named only where they differ from a default conversion's, so that reports of default runs render as
+    # before (a target's own loss is named: it is not the default target's)
+    default = ConvertOptions(o.groups)
+    choices = "".join(
         f", {what}" for what, on in (
-            (f"fitted to {refined.refine_target}", refined.refine_target != "attention"),
-            (f"{refined.refine_schedule} schedule", refined.refine_schedule != "constant"),
-            (f"{refined.refine_loss_used} loss", refined.refine_loss_used != "relative"),
+            (f"fitted to {refined.refine_target}", refined.refine_target != default.refine_target),
+            (f"{refined.refine_schedule} schedule", refined.refine_schedule != default.refine_schedule),
+            (f"{refined.refine_loss_used} loss", refined.refine_loss_used != default.refine_loss_used),
         ) if on
     )  # fmt: skip
     versions = {
@@ -187,7 +190,7 @@ Held-out perplexity (and its multiple of the original's) after each number of up
 ## Settings
 
 - source: `{inputs.src}`; groups {o.groups}; starts {", ".join(o.starts)} (calibration {o.calib_tokens:,}
-  tokens, refinement {o.refine_steps} steps per layer at {rates}{target})
+  tokens, refinement {o.refine_steps} steps per layer at {rates}{choices})
 - text: train `{inputs.train}`, calibration `{inputs.calibration}`, held out `{inputs.heldout}`
 - seed {o.seed}; precision {precision}; device {o.device}
 - wall time: the conversions and uptraining runs took {fmt_duration(figures_s)} together; this run of the
