@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 import time
@@ -38,16 +39,19 @@ def main() -> None:
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args()
 
+    from gqakit.errors import GqakitError
     from gqakit.eval.perplexity import perplexity
     from gqakit.models import load_causal_lm, load_tokenizer
     from gqakit.text import load_texts
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    torch.manual_seed(0)
-    tok = load_tokenizer(args.original)
-    texts = load_texts(args.ppl_data)
-    original = load_causal_lm(args.original, dtype="float32", device="cpu").eval()
-    converted = load_causal_lm(args.converted, dtype="float32", device="cpu").eval()
+    try:  # a missing path or unreadable text: gqakit's one-line message, not a traceback
+        tok = load_tokenizer(args.original)
+        texts = load_texts(args.ppl_data)
+        original = load_causal_lm(args.original, dtype="float32", device="cpu").eval()
+        converted = load_causal_lm(args.converted, dtype="float32", device="cpu").eval()
+    except GqakitError as e:
+        sys.exit(f"Error: {e.message}")
     layers_a, layers_b = original.model.layers, converted.model.layers
     if len(layers_a) != len(layers_b):
         sys.exit(f"{args.converted} has {len(layers_b)} layers and {args.original} {len(layers_a)}.")
@@ -74,9 +78,9 @@ def main() -> None:
         print(f"layer {i}: alone {alone:.3f}, restored {restored:.3f}", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - start
 
-    log_gap = torch.tensor(full / base).log().item()
-    alone_sum = sum(torch.tensor(r["alone"] / base).log().item() for r in rows)
-    restored_sum = sum(torch.tensor(full / r["restored"]).log().item() for r in rows)
+    log_gap = math.log(full / base)
+    alone_sum = sum(math.log(r["alone"] / base) for r in rows)
+    restored_sum = sum(math.log(full / r["restored"]) for r in rows)
     print(command)
     print(
         f"original {base:.3f}; converted {full:.3f} ({full / base:.3f}x); {args.max_tokens} tokens of "
@@ -89,7 +93,7 @@ def main() -> None:
     print("| layer | alone | x original | restored | x original | share of the log gap (restored) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        share = torch.tensor(full / r["restored"]).log().item() / log_gap
+        share = math.log(full / r["restored"]) / log_gap
         print(
             f"| {r['layer']} | {r['alone']:.3f} | {r['alone'] / base:.4f} | {r['restored']:.3f} | "
             f"{r['restored'] / base:.4f} | {share:.1%} |"
