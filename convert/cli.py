@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from gqakit.cli_options import device_option, dtype_option, force_option, seed_option
+from gqakit.cli_options import device_option, dtype_option, force_option, progress_option, seed_option
 from gqakit.convert.api import (
     DTYPE_CHOICES,
     ConvertOptions,
@@ -98,6 +98,7 @@ _STORAGE_DTYPE = "Output dtype of floating tensors (pooling runs in float32)."
 )
 @device_option()
 @force_option()
+@progress_option()
 def convert_cmd(
     src: str,
     dst: str,
@@ -116,6 +117,7 @@ def convert_cmd(
     refine_loss: str | None,
     device: str,
     force: bool,
+    progress: bool,
 ) -> None:
     """Convert SRC (directory, .gguf file or hub id) to GROUPS K/V heads in DST."""
     options = ConvertOptions(
@@ -135,7 +137,7 @@ def convert_cmd(
         refine_schedule=refine_schedule,
         refine_loss=refine_loss,
     )
-    res = convert_checkpoint(src, dst, options)
+    res = convert_checkpoint(src, dst, options, progress=progress)
     extra = f", {grouping} grouping" if grouping != "contiguous" else ""
     if refine_steps:
         extra += f", refined {refine_steps} steps/layer"
@@ -150,9 +152,10 @@ def convert_cmd(
 @click.argument("dst", type=click.Path(file_okay=False))
 @dtype_option(list(DTYPE_CHOICES), "keep", _STORAGE_DTYPE)
 @force_option()
-def expand_cmd(src: str, dst: str, dtype: str, force: bool) -> None:
+@progress_option()
+def expand_cmd(src: str, dst: str, dtype: str, force: bool, progress: bool) -> None:
     """GQA/MQA -> MHA: repeat each K/V head over its group (exactly the same logits)."""
-    res = expand_checkpoint(src, dst, dtype, force)
+    res = expand_checkpoint(src, dst, dtype, force, progress=progress)
     click.echo(
         f"{res.model_type}: K/V heads {res.from_kv_heads} -> {res.to_kv_heads} (exact); wrote {res.dst}"
     )

@@ -187,3 +187,23 @@ def test_progress_false_prints_no_bars(tmp_path, tiny_llama, capfd):
     assert " -> G=" not in capfd.readouterr().err and (tmp_path / "expanded" / "config.json").exists()
     convert_checkpoint(tiny_llama, tmp_path / "layers", layerwise)
     assert "layer/s" in capfd.readouterr().err  # the layer-by-layer path's bar, in layers
+
+
+def test_the_cli_no_progress_flag_turns_the_bars_off(tmp_path, tiny_llama, capfd):
+    """``gqakit convert`` and ``gqakit expand`` take ``--no-progress`` as the pipelines do (logs of long
+    conversions fill with bars otherwise)."""
+    from gqakit.cli import main
+
+    for args in (
+        ["convert", str(tiny_llama), str(tmp_path / "g1"), "--groups", "1", "--no-progress"],
+        ["expand", str(tmp_path / "g1"), str(tmp_path / "mha"), "--no-progress"],
+    ):
+        with pytest.raises(SystemExit) as done:
+            main(args)
+        assert done.value.code == 0
+    err = capfd.readouterr().err
+    assert " -> G=" not in err and "it/s" not in err
+    assert (tmp_path / "mha" / "config.json").exists()
+    with pytest.raises(SystemExit):
+        main(["convert", str(tiny_llama), str(tmp_path / "shown"), "--groups", "1"])
+    assert "convert -> G=1" in capfd.readouterr().err
