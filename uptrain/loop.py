@@ -25,7 +25,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from gqakit.checkpoint import copy_non_weight_files
 from gqakit.files import write_json
 from gqakit.uptrain.metrics import METRICS, MetricsMixin, read_history
 from gqakit.uptrain.objectives import Objective, lm_loss_per_sequence
-from gqakit.uptrain.preflight import PROVENANCE
+from gqakit.uptrain.preflight import PROVENANCE, resolve_precision
 from gqakit.uptrain.recipe import Recipe
 from gqakit.uptrain.run_checkpoints import CHECKPOINTS, CheckpointMixin, TrainState, latest_checkpoint
 from gqakit.uptrain.setup import SetupMixin
@@ -85,7 +85,9 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
     """
 
     def __init__(self, recipe: Recipe, output_dir: Path, model_path: str) -> None:
-        self.recipe = recipe
+        # ``auto`` becomes what this machine runs, once: every step, evaluation and record then agree
+        precision = resolve_precision(recipe.train.precision)
+        self.recipe = replace(recipe, train=replace(recipe.train, precision=precision))
         self.out = Path(output_dir)
         self.model_path = model_path
         self.state = TrainState()

@@ -18,7 +18,7 @@ from gqakit.convert.options import ConvertOptions
 from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.errors import GqakitError
 
-Precision = Literal["bf16", "fp16", "fp32"]
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Trainable = Literal["all", "attention", "kv"]
 ObjectiveKind = Literal["lm", "distill", "mix"]
 SaveDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -173,7 +173,9 @@ class TrainConfig:
         batch_size: blocks per device per micro-step.
         grad_accum: micro-steps per optimizer step.
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
-        precision: ``bf16`` / ``fp16`` mixed precision (fp32 master weights) or ``fp32``.
+        precision: ``bf16`` / ``fp16`` mixed precision (fp32 master weights), ``fp32``, or ``auto``: bf16
+            where the device has bf16 instructions (a CUDA GPU that supports it, a CPU with AVX-512 BF16
+            or AMX), else fp32, decided when the run starts (gqakit.json records what ran).
         gradient_checkpointing: recompute activations in backward to save memory.
         trainable: ``all`` (the paper), ``attention`` (attention blocks only) or ``kv`` (K/V only).
     """

@@ -177,6 +177,16 @@ def test_the_precision_that_ran_is_recorded(recipe):
     assert prov["precision"] == "bf16"  # a CPU runs bf16 through autocast
 
 
+def test_a_recipe_takes_auto_precision_and_records_what_ran(recipe):
+    from gqakit.uptrain.preflight import resolve_precision
+
+    res = uptrain(recipe("budget.steps=1", "train.precision=auto"))
+    prov = json.loads((res.output_dir / "gqakit.json").read_text())
+    assert prov["precision"] == resolve_precision("auto", "cpu") != "auto"
+    with pytest.raises(GqakitError, match="train.precision"):
+        recipe("train.precision=bf32")
+
+
 def test_auto_precision_follows_the_device_asked_for(monkeypatch):
     import torch
 
