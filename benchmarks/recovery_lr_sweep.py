@@ -7,8 +7,9 @@ differs by start and by threshold: a rate that reaches 1.2x early can level off 
 savings a practitioner budgets by compare each start at its own best measured rate; this reads them off
 runs that differ only in ``--start-lr``::
 
-    python benchmarks/recovery_lr_sweep.py benchmarks/results/gpu-h100/smollm2-mqa-5m* \\
-        --out benchmarks/results/gpu-h100/smollm2-mqa-5m-lr-sweep.md
+    G=benchmarks/results/gpu-h100
+    python benchmarks/recovery_lr_sweep.py $G/smollm2-mqa-5m{,-lr-sweep-a,-lr-sweep-b} \\
+        --out $G/smollm2-mqa-5m-lr-sweep.md
 
 Each argument is a ``--out`` folder of ``gqakit recovery`` (its ``results.json``). The runs must share
 the original's perplexity (the same source, held-out text and precision) and the tokens per step; the
@@ -34,7 +35,7 @@ def load_runs(folders: list[Path]) -> tuple[float, str, dict[tuple[str, float], 
 
     Raises:
         GqakitError: a folder without results.json, runs whose original or tokens per step differ, or
-            one (start, lr) measured twice with different points.
+            one (start, lr) in two folders.
     """
     original, reference, step = None, None, None
     curves: dict[tuple[str, float], list[tuple[float, float]]] = {}
@@ -55,9 +56,10 @@ def load_runs(folders: list[Path]) -> tuple[float, str, dict[tuple[str, float], 
         for name, s in r["starts"].items():
             points = [(float(p["tokens"]), float(p["ppl"]) / original) for p in s["points"]]
             key = (name, float(s["lr"]))
-            if key in curves and curves[key] != points:
-                # the same start at the same rate twice: bf16 on a GPU need not repeat bit for bit
-                points = min(curves[key], points, key=lambda c: c[-1][1])
+            if key in curves:  # keeping the better of two would pick a run by its result
+                raise GqakitError(
+                    f"{folder} measures {name} at lr {key[1]:g} again; give each start and rate once."
+                )
             curves[key] = points
     assert original is not None and reference is not None
     return original, reference, curves
