@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from gqakit.cli_options import force_option
+from gqakit.cli_options import force_option, progress_option
 from gqakit.gguf.export import export_gguf
 from gqakit.gguf.tensors import OUT_TYPES
 
@@ -24,11 +24,12 @@ from gqakit.gguf.tensors import OUT_TYPES
     "8-bit format.",
 )
 @force_option("Replace DST if it exists.")
-def export_cmd(src: str, dst: str, out_type: str, force: bool) -> None:
+@progress_option()
+def export_cmd(src: str, dst: str, out_type: str, force: bool, progress: bool) -> None:
     """Write SRC (a checkpoint directory, .gguf or hub id; MHA, GQA or MQA) as the GGUF file DST, with its
     tokenizer, for llama.cpp."""
     logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf's own chatter about chat templates
-    res = export_gguf(src, dst, out_type=out_type, force=force)
+    res = export_gguf(src, dst, out_type=out_type, force=force, progress=progress)
     for warning in res.warnings:
         click.echo(f"warning: {warning}", err=True)
     click.echo(

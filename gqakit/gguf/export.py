@@ -18,6 +18,7 @@ from typing import Any
 
 import gguf
 import torch
+from tqdm.auto import tqdm
 
 from gqakit import __version__
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
@@ -115,6 +116,7 @@ def _write(
     vocab: Vocab,
     plan: list[GgufTensor],
     path: Path,
+    progress: bool = True,
 ) -> None:
     writer = gguf.GGUFWriter(path, arch.name)
     try:
@@ -131,16 +133,23 @@ def _write(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        with ckpt.reader() as reader:
+        bar = tqdm(
+            total=sum(t.nbytes for t in plan), desc=f"export -> {out_type}", unit="B", unit_scale=True,
+            disable=not progress, leave=False,
+        )  # fmt: skip
+        with ckpt.reader() as reader, bar:
             for t in plan:
                 source = t.data if t.source is None else reader.read(t.source)
                 writer.write_tensor_data(t.encode(source))
                 del source
+                bar.update(t.nbytes)
     finally:
         writer.close()
 
 
-def export_gguf(src: str | Path, dst: str | Path, out_type: str = "f16", force: bool = False) -> ExportResult:
+def export_gguf(
+    src: str | Path, dst: str | Path, out_type: str = "f16", force: bool = False, progress: bool = True
+) -> ExportResult:
     """Write a checkpoint as a GGUF file that llama.cpp loads, tokenizer included.
 
     Args:
@@ -148,6 +157,7 @@ def export_gguf(src: str | Path, dst: str | Path, out_type: str = "f16", force: 
         dst: the ``.gguf`` file to write.
         out_type: ``f32``, ``f16`` or ``q8_0`` for matrices; vectors are always F32.
         force: replace ``dst`` if it exists.
+        progress: a progress bar over the bytes written (a 7B export takes minutes).
 
     Returns:
         An :class:`ExportResult`; its ``warnings`` name anything llama.cpp will compute differently.
@@ -181,7 +191,7 @@ def export_gguf(src: str | Path, dst: str | Path, out_type: str = "f16", force: 
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            _write(ckpt, arch, out_type, kv + _provenance(ckpt, cfg), vocab, plan, tmp)
+            _write(ckpt, arch, out_type, kv + _provenance(ckpt, cfg), vocab, plan, tmp, progress)
             os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, dst)
         except BaseException:

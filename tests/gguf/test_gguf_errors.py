@@ -165,3 +165,16 @@ def test_relu_gpt_bigcode_is_refused_by_llama_cpps_gelu_graph(tmp_path):
     with pytest.raises(GqakitError, match=r"activation_function='relu': llama.cpp's graph .* applies GELU"):
         export_gguf(tmp_path / "bigcode", tmp_path / "out.gguf", "f32")
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_export_shows_its_progress_in_bytes_unless_told_not_to(checkpoint, tmp_path: Path, capfd) -> None:
+    """A 7B export takes minutes: the bar counts the bytes written; ``--no-progress`` keeps logs clean."""
+    from gqakit.cli import main
+
+    src = checkpoint("llama", "gqa")
+    export_gguf(src, tmp_path / "shown.gguf")
+    assert "export -> f16" in capfd.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(src), str(tmp_path / "quiet.gguf"), "--no-progress"])
+    assert done.value.code == 0 and (tmp_path / "quiet.gguf").stat().st_size > 0
+    assert "export -> " not in capfd.readouterr().err
