@@ -43,22 +43,30 @@ def load_runs(folders: list[Path]) -> tuple[float, str, dict[tuple[str, float], 
         path = folder / "results.json"
         if not path.is_file():
             raise GqakitError(f"{folder} holds no results.json; give gqakit recovery --out folders.")
-        r = json.loads(path.read_text())
-        ppl, per_step = float(r["original_ppl"]), int(r["settings"]["tokens_per_step"])
+        try:
+            r = json.loads(path.read_text())
+            ppl, per_step = float(r["original_ppl"]), int(r["settings"]["tokens_per_step"])
+            runs = {
+                (name, float(s["lr"])): [(float(p["tokens"]), float(p["ppl"]) / ppl) for p in s["points"]]
+                for name, s in r["starts"].items()
+            }
+            first = r["reference"]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise GqakitError(
+                f"{path} is not a gqakit recovery results.json ({type(e).__name__}: {e})."
+            ) from None
         if original is None:
-            original, reference, step = ppl, r["reference"], per_step
+            original, reference, step = ppl, first, per_step
         elif not math.isclose(ppl, original, rel_tol=1e-6) or per_step != step:
             raise GqakitError(
                 f"{folder} measured the original at {ppl:.4f} with {per_step:,} tokens a step, the first run "
                 f"{original:.4f} with {step:,}: these runs are not comparable (same source, held-out text, "
                 "precision and batch needed)."
             )
-        for name, s in r["starts"].items():
-            points = [(float(p["tokens"]), float(p["ppl"]) / original) for p in s["points"]]
-            key = (name, float(s["lr"]))
+        for key, points in runs.items():
             if key in curves:  # keeping the better of two would pick a run by its result
                 raise GqakitError(
-                    f"{folder} measures {name} at lr {key[1]:g} again; give each start and rate once."
+                    f"{folder} measures {key[0]} at lr {key[1]:g} again; give each start and rate once."
                 )
             curves[key] = points
     assert original is not None and reference is not None

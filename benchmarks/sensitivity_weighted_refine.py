@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from gqakit.convert.refine_names import REFINE_TARGETS
+
 NAMES = ("per-token", "sensitivity", "channel")
 
 
@@ -109,7 +111,9 @@ def main() -> None:
     ap.add_argument("--calib-data", required=True)
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--refine-steps", type=int, default=100)
-    ap.add_argument("--refine-target", default="layer-corrective")
+    # the weights are gradients at a decoder layer's output: only targets fitted to that output
+    whole_layer = REFINE_TARGETS.where(lambda t: t.whole_layer and not t.window)
+    ap.add_argument("--refine-target", default="layer-corrective", choices=whole_layer)
     ap.add_argument("--eval-data", required=True)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -119,6 +123,7 @@ def main() -> None:
     from gqakit.checkpoint import resolve_checkpoint
     from gqakit.convert import ConvertOptions
     from gqakit.convert.calibrate import calibration_sequences
+    from gqakit.errors import GqakitError
     from gqakit.eval import perplexity
     from gqakit.models import load_causal_lm, load_tokenizer
     from gqakit.text import load_texts
@@ -139,22 +144,26 @@ def main() -> None:
         return res.ppl
 
     rows = []
-    base = ppl(args.source)
-    for name in NAMES:
-        if args.only and name != args.only:
-            continue
-        weights, weights_s = None, 0.0
-        if name != "per-token":
-            t0 = time.perf_counter()
-            with resolve_checkpoint(args.source) as ckpt:
-                sequences = calibration_sequences(ckpt, args.calib_data, args.calib_tokens)
-            weights = sensitivity(args.source, sequences)
-            weights_s = time.perf_counter() - t0
-        dst = args.out_dir / name
-        seconds = convert(args.source, dst, options, weights, channel=name == "channel")
-        value = ppl(str(dst))
-        rows.append((name, value, seconds, weights_s))
-        print(f"{name}: {value:.3f} ({value / base:.3f}x), {seconds:.0f} s", file=sys.stderr, flush=True)
+    grads: list[torch.Tensor] | None = None  # computed once, for the first variant that needs them
+    try:  # a missing model or text: gqakit's one-line message, not a traceback
+        base = ppl(args.source)
+        for name in NAMES:
+            if args.only and name != args.only:
+                continue
+            weights_s = 0.0
+            if name != "per-token" and grads is None:
+                t0 = time.perf_counter()
+                with resolve_checkpoint(args.source) as ckpt:
+                    sequences = calibration_sequences(ckpt, args.calib_data, args.calib_tokens)
+                grads = sensitivity(args.source, sequences)
+                weights_s = time.perf_counter() - t0
+            weights = None if name == "per-token" else grads
+            seconds = convert(args.source, args.out_dir / name, options, weights, channel=name == "channel")
+            value = ppl(str(args.out_dir / name))
+            rows.append((name, value, seconds, weights_s))
+            print(f"{name}: {value:.3f} ({value / base:.3f}x), {seconds:.0f} s", file=sys.stderr, flush=True)
+    except GqakitError as e:
+        sys.exit(f"Error: {e.message}")
     print("python " + shlex.join(sys.argv))
     print(f"original {base:.3f}; {args.eval_tokens} tokens of {args.eval_data}, seq_len {args.seq_len}")
     print("| refinement loss | perplexity | x original | conversion | weights |")

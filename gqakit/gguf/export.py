@@ -157,7 +157,7 @@ def export_gguf(
         dst: the ``.gguf`` file to write.
         out_type: ``f32``, ``f16`` or ``q8_0`` for matrices; vectors are always F32.
         force: replace ``dst`` if it exists.
-        progress: a progress bar over the bytes written (a 7B export takes minutes).
+        progress: a progress bar over the tensor bytes written, the part that grows with the model.
 
     Returns:
         An :class:`ExportResult`; its ``warnings`` name anything llama.cpp will compute differently.

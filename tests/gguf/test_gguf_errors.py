@@ -168,7 +168,7 @@ def test_relu_gpt_bigcode_is_refused_by_llama_cpps_gelu_graph(tmp_path):
 
 
 def test_export_shows_its_progress_in_bytes_unless_told_not_to(checkpoint, tmp_path: Path, capfd) -> None:
-    """A 7B export takes minutes: the bar counts the bytes written; ``--no-progress`` keeps logs clean."""
+    """The bar counts the tensor bytes written; ``--no-progress`` keeps logs clean."""
     from gqakit.cli import main
 
     src = checkpoint("llama", "gqa")
