@@ -4,8 +4,9 @@ that got there in the fewest tokens, and the savings over the reference start's 
 
 A recovery run compares starts at the rates it was given (``--lr``, ``--start-lr``). Which rate is best
 differs by start and by threshold: a rate that reaches 1.2x early can level off above 1.05x. The
-savings a practitioner budgets by compare each start at its own best measured rate; this reads them off
-runs that differ only in ``--start-lr``::
+savings a practitioner budgets by compare each start at its own best measured rate. One run of ``gqakit
+recovery --start-lr START=LR,LR,...`` measures and reports them itself; this reads them off runs made
+apart (e.g. one device call each) that differ only in ``--start-lr``::
 
     G=benchmarks/results/gpu-h100
     python benchmarks/recovery_lr_sweep.py $G/smollm2-mqa-5m{,-lr-sweep-a,-lr-sweep-b} \\
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 
 from gqakit.errors import GqakitError
-from gqakit.pipelines.recovery.curves import THRESHOLDS, Reach, saving, tokens_to_reach
+from gqakit.pipelines.recovery.curves import THRESHOLDS, best_rates, saving, tokens_to_reach
 
 
 def load_runs(folders: list[Path]) -> tuple[float, str, dict[tuple[str, float], list[tuple[float, float]]]]:
@@ -46,8 +47,11 @@ def load_runs(folders: list[Path]) -> tuple[float, str, dict[tuple[str, float], 
         try:
             r = json.loads(path.read_text())
             ppl, per_step = float(r["original_ppl"]), int(r["settings"]["tokens_per_step"])
+            # keyed by start, or by "start @ lr" in a run that swept the start's rates itself
             runs = {
-                (name, float(s["lr"])): [(float(p["tokens"]), float(p["ppl"]) / ppl) for p in s["points"]]
+                (s.get("start", name), float(s["lr"])): [
+                    (float(p["tokens"]), float(p["ppl"]) / ppl) for p in s["points"]
+                ]
                 for name, s in r["starts"].items()
             }
             first = r["reference"]
@@ -73,25 +77,6 @@ def load_runs(folders: list[Path]) -> tuple[float, str, dict[tuple[str, float], 
     return original, reference, curves
 
 
-def best_reaches(
-    curves: dict[tuple[str, float], list[tuple[float, float]]],
-) -> dict[str, dict[float, tuple[Reach, float]]]:
-    """Per start and threshold, the fewest tokens any of its rates needed, and that rate (a rate that got
-    there beats one that did not; among those that did not, the longest run's bound)."""
-
-    def rank(reach: Reach) -> tuple[bool, float]:
-        return (not reach.reached, reach.tokens if reach.reached else -reach.tokens)
-
-    best: dict[str, dict[float, tuple[Reach, float]]] = {}
-    for (start, lr), points in curves.items():
-        for t in THRESHOLDS:
-            reach = tokens_to_reach(points, t)
-            held = best.setdefault(start, {}).get(t)
-            if held is None or rank(reach) < rank(held[0]):
-                best[start][t] = (reach, lr)
-    return best
-
-
 def table(original: float, reference: str, curves: dict[tuple[str, float], list[tuple[float, float]]]) -> str:
     """The sweep as markdown: every curve, then each start at its best rate per threshold."""
     heads = " | ".join(f"{t:g}x" for t in THRESHOLDS)
@@ -108,7 +93,7 @@ def table(original: float, reference: str, curves: dict[tuple[str, float], list[
         reaches = " | ".join(tokens_to_reach(pts, t).label() for t in THRESHOLDS)
         end = f"{pts[-1][1]:.3f}x at {pts[-1][0]:,.0f}"
         lines.append(f"| {start} | {lr:g} | {pts[0][1]:,.3f}x | {end} | {reaches} |")
-    best = best_reaches(curves)
+    best = best_rates({k: {t: tokens_to_reach(p, t) for t in THRESHOLDS} for k, p in curves.items()})
     ref = best[reference]
     lines += [
         "",

@@ -51,8 +51,9 @@ def _default(name: str) -> Any:
 @click.option(
     "--start-lr",
     multiple=True,
-    metavar="START=LR",
-    help="A start's own peak learning rate (repeatable), e.g. --start-lr mean=5e-4.",
+    metavar="START=LR[,LR...]",
+    help="A start's own peak learning rate (repeatable), e.g. --start-lr mean=5e-4; several rates make one "
+    "run each and the savings take each start's best per threshold, e.g. --start-lr refined=1e-4,4e-4.",
 )
 @click.option(
     "--objective",

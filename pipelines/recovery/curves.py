@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 THRESHOLDS = (2.0, 1.5, 1.2, 1.1, 1.05)
 
@@ -127,6 +126,7 @@ class Curve:
         convert_s, train_s: wall time of its conversion and of its uptraining run (as first computed).
         resumed: the run was resumed after a kill; ``train_s`` is then the time after the resume.
         reach: threshold -> the tokens it needed (:class:`~gqakit.pipelines.recovery.curves.Reach`).
+        swept: the start is uptrained at several rates, this curve being one of them.
     """
 
     start: str
@@ -136,15 +136,61 @@ class Curve:
     train_s: float
     resumed: bool = False
     reach: dict[float, Reach] = field(default_factory=dict)
+    swept: bool = False
+
+    @property
+    def label(self) -> str:
+        """The curve's name in tables: the start, and its rate where the start has several."""
+        return f"{self.start} @ {self.lr:g}" if self.swept else self.start
 
     def ratios(self, original: float) -> list[tuple[float, float]]:
         return [(t, p / original) for t, p in self.points]
 
 
-def savings(curves: list[Curve]) -> dict[str, dict[float, Any]]:
-    """Each start's savings factor over the first start (the reference) at every threshold."""
-    ref = curves[0]
-    return {c.start: {t: saving(c.reach[t], ref.reach[t]) for t in THRESHOLDS} for c in curves[1:]}
+def best_rates(
+    reaches: dict[tuple[str, float], dict[float, Reach]],
+) -> dict[str, dict[float, tuple[Reach, float]]]:
+    """Per start and threshold, the fewest tokens any of its rates needed, and that rate.
+
+    A rate that got there beats one that did not; among those that did not, the longest run's bound
+    wins; a tie keeps the rate listed first. With one rate per start this is each start's own reach.
+
+    Args:
+        reaches: ``(start, lr)`` -> threshold -> :class:`Reach`, in the order the runs were listed.
+    """
+
+    def rank(reach: Reach) -> tuple[bool, float]:
+        return (not reach.reached, reach.tokens if reach.reached else -reach.tokens)
+
+    best: dict[str, dict[float, tuple[Reach, float]]] = {}
+    for (start, lr), by_t in reaches.items():
+        for t in THRESHOLDS:
+            held = best.setdefault(start, {}).get(t)
+            if held is None or rank(by_t[t]) < rank(held[0]):
+                best[start][t] = (by_t[t], lr)
+    return best
 
 
-__all__ = ["THRESHOLDS", "Curve", "Reach", "Saving", "eval_steps", "saving", "savings", "tokens_to_reach"]
+def savings(curves: list[Curve]) -> dict[str, dict[float, Saving]]:
+    """Each start's savings factor over the first curve's start (the reference) at every threshold,
+    each start at its best measured rate there (:func:`best_rates`)."""
+    best = best_rates({(c.start, c.lr): c.reach for c in curves})
+    ref = best[curves[0].start]
+    return {
+        start: {t: saving(by_t[t][0], ref[t][0]) for t in THRESHOLDS}
+        for start, by_t in best.items()
+        if start != curves[0].start
+    }
+
+
+__all__ = [
+    "THRESHOLDS",
+    "Curve",
+    "Reach",
+    "Saving",
+    "best_rates",
+    "eval_steps",
+    "saving",
+    "savings",
+    "tokens_to_reach",
+]

@@ -32,7 +32,9 @@ class RecoveryOptions:
         starts: the starts (:data:`~gqakit.pipelines.starts.STARTS`), one curve each; the first
             is the reference the savings are computed against (mean pooling by default).
         lr: peak learning rate of every start.
-        start_lr: a start's own learning rate where one was measured better (``refined=1e-4``).
+        start_lr: a start's own learning rates, ``START=LR[,LR...]`` (``refined=1e-4``); several rates
+            for one start make one run each, and the savings compare each start at its best measured
+            rate per threshold (``refined=1e-4,2e-4,4e-4``).
         objective: ``distill`` (KL to the original, the default) or ``lm``.
         precision: ``auto`` (bf16 autocast where the CPU or GPU has bf16 instructions, else fp32),
             ``bf16`` or ``fp32``; the weights stay float32.
@@ -99,10 +101,19 @@ class RecoveryOptions:
         names = ("refine_target", "refine_qk_lr", "refine_schedule", "refine_loss")
         return {name: getattr(self, name) for name in names}
 
-    def lr_of(self, start: str) -> float:
-        """The peak learning rate of ``start``: its own from ``start_lr``, else ``lr``."""
-        own = dict(_pair(item) for item in self.start_lr)
-        return float(own.get(start, self.lr))
+    def rates_of(self, start: str) -> tuple[float, ...]:
+        """The peak learning rates ``start`` is uptrained at, one run each: its own from ``start_lr``
+        (in the order given), else ``lr`` alone."""
+        own: list[float] = []
+        for item in self.start_lr:
+            name, rates = _rates(item)
+            if name == start:
+                own.extend(rates)
+        return tuple(dict.fromkeys(own)) or (self.lr,)
+
+    def swept(self, start: str) -> bool:
+        """True when ``start`` is uptrained at more than one rate."""
+        return len(self.rates_of(start)) > 1
 
     def validate(self) -> None:
         """Every problem with the options at once, before any model is read."""
@@ -122,15 +133,28 @@ class RecoveryOptions:
                 f"{self.tokens_per_step:,} tokens ({f('batch_size')} {self.batch_size} x {f('seq_len')} "
                 f"{self.seq_len}); give at least {self.tokens_per_step:,}."
             )
+        given: dict[str, list[float]] = {}
         for item in self.start_lr:
             try:
-                start, value = _pair(item)
+                start, rates = _rates(item)
             except ValueError:
-                p.add(f"{f('start_lr')} {item!r} must be START=LR, e.g. refined=1e-4.")
+                p.add(
+                    f"{f('start_lr')} {item!r} must be START=LR or START=LR,LR,..., e.g. refined=1e-4 "
+                    "or refined=1e-4,4e-4."
+                )
                 continue
             p.add(STARTS.unknown(start, f"{f('start_lr')} start", among=self.starts))
-            if not value > 0:
-                p.add(f"{f('start_lr')} {item!r}: the learning rate must be positive.")
+            if not all(lr > 0 for lr in rates):
+                p.add(f"{f('start_lr')} {item!r}: every learning rate must be positive.")
+            given.setdefault(start, []).extend(rates)
+        for start, rates in given.items():
+            twice = sorted({lr for lr in rates if rates.count(lr) > 1})
+            if twice:
+                # two runs at one rate would be the same run: a typo, or a pick by result
+                p.add(
+                    f"{f('start_lr')} gives {start} the rate {', '.join(f'{lr:g}' for lr in twice)} more "
+                    "than once; list each rate once."
+                )
         if not self.lr > 0:
             p.add(f"{f('lr')} must be positive, got {self.lr}.")
         if self.objective not in OBJECTIVES:
@@ -168,12 +192,13 @@ class Inputs:
     heldout: Path
 
 
-def _pair(item: str) -> tuple[str, float]:
-    """``"refined=1e-4"`` -> ``("refined", 1e-4)``; ValueError when it is not START=NUMBER."""
-    name, sep, value = item.partition("=")
+def _rates(item: str) -> tuple[str, tuple[float, ...]]:
+    """``"refined=1e-4,4e-4"`` -> ``("refined", (1e-4, 4e-4))``; ValueError when it is not
+    START=NUMBER[,NUMBER...]."""
+    name, sep, values = item.partition("=")
     if not sep:
         raise ValueError(item)
-    return name.strip(), float(value)
+    return name.strip(), tuple(float(v) for v in values.split(","))
 
 
 __all__ = ["DEFAULT_STARTS", "OBJECTIVES", "PRECISIONS", "Inputs", "RecoveryOptions"]

@@ -15,7 +15,7 @@ import transformers
 
 from gqakit import __version__
 from gqakit.convert import ConvertOptions
-from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, savings
+from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, best_rates, savings
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
 from gqakit.pipelines.starts import REFINED, start_convert_options
@@ -31,10 +31,17 @@ def _write(path: Path, text: str) -> None:
 
 
 def _axes(ax, plt, curves: list[Curve], original: float, first: float, low: float, high: float) -> None:
-    """One panel: the curves between ``low`` and ``high`` times the original, the thresholds as ticks."""
+    """One panel: the curves between ``low`` and ``high`` times the original, the thresholds as ticks.
+    A start's rates share its colour and differ in line style."""
+    starts = list(dict.fromkeys(c.start for c in curves))
+    styles = ("-", "--", ":", "-.")
     for c in curves:
         xs, ys = zip(*c.ratios(original), strict=True)
-        ax.plot(xs, ys, marker="o", markersize=3.5, label=f"{c.start} (lr {c.lr:g})")
+        nth = [d.lr for d in curves if d.start == c.start].index(c.lr)
+        ax.plot(
+            xs, ys, marker="o", markersize=3.5, color=f"C{starts.index(c.start) % 10}",
+            linestyle=styles[nth % len(styles)], label=f"{c.start} (lr {c.lr:g})",
+        )  # fmt: skip
     ax.axhline(1.0, color="black", linewidth=1.2, label=f"original ({fmt_ppl(original)})")
     for t in THRESHOLDS:
         ax.axhline(t, color="grey", linestyle=":", linewidth=0.8)
@@ -86,6 +93,8 @@ def write_report(
     tokens = o.steps * o.tokens_per_step
     plot = plot_curves(original, curves, out / PLOT, f"{o.src} -> {o.groups} K/V heads: recovery by start")
     saved = savings(curves)
+    best = best_rates({(c.start, c.lr): c.reach for c in curves})
+    swept = any(c.swept for c in curves)
     ref = curves[0].start
     command = "gqakit recovery " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else ""
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
@@ -120,48 +129,77 @@ def write_report(
         p0, pn = c.points[0][1], c.points[-1][1]
         cells = " | ".join(c.reach[t].label() for t in THRESHOLDS)
         rows.append(
-            f"| {c.start} | {c.lr:g} | {fmt_ppl(p0)} ({p0 / original:.2f}x) | {fmt_ppl(pn)} "
+            f"| {c.label} | {c.lr:g} | {fmt_ppl(p0)} ({p0 / original:.2f}x) | {fmt_ppl(pn)} "
             f"({pn / original:.3f}x) | {cells} |"
         )
     save_rows = ["| start | " + " | ".join(f"{t:g}x" for t in THRESHOLDS) + " |",
                  "|---|" + "---:|" * len(THRESHOLDS)]  # fmt: skip
     for start, by_t in saved.items():
         save_rows.append(f"| {start} | " + " | ".join(by_t[t].label() for t in THRESHOLDS) + " |")
+    at_best = (
+        " (each start at its best\nmeasured rate for that threshold, in the table below)" if swept else ""
+    )
     savings_text = (
-        f"How many times fewer uptraining tokens than {ref} each start needs to reach the threshold; "
-        f'">=" is a lower\nbound ({ref} never got there within the run, or the start got there by its first '
-        f"point).\n\n{chr(10).join(save_rows)}"
+        f"How many times fewer uptraining tokens than {ref} each start needs to reach the "
+        f'threshold{at_best}; ">=" is a lower\nbound ({ref} never got there within the run, or the start '
+        f"got there by its first point).\n\n{chr(10).join(save_rows)}"
         if saved
         else "Only one start was run: nothing to compare it with (list two or more in --starts; the first "
         "is the reference)."
     )
-    point_rows = ["| tokens | " + " | ".join(c.start for c in curves) + " |"]
+    point_rows = ["| tokens | " + " | ".join(c.label for c in curves) + " |"]
     point_rows.append("|---:|" + "---:|" * len(curves))
     by_tokens: dict[int, dict[str, float]] = {}
     for c in curves:
         for t, p in c.points:
-            by_tokens.setdefault(t, {})[c.start] = p
+            by_tokens.setdefault(t, {})[c.label] = p
     for t in sorted(by_tokens):
         cells = [
-            f"{fmt_ppl(by_tokens[t][c.start])} ({by_tokens[t][c.start] / original:.3f}x)"
-            if c.start in by_tokens[t] else "" for c in curves
+            f"{fmt_ppl(by_tokens[t][c.label])} ({by_tokens[t][c.label] / original:.3f}x)"
+            if c.label in by_tokens[t] else "" for c in curves
         ]  # fmt: skip
         point_rows.append(f"| {t:,} | " + " | ".join(cells) + " |")
-    time_rows = [
-        f"- {c.start}: conversion {fmt_duration(c.convert_s)}, uptraining {fmt_duration(c.train_s)}"
-        + (" (after a resume; the part before it is not counted)" if c.resumed else "")
-        for c in curves
-    ]
-    figures_s = sum(c.convert_s + c.train_s for c in curves)
-    lr_note = (
-        "every start at the same peak learning rate"
-        if len({c.lr for c in curves}) == 1
-        else "each start at its own peak learning rate (the lr column), set with --start-lr"
-    )
+    converted = {c.start: c.convert_s for c in curves}  # a start's rates share its one conversion
+    time_rows = []
+    for start, convert_s in converted.items():
+        runs = [
+            ("" if not c.swept else f"at lr {c.lr:g} ")
+            + fmt_duration(c.train_s)
+            + (" (after a resume; the part before it is not counted)" if c.resumed else "")
+            for c in curves
+            if c.start == start
+        ]
+        time_rows.append(f"- {start}: conversion {fmt_duration(convert_s)}, uptraining {', '.join(runs)}")
+    figures_s = sum(converted.values()) + sum(c.train_s for c in curves)
+    if swept:
+        lr_note = "some starts at several peak learning rates, one run each (the lr column)"
+    elif len({c.lr for c in curves}) == 1:
+        lr_note = "every start at the same peak learning rate"
+    else:
+        lr_note = "each start at its own peak learning rate (the lr column), set with --start-lr"
+    best_text = ""
+    if swept:
+        best_rows = [
+            "| start | " + " | ".join(f"{t:g}x" for t in THRESHOLDS) + " |",
+            "|---|" + "---:|" * len(THRESHOLDS),
+        ]
+        for start, by_t in best.items():
+            # a start already there needs no rate; one never there has no best rate
+            cells = [
+                f"{r.label()} (lr {lr:g})" if r.reached and r.tokens > 0 else r.label()
+                for r, lr in by_t.values()
+            ]
+            best_rows.append(f"| {start} | " + " | ".join(cells) + " |")
+        best_text = (
+            "\n\nEach start at its best measured rate for each threshold: the fewest tokens any of its runs "
+            "needed, and\nthat run's rate. A rate that gets there first can level off before a lower "
+            f"threshold.\n\n{chr(10).join(best_rows)}"
+        )
+    once = "once per rate" if swept else "once"
     text = f"""# gqakit recovery: {o.src} -> {o.groups} K/V heads
 
 How many uptraining tokens each start needs to come back to the original's quality. Each start is
-converted from the original, then uptrained once for {tokens:,} tokens ({o.steps} steps of {o.batch_size} x
+converted from the original, then uptrained {once} for {tokens:,} tokens ({o.steps} steps of {o.batch_size} x
 {o.seq_len} tokens; objective {o.objective}{" from the original" if o.objective == "distill" else ""};
 {lr_note}: a warmup of {o.warmup_steps} steps, then constant, so each point is what a run stopped there
 gives), and scored on the held-out text at log-spaced token counts during that run. Perplexity on
@@ -179,7 +217,7 @@ within the run.
 
 ## Savings over {ref}
 
-{savings_text}
+{savings_text}{best_text}
 
 ## Every measured point
 
@@ -230,7 +268,8 @@ Machine-readable figures: `results.json`.
         "original_ppl": original,
         "thresholds": list(THRESHOLDS),
         "starts": {
-            c.start: {
+            c.label: {
+                "start": c.start,
                 "lr": c.lr,
                 "points": [{"tokens": t, "ppl": p, "ratio": p / original} for t, p in c.points],
                 "reach": {f"{t:g}": c.reach[t].as_dict() for t in THRESHOLDS},
@@ -241,6 +280,10 @@ Machine-readable figures: `results.json`.
             for c in curves
         },
         "reference": ref,
+        "best_rates": {
+            start: {f"{t:g}": {"lr": lr, **r.as_dict()} for t, (r, lr) in by_t.items()}
+            for start, by_t in best.items()
+        },
         "savings": {s: {f"{t:g}": v.as_dict() for t, v in by_t.items()} for s, by_t in saved.items()},
         "elapsed_s": round(elapsed_s, 1),
         "machine": machine,

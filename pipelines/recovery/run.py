@@ -197,17 +197,24 @@ def convert_start(
     return dst, elapsed
 
 
+def run_name(o: RecoveryOptions, start: str, lr: float) -> str:
+    """The name of one uptraining run's folder and cache entry: the start, and its rate where the start
+    has several (a start with one rate keeps the name, and the cache, of a run without a sweep)."""
+    return f"{start}-lr{lr:g}" if o.swept(start) else start
+
+
 def uptrain_start(
     o: RecoveryOptions, store: ResultStore, inputs: Inputs, start: str, start_dir: Path, runs: Path,
-    precision: str,
+    precision: str, lr: float,
 ) -> tuple[list[tuple[int, float]], float, bool]:  # fmt: skip
-    """One uptraining run of ``start``, evaluated on the held-out text at log-spaced steps; cached, and
-    resumed from its last checkpoint when it was killed. Returns the curve, the run's wall time and
-    whether it was resumed (its time is then the time after the resume)."""
-    out = runs / start
-    recipe = recipe_from_dict(recipe_data(o, inputs, str(start_dir), out, o.lr_of(start), precision))
+    """One uptraining run of ``start`` at peak rate ``lr``, evaluated on the held-out text at log-spaced
+    steps; cached, and resumed from its last checkpoint when it was killed. Returns the curve, the run's
+    wall time and whether it was resumed (its time is then the time after the resume)."""
+    name = run_name(o, start, lr)
+    out = runs / name
+    recipe = recipe_from_dict(recipe_data(o, inputs, str(start_dir), out, lr, precision))
     key = {"start": fingerprint(start_dir), "recipe": _weights_key(recipe.to_dict())}
-    cached = store.get_output("run-" + start, key, out)
+    cached = store.get_output("run-" + name, key, out)
     if cached is None:
         same = (out / "recipe.yaml").is_file() and (out / "recipe.yaml").read_text() == recipe.to_yaml()
         resume = same and not (out / "gqakit.json").is_file() and not o.fresh
@@ -215,7 +222,7 @@ def uptrain_start(
         history = read_history(out)
         points = sorted({int(r["tokens"]): float(r["val_ppl"]) for r in history if "val_ppl" in r}.items())
         value = {"points": points, "elapsed_s": res.elapsed_s, "resumed": resume}
-        cached = store.put_output("run-" + start, key, out, value)
+        cached = store.put_output("run-" + name, key, out, value)
     points = [(int(t), float(p)) for t, p in cached["points"]]
     return points, float(cached["elapsed_s"]), bool(cached.get("resumed", False))
 
@@ -255,19 +262,21 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
         steps.note(f"original: {original:,.3f}")
     curves = []
     for start in o.starts:
-        lr = o.lr_of(start)
-        with steps.step(f"Start {start!r}: convert, then uptrain {o.steps} steps at lr {lr:g}"):
+        rates = o.rates_of(start)
+        at = f"lr {rates[0]:g}" if len(rates) == 1 else f"each of lr {', '.join(f'{lr:g}' for lr in rates)}"
+        with steps.step(f"Start {start!r}: convert, then uptrain {o.steps} steps at {at}"):
             start_dir, convert_s = convert_start(o, store, inputs, start, work / "models")
-            points, train_s, resumed = uptrain_start(
-                o, store, inputs, start, start_dir, work / "runs", precision
-            )
-            curve = Curve(start, lr, points, convert_s, train_s, resumed)
-            curve.reach = {t: tokens_to_reach(curve.ratios(original), t) for t in THRESHOLDS}
-            steps.note(
-                f"{start}: {points[0][1]:,.2f} -> {points[-1][1]:,.2f} at {points[-1][0]:,} tokens "
-                f"({points[-1][1] / original:.3f}x the original)"
-            )
-            curves.append(curve)
+            for lr in rates:
+                points, train_s, resumed = uptrain_start(
+                    o, store, inputs, start, start_dir, work / "runs", precision, lr
+                )
+                curve = Curve(start, lr, points, convert_s, train_s, resumed, swept=len(rates) > 1)
+                curve.reach = {t: tokens_to_reach(curve.ratios(original), t) for t in THRESHOLDS}
+                steps.note(
+                    f"{curve.label}: {points[0][1]:,.2f} -> {points[-1][1]:,.2f} at {points[-1][0]:,} tokens "
+                    f"({points[-1][1] / original:.3f}x the original)"
+                )
+                curves.append(curve)
     with steps.step("Report: recovery.png, report.md, results.json"):
         elapsed = time.perf_counter() - t_start
         report, results_json, plot = write_report(o, inputs, precision, original, curves, elapsed, store)

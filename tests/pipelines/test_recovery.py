@@ -4,7 +4,6 @@ whole pipeline with its cache, and the bad-input messages, each given before any
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
-from gqakit.pipelines.recovery.curves import Reach, eval_steps, saving, tokens_to_reach
+from gqakit.pipelines.recovery.curves import Reach, best_rates, eval_steps, saving, tokens_to_reach
 from gqakit.pipelines.recovery.options import RecoveryOptions
 from gqakit.pipelines.recovery.run import run_recovery
 from gqakit.testing import TINY_TEXT, save_tiny_model
@@ -48,6 +47,18 @@ def test_savings_are_exact_lower_bounds_or_not_applicable():
     assert saving(Reach(100, ">"), Reach(1000, "=")).label() == "n/a"
     assert saving(Reach(0, "="), Reach(1000, "=")).label() == "no uptraining needed"
     assert saving(Reach(256, "<="), Reach(1000, "=")).label() == ">= 3.9x"
+
+
+def test_best_rates_take_each_threshold_from_the_run_that_got_there_first():
+    fast = {2.0: Reach(100, "="), 1.5: Reach(300, "="), 1.2: Reach(900, "="), 1.1: Reach(5000, ">"),
+            1.05: Reach(5000, ">")}  # fmt: skip
+    slow = {2.0: Reach(200, "="), 1.5: Reach(600, "="), 1.2: Reach(2000, "="), 1.1: Reach(4000, "="),
+            1.05: Reach(5000, ">")}  # fmt: skip
+    best = best_rates({("refined", 4e-4): fast, ("refined", 1e-4): slow, ("mean", 2e-4): slow})
+    assert best["refined"][1.2] == (Reach(900, "="), 4e-4)  # the fast rate is there first
+    assert best["refined"][1.1] == (Reach(4000, "="), 1e-4)  # but levels off: the slow one gets there
+    assert best["refined"][1.05] == (Reach(5000, ">"), 4e-4)  # neither: a tie keeps the rate listed first
+    assert best["mean"][2.0] == (Reach(200, "="), 2e-4)
 
 
 # ------------------------------------------------------------------------------------ the pipeline
@@ -125,6 +136,38 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
     assert res5["starts"]["mean"]["points"] == results["starts"]["mean"]["points"]
     assert res5["starts"]["refined"]["points"][0] != results["starts"]["refined"]["points"][0]
     assert res5["settings"]["refine_loss"] == "per-token" and "per-token loss" in fifth.report.read_text()
+
+
+def test_several_rates_for_a_start_run_once_each_and_the_savings_take_its_best(tiny, tmp_path):
+    opts = options(tiny, tmp_path, [], starts=("mean", "random"), start_lr=("random=5e-3,2e-2",))
+    first = run_recovery(opts)
+    results = json.loads(first.results_json.read_text())
+    assert list(results["starts"]) == ["mean", "random @ 0.005", "random @ 0.02"]
+    assert [(s["start"], s["lr"]) for s in results["starts"].values()] == [
+        ("mean", 1e-2), ("random", 5e-3), ("random", 2e-2)
+    ]  # fmt: skip
+    runs = tmp_path / "work" / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["mean", "random-lr0.005", "random-lr0.02"]
+    a, b = results["starts"]["random @ 0.005"], results["starts"]["random @ 0.02"]
+    assert a["points"][0] == b["points"][0]  # one conversion, two runs
+    assert a["points"][-1] != b["points"][-1]
+    for t in ("2", "1.5", "1.2", "1.1", "1.05"):
+        reached = [r["reach"][t] for r in (a, b) if r["reach"][t]["bound"] != ">"]
+        best = results["best_rates"]["random"][t]
+        if reached:  # the savings take the rate that needed the fewest tokens
+            assert best["tokens"] == min(r["tokens"] for r in reached)
+        ref = results["starts"]["mean"]["reach"][t]
+        assert results["savings"]["random"][t] == saving(Reach(best["tokens"], best["bound"]), Reach(
+            ref["tokens"], ref["bound"])).as_dict()  # fmt: skip
+    report = first.report.read_text()
+    assert "| random @ 0.02 | 0.02 |" in report and "Each start at its best measured rate" in report
+    assert "uptrained once per rate" in report
+
+    # A rerun reuses both runs.
+    again = run_recovery(
+        options(tiny, tmp_path, [], starts=("mean", "random"), start_lr=("random=5e-3,2e-2",))
+    )
+    assert again.elapsed_s < first.elapsed_s / 3
 
 
 def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
@@ -208,7 +251,16 @@ def test_options_from_python_name_the_flags():
     assert "--refine-loss 'l2' is unknown; choose one of relative, per-token" in e.value.message
     assert "--refine-schedule 'step' is unknown; choose one of constant, cosine" in e.value.message
     assert "--refine-qk-lr must be a positive learning rate, got 0" in e.value.message
-    assert math.isclose(RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).lr_of("refined"), 1e-4)
+    assert RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).rates_of("refined") == (1e-4,)
+    sweep = RecoveryOptions(src="x", groups=1, lr=2e-4, start_lr=("refined=1e-4,4e-4", "refined=8e-4"))
+    assert sweep.rates_of("refined") == (1e-4, 4e-4, 8e-4) and sweep.rates_of("mean") == (2e-4,)
+    assert sweep.swept("refined") and not sweep.swept("mean")
+    with pytest.raises(GqakitError) as e:
+        RecoveryOptions(
+            src="x", groups=1, start_lr=("refined=1e-4,4e-4", "refined=1e-4", "mean=1e-3,-1")
+        ).validate()
+    assert "--start-lr gives refined the rate 0.0001 more than once; list each rate once." in e.value.message
+    assert "--start-lr 'mean=1e-3,-1': every learning rate must be positive." in e.value.message
 
 
 def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversion(tiny, tmp_path):
