@@ -176,9 +176,10 @@ def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: 
     return cache
 
 
-def _cache_kwarg() -> str:
-    """What ``generate`` calls a cache passed in: ``cache`` from transformers 5.24 on (which warns about
-    ``past_key_values``), ``past_key_values`` before (which does not know ``cache``)."""
+def cache_kwarg() -> str:
+    """What ``generate`` and a model's forward call a cache passed in: ``cache`` from transformers 5.24 on
+    (which warns that ``past_key_values`` goes away in 5.40), ``past_key_values`` before (which does not
+    know ``cache``)."""
     # deferred: transformers takes seconds to import
     import transformers
     from packaging.version import Version
@@ -222,11 +223,11 @@ def _generate_once(
         compile_config._compile_all_devices = True
         gen_cfg.compile_config = compile_config
     kwargs = {}
-    cache_kwarg = _cache_kwarg()
+    cache_name = cache_kwarg()
     total = prompts.shape[1] + new_tokens - 1
     if prefill == "random":
         # All but the last prompt token are already "in" the cache: generate() feeds only the last one.
-        kwargs[cache_kwarg] = _random_cache(
+        kwargs[cache_name] = _random_cache(
             model, prompts.shape[0], prompts.shape[1] - 1, total if static_cache else None, 0
         )
     elif static_cache:
@@ -235,7 +236,7 @@ def _generate_once(
 
         # Our own cache object, sized for this point: generate() would otherwise reuse (and keep
         # growing) one static cache across calls, and the measured bytes would not be this point's.
-        kwargs[cache_kwarg] = StaticCache(config=cfg, max_cache_len=total)
+        kwargs[cache_name] = StaticCache(config=cfg, max_cache_len=total)
     mask = torch.ones_like(prompts)
     _sync(device)
     start = time.perf_counter()

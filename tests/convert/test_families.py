@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from gqakit.cli import main
+from gqakit.eval.decode import cache_kwarg
 from gqakit.eval.kv_bytes import measured_kv_bytes
 from gqakit.testing import save_tiny_model
 
@@ -62,7 +63,7 @@ def test_fewer_groups_load_in_transformers_with_a_smaller_kv_cache(tmp_path, fam
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            out = model(IDS, past_key_values=cache, use_cache=True)
+            out = model(IDS, use_cache=True, **{cache_kwarg(): cache})
         assert torch.isfinite(out.logits).all()
         sizes[name] = measured_kv_bytes(out.past_key_values)
     assert sizes["src"] == sizes["out"] * (4 // groups)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gqakit.errors import GqakitError
-from gqakit.eval.decode import _cache_kwarg, bench_decode, parse_grid
+from gqakit.eval.decode import bench_decode, cache_kwarg, parse_grid
 from gqakit.eval.kv_bytes import (
     bytes_moved_per_step,
     predicted_kv_bytes,
@@ -118,7 +118,7 @@ def test_packed_gqa_attention_decodes_like_transformers_sdpa(tiny_models, monkey
         cache = StaticCache(config=model.config, max_cache_len=18)
         out = model.generate(
             input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=cfg,
-            return_dict_in_generate=True, output_logits=True, **{_cache_kwarg(): cache},
+            return_dict_in_generate=True, output_logits=True, **{cache_kwarg(): cache},
         )  # fmt: skip
         return out.sequences, torch.stack(out.logits)
 
