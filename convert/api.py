@@ -19,7 +19,7 @@ from gqakit.cli_options import Problems
 from gqakit.convert.calibrate import calibrate, calibration_sequences
 from gqakit.convert.inspect import Inspection, inspect_checkpoint
 from gqakit.convert.layerwise import write_layerwise
-from gqakit.convert.layerwise_resume import LayerwiseResume, resume_dir, tokens_digest
+from gqakit.convert.layerwise_resume import LayerwiseResume, claim_layerwise, resume_dir, tokens_digest
 from gqakit.convert.merge_fit import fit_layer_merges, merge_report
 from gqakit.convert.merge_plan import plan_merged
 from gqakit.convert.methods import METHODS
@@ -101,36 +101,37 @@ def _convert(
         sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
         if options.refine_steps:
             check_sequences(sequences)
-        resume = LayerwiseResume(resume_dir(dst), _resume_key(ckpt, options, sequences))
-        weights = partial(
-            write_layerwise,
-            ckpt,
-            adapter,
-            geom,
-            spec,
-            options,
-            sequences,
-            record,
-            resume=resume,
-            progress=progress,
-        )
-        try:
-            result = write_converted(
-                ckpt, dst, weights, geom, options.groups, spec.out_dtype, options.force, record, start
+        with claim_layerwise(dst, options.force, ckpt.path):
+            resume = LayerwiseResume(resume_dir(dst), _resume_key(ckpt, options, sequences))
+            weights = partial(
+                write_layerwise,
+                ckpt,
+                adapter,
+                geom,
+                spec,
+                options,
+                sequences,
+                record,
+                resume=resume,
+                progress=progress,
             )
-        except GqakitError:  # bad input: nothing to resume, nothing left behind
-            resume.clear()
-            raise
-        except BaseException:  # killed, out of memory...: keep the finished layers for the next run
-            if resume.done:
-                print(
-                    f"{resume.done} finished layer(s) kept in {resume.root}: run the same conversion again "
-                    "to resume there.",
-                    file=sys.stderr,
+            try:
+                result = write_converted(
+                    ckpt, dst, weights, geom, options.groups, spec.out_dtype, options.force, record, start
                 )
-            raise
-        resume.clear()
-        return result
+            except GqakitError:  # bad input: nothing to resume, nothing left behind
+                resume.clear()
+                raise
+            except BaseException:  # killed, out of memory...: keep the finished layers for the next run
+                if resume.done:
+                    print(
+                        f"{resume.done} finished layer(s) kept in {resume.root}: run the same conversion "
+                        "again to resume there.",
+                        file=sys.stderr,
+                    )
+                raise
+            resume.clear()
+            return result
     weights = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
     return write_converted(
         ckpt,

@@ -15,11 +15,16 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from gqakit.locks import OWNER, exclusive
+from gqakit.outputs import check_output_dir
 
 STATE = "state.json"
 HIDDEN = "hidden.pt"
@@ -29,6 +34,21 @@ def resume_dir(dst: str | Path) -> Path:
     """Where the finished layers of a conversion into ``dst`` are kept: ``.DST.layerwise`` beside it."""
     dst = Path(dst).expanduser().absolute()
     return dst.parent / f".{dst.name}.layerwise"
+
+
+@contextmanager
+def claim_layerwise(dst: str | Path, force: bool, src: str | Path) -> Iterator[None]:
+    """Hold DST's finished layers for one conversion (``.DST.lock`` beside it): a second conversion into
+    the same DST while this one runs would discard or mix them, so it is refused with this one's pid.
+    DST is checked first (:func:`~gqakit.outputs.check_output_dir`), so a bad DST gets its own message."""
+    dst = check_output_dir(Path(dst), force, Path(src))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    busy = (
+        f"Another conversion into {dst} is running ({OWNER}); it keeps its finished layers in "
+        f"{resume_dir(dst)}. Wait for it to finish, or convert into another directory."
+    )
+    with exclusive(dst.parent / f".{dst.name}.lock", busy):
+        yield
 
 
 def tokens_digest(sequences: list[torch.Tensor]) -> str:

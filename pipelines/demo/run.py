@@ -15,6 +15,7 @@ from gqakit.convert import convert_checkpoint, expand_checkpoint
 from gqakit.errors import GqakitError
 from gqakit.eval import load_texts
 from gqakit.geometry import AttentionGeometry
+from gqakit.locks import working_directory
 from gqakit.pipelines.demo.decode import decode_side_by_side, llamacpp_side_by_side, vllm_side_by_side
 from gqakit.pipelines.demo.measure import (
     ModelEval,
@@ -188,9 +189,14 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
     options = options or DemoOptions()
     options.validate()
     _check_recipes(options)
+    with working_directory(options.work_dir) as work:
+        return _run_demo(options, work)
+
+
+def _run_demo(options: DemoOptions, work: Path) -> DemoResult:
+    """:func:`run_demo` once its options are valid and it holds the working directory ``work``."""
     quiet_transformers()
     start = time.perf_counter()
-    work = Path(options.work_dir).resolve()
     models = work / "models"
     store = ResultStore(work / "results", options.fresh)
     steps = Steps(STEPS, options.echo)

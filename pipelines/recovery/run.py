@@ -17,6 +17,7 @@ from gqakit.convert.retarget_convert import retarget_problems
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 from gqakit.local_assets import BUILT
+from gqakit.locks import working_directory
 from gqakit.outputs import atomic_output_dir, writable_dir
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, eval_steps, tokens_to_reach
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
@@ -241,9 +242,14 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
     o.validate()
     writable_dir(o.out, "--out")
     writable_dir(o.work_dir, "--work-dir")
+    with working_directory(o.work_dir) as work:
+        return _recover(o, work)
+
+
+def _recover(o: RecoveryOptions, work: Path) -> RecoveryResult:
+    """:func:`run_recovery` once its options are valid and it holds the working directory ``work``."""
     quiet_transformers()
     t_start = time.perf_counter()
-    work = Path(o.work_dir).resolve()
     store = ResultStore(work / "results", o.fresh)
     steps = Steps(3 + len(o.starts), o.echo)
     precision = resolve_precision(o.precision, o.device)

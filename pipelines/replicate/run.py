@@ -11,6 +11,7 @@ from gqakit.asset_cache import read_manifest
 from gqakit.assets import fetch_asset
 from gqakit.files import cache_root
 from gqakit.local_assets import publish
+from gqakit.locks import working_directory
 from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
 from gqakit.pipelines.replicate.report import write_report
 from gqakit.pipelines.replicate.train import (
@@ -69,12 +70,11 @@ def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
     return wiki["train"], wiki["validation"], wiki["test"]
 
 
-def _setup(o: ReplicateOptions, total_steps: int) -> tuple[Context, Path, Arm, float]:
-    """Steps 1-3: the corpus, the tokenizer and the pretrained MHA model (published as an asset)."""
-    o.validate()
+def _setup(o: ReplicateOptions, total_steps: int, work: Path) -> tuple[Context, Path, Arm, float]:
+    """Steps 1-3: the corpus, the tokenizer and the pretrained MHA model (published as an asset), in the
+    working directory ``work`` (held: :func:`~gqakit.locks.working_directory`)."""
     quiet_transformers()
     start = time.perf_counter()
-    work = Path(o.work_dir).resolve()
     store = ResultStore(work / "results", o.fresh)
     steps = Steps(total_steps, o.echo)
     m = o.model
@@ -102,7 +102,10 @@ def _setup(o: ReplicateOptions, total_steps: int) -> tuple[Context, Path, Arm, f
 def pretrain_mha(options: ReplicateOptions | None = None) -> Path:
     """Only steps 1-3: train the tokenizer and the MHA model (``recipes/replicate-mha.yaml``) and make it
     the asset ``replicate-mha``; return the model's directory. ``gqakit replicate --pretrain-only``."""
-    _, _, mha, _ = _setup(options or ReplicateOptions(), 3)
+    o = options or ReplicateOptions()
+    o.validate()
+    with working_directory(o.work_dir) as work:
+        _, _, mha, _ = _setup(o, 3, work)
     return Path(mha.path)
 
 
@@ -116,7 +119,14 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
         A :class:`ReplicateResult`; the report is at ``result.report``.
     """
     o = options or ReplicateOptions()
-    ctx, tok, mha_arm, start = _setup(o, STEPS)
+    o.validate()
+    with working_directory(o.work_dir) as work:
+        return _replicate(o, work)
+
+
+def _replicate(o: ReplicateOptions, work: Path) -> ReplicateResult:
+    """:func:`run_replicate` once its options are valid and it holds the working directory ``work``."""
+    ctx, tok, mha_arm, start = _setup(o, STEPS, work)
     steps, m, store = ctx.steps, o.model, ctx.store
     mha = Path(mha_arm.path)
     arms: list[Arm] = [mha_arm]

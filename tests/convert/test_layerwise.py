@@ -189,12 +189,10 @@ def test_a_killed_conversion_resumes_at_the_first_unfinished_layer(
     assert not resume_dir(dst).exists()  # removed once DST is complete
 
 
-def test_finished_layers_of_another_conversion_are_not_reused(tmp_path, calib_txt, monkeypatch):
+def _killed_after_layer_0(src, dst, opts: ConvertOptions, monkeypatch) -> None:
+    """Run the conversion into ``dst`` and kill it when layer 1 starts: layer 0 stays in the resume folder."""
     from gqakit.convert import layerwise
-    from gqakit.convert.layerwise_resume import resume_dir
 
-    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=2)
-    opts = ConvertOptions(groups=2, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
     convert_layer = layerwise._LayerwiseJob.convert_layer
 
     def dies_at_layer_1(self, i):
@@ -205,10 +203,37 @@ def test_finished_layers_of_another_conversion_are_not_reused(tmp_path, calib_tx
     with monkeypatch.context() as m:
         m.setattr(layerwise._LayerwiseJob, "convert_layer", dies_at_layer_1)
         with pytest.raises(KeyboardInterrupt):
-            convert_checkpoint(src, tmp_path / "out", opts)
+            convert_checkpoint(src, dst, opts)
+
+
+def test_finished_layers_of_another_conversion_are_not_reused(tmp_path, calib_txt, monkeypatch):
+    from gqakit.convert.layerwise_resume import resume_dir
+
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=2)
+    opts = ConvertOptions(groups=2, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    _killed_after_layer_0(src, tmp_path / "out", opts, monkeypatch)
     assert resume_dir(tmp_path / "out").exists()
     other = ConvertOptions(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
     res = convert_checkpoint(src, tmp_path / "out", other)
     assert json.loads((res.dst / "config.json").read_text())["num_key_value_heads"] == 1
     assert len(json.loads((res.dst / "gqakit.json").read_text())["reconstruction_error"]) == 2
     assert not resume_dir(tmp_path / "out").exists()
+
+
+def test_a_conversion_into_a_dst_another_one_is_writing_is_refused(tmp_path, calib_txt, monkeypatch):
+    from gqakit.convert.layerwise_resume import claim_layerwise, resume_dir
+
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=2)
+    opts = ConvertOptions(groups=2, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    dst = tmp_path / "out"
+    _killed_after_layer_0(src, dst, opts, monkeypatch)
+    other = ConvertOptions(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    with claim_layerwise(dst, False, src):  # as a running conversion holds it
+        with pytest.raises(GqakitError, match=r"Another conversion into .*out is running \(pid \d+ "):
+            convert_checkpoint(src, dst, other)
+        # the running conversion's finished layer is still there (another conversion would discard it)
+        assert json.loads((resume_dir(dst) / "state.json").read_text())["done"] == 1
+    assert not dst.exists()
+    res = convert_checkpoint(src, dst, other)  # once it is done, the next one runs
+    assert json.loads((res.dst / "config.json").read_text())["num_key_value_heads"] == 1
+    assert not (tmp_path / ".out.lock").exists()

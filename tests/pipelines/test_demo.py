@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
+from gqakit.locks import working_directory
 from gqakit.pipelines.demo import DemoAssets, DemoOptions, Variant, render_table, run_demo
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
@@ -194,6 +195,15 @@ def test_a_bad_recipe_or_override_is_reported_before_any_step(tmp_path, tiny_ass
     with pytest.raises(GqakitError, match=message):
         run_demo(tiny_options(tmp_path, tiny_assets, messages, **kw))
     assert not any(m.startswith("[1/") for m in messages)
+
+
+def test_a_working_directory_another_run_holds_is_refused_before_any_step(tmp_path, tiny_assets):
+    messages: list[str] = []
+    opts = tiny_options(tmp_path, tiny_assets, messages, work_dir=tmp_path / "held")
+    with working_directory(tmp_path / "held"):
+        with pytest.raises(GqakitError, match=r"--work-dir .*held is in use by another run \(pid"):
+            run_demo(opts)
+    assert messages == [] and not (tmp_path / "held" / "results").exists()
 
 
 def test_decode_rounds_that_disagree_give_no_speedup():

@@ -4,6 +4,7 @@ whole pipeline with its cache, and the bad-input messages, each given before any
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
+from gqakit.locks import working_directory
 from gqakit.pipelines.recovery.curves import Reach, best_rates, eval_steps, saving, tokens_to_reach
 from gqakit.pipelines.recovery.options import RecoveryOptions
 from gqakit.pipelines.recovery.run import run_recovery
@@ -236,6 +238,14 @@ def test_an_unwritable_output_is_refused_before_any_work(tiny, tmp_path):
     assert result.exit_code != 0
     assert f"--out {out} cannot be written (Not a directory)" in result.output, result.output
     assert not (tmp_path / "w").exists()
+
+
+def test_a_working_directory_another_run_holds_is_refused_before_any_work(tiny, tmp_path):
+    with working_directory(tmp_path / "w"):  # as a recovery run still going holds it
+        result = _cli(tiny, tmp_path, "--groups", "1")
+    assert result.exit_code != 0
+    assert f"--work-dir {tmp_path / 'w'} is in use by another run (pid {os.getpid()} " in result.output
+    assert not (tmp_path / "w" / "models").exists() and not (tmp_path / "o").exists()
 
 
 def test_options_from_python_name_the_flags():

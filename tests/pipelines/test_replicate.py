@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
+from gqakit.locks import working_directory
 from gqakit.pipelines.replicate import run_replicate
 from gqakit.pipelines.replicate.options import ModelShape, ReplicateOptions
 from gqakit.pipelines.replicate.run import _arm_plan
@@ -169,6 +170,17 @@ def test_scale_widens_and_deepens_the_model():
     big = replace(ReplicateOptions(), scale=4.0)
     assert big.model.hidden == 1024 and big.model.layers == 8 and big.model.heads == 8
     assert big.steps == 4 * ReplicateOptions().steps
+
+
+def test_a_working_directory_another_run_holds_is_refused(tmp_path, corpus):
+    from gqakit.pipelines.replicate import pretrain_mha
+
+    messages: list[str] = []
+    with working_directory(tmp_path / "work"):
+        for run in (run_replicate, pretrain_mha):
+            with pytest.raises(GqakitError, match=r"--work-dir .*work is in use by another run \(pid"):
+                run(tiny(tmp_path, corpus, messages))
+    assert messages == [] and not (tmp_path / "work" / "results").exists()
 
 
 def test_cli_help_and_bad_lists():

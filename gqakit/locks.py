@@ -1,0 +1,129 @@
+"""One process at a time in a directory that holds resumable work.
+
+A pipeline's working directory and a layer-wise conversion's finished layers are resumed by the next
+run with the same settings. Two processes at once would write the same files (or one would discard the
+other's layers mid-run), and a later resume could read a mix of both. :func:`exclusive` takes an
+operating-system lock on a file for the length of a ``with`` block; a second process that asks for it
+is refused at once with the first one's pid and command, instead of waiting for hours. The lock goes
+with the process: ``kill -9`` or a crash leaves nothing to clean up, and the lock file is removed on
+release.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from gqakit.errors import GqakitError
+
+if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
+    import msvcrt
+
+    def _try_lock(fd: int) -> bool:
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError:
+            return False
+        return True
+
+else:
+    import fcntl
+
+    def _try_lock(fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+
+def _owner_line() -> str:
+    argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else ["python"]
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    return f"pid {os.getpid()} on {socket.gethostname()} since {started}: {shlex.join(argv)}"
+
+
+def _acquire(path: Path) -> int | None:
+    """The open, locked descriptor of ``path``, or None while another process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if not _try_lock(fd):
+            os.close(fd)
+            return None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        # the holder released and removed the file between our open and our lock: the lock we hold is on
+        # a file nobody else will open again, so take the new one
+        os.close(fd)
+
+
+OWNER = "{owner}"  # where a refusal message names the process that holds the lock
+
+
+@contextmanager
+def exclusive(lock_file: str | Path, busy: str) -> Iterator[None]:
+    """Hold ``lock_file`` for the ``with`` block, or refuse if another process holds it.
+
+    Args:
+        lock_file: the lock's path; its directory must exist. Written with the holder's pid and command
+            (what a refused process reports), removed on release.
+        busy: the message for a refused process, with :data:`OWNER` where the holder's description goes,
+            e.g. ``"--work-dir w is in use ({owner}): wait for it, or pass another --work-dir."``.
+
+    Raises:
+        GqakitError: ``busy`` filled in, when another process holds the lock.
+    """
+    path = Path(lock_file)
+    fd = _acquire(path)
+    if fd is None:
+        try:
+            owner = path.read_text().strip() or "a process that is starting"
+        except OSError:
+            owner = "a process that just finished"
+        raise GqakitError(busy.replace(OWNER, owner))
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, (_owner_line() + "\n").encode())
+        yield
+    finally:
+        # removed while still locked, so no process can lock this file after we let it go
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        os.close(fd)
+
+
+@contextmanager
+def working_directory(work_dir: str | Path, option: str = "--work-dir") -> Iterator[Path]:
+    """Create ``work_dir`` if needed and hold it for one pipeline run; yield it resolved.
+
+    Raises:
+        GqakitError: when it cannot be created, or another run holds it.
+    """
+    work = Path(work_dir).expanduser().resolve()
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GqakitError(
+            f"{option} {work_dir} cannot be created ({e.strerror}): choose a directory you can write to."
+        ) from None
+    busy = (
+        f"{option} {work} is in use by another run ({OWNER}). Two runs in one working directory would "
+        f"write the same checkpoints: wait for that run to finish, or pass another {option}."
+    )
+    with exclusive(work / ".gqakit-lock", busy):
+        yield work
+
+
+__all__ = ["OWNER", "exclusive", "working_directory"]
