@@ -149,7 +149,10 @@ def work_dir_option(default: str) -> Callable[[F], F]:
         type=_DIR,
         default=default,
         show_default=True,
-        help="Checkpoints and cached results of every step; the next run reuses what is still valid.",
+        help=(
+            "Checkpoints and cached results of every step; the next run reuses what is still valid. "
+            "One run at a time: a second run on it is refused."
+        ),
     )
 
 
