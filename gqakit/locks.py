@@ -1,12 +1,13 @@
-"""One process at a time in a directory that holds resumable work.
+"""One process at a time in a directory that holds resumable work, or that a build fills.
 
 A pipeline's working directory and a layer-wise conversion's finished layers are resumed by the next
 run with the same settings. Two processes at once would write the same files (or one would discard the
 other's layers mid-run), and a later resume could read a mix of both. :func:`exclusive` takes an
 operating-system lock on a file for the length of a ``with`` block; a second process that asks for it
-is refused at once with the first one's pid and command, instead of waiting for hours. The lock goes
-with the process: ``kill -9`` or a crash leaves nothing to clean up, and the lock file is removed on
-release.
+is refused at once with the first one's pid and command, instead of waiting for hours.
+:func:`one_at_a_time` waits instead, for work that takes a minute and that the second process needs
+too (an asset being built into the cache: it then finds the asset there). Either lock goes with the
+process: ``kill -9`` or a crash leaves nothing to clean up, and the lock file is removed on release.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import shlex
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from gqakit.errors import GqakitError
+
+POLL_S = 0.2  # how often a waiting process tries the lock again
 
 if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
     import msvcrt
@@ -49,13 +52,26 @@ def _owner_line() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()} since {started}: {shlex.join(argv)}"
 
 
-def _acquire(path: Path) -> int | None:
-    """The open, locked descriptor of ``path``, or None while another process holds it."""
+def _owner_of(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "a process that is starting"
+    except OSError:
+        return "a process that just finished"
+
+
+def _acquire(path: Path, busy: Callable[[str], None]) -> int:
+    """The open, locked descriptor of ``path``. While another process holds it, ``busy`` is called with
+    that process's description: it raises to refuse, or returns to wait for the lock."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        if not _try_lock(fd):
+        try:
+            if not _try_lock(fd):
+                busy(_owner_of(path))
+                while not _try_lock(fd):
+                    time.sleep(POLL_S)
+        except BaseException:
             os.close(fd)
-            return None
+            raise
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -64,6 +80,22 @@ def _acquire(path: Path) -> int | None:
             return fd
         # the holder released and removed the file between our open and our lock: the lock we hold is on
         # a file nobody else will open again, so take the new one
+        os.close(fd)
+
+
+@contextmanager
+def _held(path: Path, busy: Callable[[str], None]) -> Iterator[None]:
+    fd = _acquire(path, busy)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, (_owner_line() + "\n").encode())
+        yield
+    finally:
+        # removed while still locked, so no process can lock this file after we let it go
+        try:
+            path.unlink()
+        except OSError:
+            pass
         os.close(fd)
 
 
@@ -83,25 +115,24 @@ def exclusive(lock_file: str | Path, busy: str) -> Iterator[None]:
     Raises:
         GqakitError: ``busy`` filled in, when another process holds the lock.
     """
-    path = Path(lock_file)
-    fd = _acquire(path)
-    if fd is None:
-        try:
-            owner = path.read_text().strip() or "a process that is starting"
-        except OSError:
-            owner = "a process that just finished"
+
+    def refuse(owner: str) -> None:
         raise GqakitError(busy.replace(OWNER, owner))
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, (_owner_line() + "\n").encode())
+
+    with _held(Path(lock_file), refuse):
         yield
-    finally:
-        # removed while still locked, so no process can lock this file after we let it go
-        try:
-            path.unlink()
-        except OSError:
-            pass
-        os.close(fd)
+
+
+@contextmanager
+def one_at_a_time(lock_file: str | Path, waiting: Callable[[str], None]) -> Iterator[None]:
+    """Hold ``lock_file`` for the ``with`` block, waiting while another process holds it.
+
+    Args:
+        lock_file: the lock's path; its directory must exist.
+        waiting: called once, with the holder's description, when this process has to wait (to say so).
+    """
+    with _held(Path(lock_file), waiting):
+        yield
 
 
 @contextmanager
@@ -126,4 +157,4 @@ def working_directory(work_dir: str | Path, option: str = "--work-dir") -> Itera
         yield work
 
 
-__all__ = ["OWNER", "exclusive", "working_directory"]
+__all__ = ["OWNER", "exclusive", "one_at_a_time", "working_directory"]

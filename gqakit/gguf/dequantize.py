@@ -9,17 +9,20 @@ the cached directory at once. Changing the file changes its fingerprint, so a st
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gqakit.errors import GqakitError
 from gqakit.files import cache_root, fingerprint, writable_cache
+from gqakit.locks import one_at_a_time
 from gqakit.outputs import atomic_output_dir
 
 if TYPE_CHECKING:
     import torch
 
 CACHE = "gguf-dequantized"  # the folder under the cache root
+log = logging.getLogger(__name__)
 
 
 def is_gguf(src: str | Path) -> bool:
@@ -59,9 +62,17 @@ def dequantized_gguf(gguf_path: str | Path) -> Path:
     docstring); later calls return the cached directory at once."""
     path = Path(gguf_path).expanduser().resolve()
     out = writable_cache(cache_root() / CACHE) / f"{path.stem}-{fingerprint(path)}"
-    if not (out / "config.json").is_file():
-        with atomic_output_dir(out, force=True) as tmp:
-            dequantize_gguf(path, tmp)
+    if (out / "config.json").is_file():
+        return out
+
+    def waiting(owner: str) -> None:
+        log.warning("waiting for %s, which is dequantizing %s into %s", owner, path.name, out)
+
+    # a second command on the same .gguf waits for the first's copy instead of writing its own over it
+    with one_at_a_time(out.parent / f".{out.name}.lock", waiting):
+        if not (out / "config.json").is_file():
+            with atomic_output_dir(out, force=True) as tmp:
+                dequantize_gguf(path, tmp)
     return out
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,8 @@ from safetensors.torch import load_file
 from gqakit.convert.api import ConvertOptions, convert_checkpoint, inspect_checkpoint
 from gqakit.gguf import dequantize as deq
 from gqakit.gguf import export_gguf
+from gqakit.locks import one_at_a_time
+from gqakit.outputs import atomic_output_dir
 
 
 @pytest.fixture
@@ -55,3 +60,27 @@ def test_a_changed_gguf_is_dequantized_again(exported, tmp_path, counted):
     assert a != b and len(counted) == 2
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def test_a_command_while_another_dequantizes_the_same_gguf_waits_and_reuses_its_copy(
+    exported, tmp_path, counted, caplog
+):
+    _, mha = exported("llama", "mha", "f32")
+    out = deq.cache_root() / deq.CACHE / f"{mha.path.stem}-{deq.fingerprint(mha.path)}"
+    out.parent.mkdir(parents=True)
+    caplog.set_level(logging.WARNING, logger="gqakit.gguf.dequantize")
+    got: list[Path] = []
+    waiter = threading.Thread(target=lambda: got.append(deq.dequantized_gguf(mha.path)))
+    with one_at_a_time(out.parent / f".{out.name}.lock", lambda owner: None):  # a first command's copy
+        waiter.start()
+        for _ in range(300):
+            if "waiting for pid" in caplog.text:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the second command did not wait for the dequantization under way")
+        assert counted == []
+        with atomic_output_dir(out, force=True) as tmp:
+            deq.dequantize_gguf(mha.path, tmp)
+    waiter.join(timeout=60)
+    assert got == [out] and counted == [mha.path]  # dequantized once, by the first
