@@ -11,12 +11,14 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from gqakit.convert import convert_checkpoint
 from gqakit.errors import GqakitError
+from gqakit.locks import OWNER, exclusive
 from gqakit.uptrain.loop import CHECKPOINTS, UptrainLoop, UptrainResult
 from gqakit.uptrain.preflight import (
     PROVENANCE,
@@ -57,6 +59,41 @@ def prepare_output_dir(out: Path, resume: bool, force: bool, inputs: Sequence[st
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()
+
+
+@contextmanager
+def hold_run_dir(out: Path) -> Iterator[None]:
+    """Hold the run directory ``out`` for one run: its main process locks ``.OUT.lock`` beside it (beside,
+    so that ``--force`` and the emptiness check never see it). When another command holds it, every
+    process of this one stops with the holder's pid and command: two runs in one directory would mix
+    their checkpoints, and a ``--resume`` of either could read the other's."""
+    state = process_state()
+    busy = (
+        f"output_dir {out} is in use by another run ({OWNER}). Two runs writing one directory would mix "
+        "their checkpoints: wait for that run to finish, or choose another output_dir (override "
+        "output_dir=DIR)."
+    )
+    with ExitStack() as held:
+        refused: str | None = None
+        # A parent that does not exist yet holds no run under way, and creating it here would leave it
+        # behind when check_inputs refuses the recipe; one that cannot be written, check_inputs names.
+        if state.is_main_process and out.parent.is_dir():
+            try:
+                held.enter_context(exclusive(out.parent / f".{out.name}.lock", busy))
+            except GqakitError as e:
+                refused = e.message
+            except OSError:
+                pass
+        if state.num_processes > 1:  # every rank learns the main process's answer
+            # deferred: accelerate takes seconds to import
+            from accelerate.utils import broadcast_object_list
+
+            box = [refused]
+            broadcast_object_list(box, from_process=0)
+            refused = box[0]
+        if refused is not None:
+            raise GqakitError(refused)
+        yield
 
 
 def _quiet_other_ranks(recipe: Recipe) -> None:
@@ -110,25 +147,26 @@ def uptrain(recipe: Recipe, *, resume: bool = False, force: bool = False) -> Upt
     start = time.perf_counter()
     out = Path(expand(recipe.output_dir)).resolve()
     _quiet_other_ranks(recipe)
-    check_inputs(recipe, resume=resume, force=force)  # everything, before any conversion or model load
-    inputs = [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *recipe.data.files]
-    fresh = not resume and (force or not (out.is_dir() and any(out.iterdir())))
-    prepare_output_dir(out, resume, force, inputs + recipe.data.val_files)
-    try:
-        if process_state().is_main_process:
-            (out / "recipe.yaml").write_text(recipe.to_yaml())
-        model_path, extra = recipe.model.path, {}
-        if recipe.model.convert is not None:
-            model_path, extra = _convert_first(recipe, out)
-        else:
-            src = Path(expand(model_path)) / PROVENANCE
-            if src.is_file():  # a checkpoint converted by gqakit: keep its conversion record
-                extra = {"convert": json.loads(src.read_text())}
-        result = UptrainLoop(recipe, out, expand(model_path)).run(resume=resume, extra_provenance=extra)
-    except BaseException:
-        if fresh:
-            _discard_failed_start(out)
-        raise
+    with hold_run_dir(out):  # first: a run under way is the reason its directory is not empty
+        check_inputs(recipe, resume=resume, force=force)  # everything, before any conversion or model load
+        inputs = [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *recipe.data.files]
+        fresh = not resume and (force or not (out.is_dir() and any(out.iterdir())))
+        prepare_output_dir(out, resume, force, inputs + recipe.data.val_files)
+        try:
+            if process_state().is_main_process:
+                (out / "recipe.yaml").write_text(recipe.to_yaml())
+            model_path, extra = recipe.model.path, {}
+            if recipe.model.convert is not None:
+                model_path, extra = _convert_first(recipe, out)
+            else:
+                src = Path(expand(model_path)) / PROVENANCE
+                if src.is_file():  # a checkpoint converted by gqakit: keep its conversion record
+                    extra = {"convert": json.loads(src.read_text())}
+            result = UptrainLoop(recipe, out, expand(model_path)).run(resume=resume, extra_provenance=extra)
+        except BaseException:
+            if fresh:
+                _discard_failed_start(out)
+            raise
     result.elapsed_s = time.perf_counter() - start
     return result
 
@@ -148,4 +186,12 @@ def _discard_failed_start(out: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
-__all__ = ["RESUME_SAFE", "check_inputs", "check_resumable", "prepare_output_dir", "process_state", "uptrain"]
+__all__ = [
+    "RESUME_SAFE",
+    "check_inputs",
+    "check_resumable",
+    "hold_run_dir",
+    "prepare_output_dir",
+    "process_state",
+    "uptrain",
+]

@@ -98,3 +98,15 @@ def test_two_processes_match_one_with_the_same_global_batch(recipe, assets, tmp_
         return [(h["step"], h["loss"], h["lr"], h["grad_norm"]) for h in read_history(run) if "loss" in h]
 
     assert numbers(cut) == numbers(two_dir)
+
+
+def test_both_processes_stop_when_another_run_holds_the_run_directory(assets, tmp_path):
+    from gqakit.uptrain.api import hold_run_dir
+
+    with hold_run_dir(tmp_path / "held"):  # as a run under way holds it
+        held = f"output_dir={tmp_path / 'held'}"
+        proc = _launch_two([f"model.path={assets['mha']}", f"data.files=[{assets['train']}]", held])
+    assert proc.returncode != 0
+    assert "held is in use by another run (pid" in proc.stderr, proc.stderr[-3000:]
+    assert "budget:" not in proc.stderr  # neither process started training
+    assert not (tmp_path / "held").exists()

@@ -119,6 +119,20 @@ def test_what_the_machine_cannot_run_is_refused(recipe, distributed, device, ove
     assert environment_problems(recipe("checkpoint.every=0"), distributed, device) == []
 
 
+def test_a_run_directory_another_run_holds_is_refused_before_any_work(recipe, tmp_path, no_work):
+    from gqakit.uptrain.api import hold_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("the other run's\n")
+    with hold_run_dir(run):  # as a run under way holds it
+        for flags in ({}, {"resume": True}, {"force": True}):
+            with pytest.raises(GqakitError, match=r"output_dir .*run is in use by another run \(pid \d+ "):
+                uptrain(recipe(), **flags)
+    assert (run / "recipe.yaml").read_text() == "the other run's\n"  # --force deleted nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # the lock is gone with its holder
+
+
 def test_an_unwritable_output_dir_is_one_message(recipe):
     probe = Path("/sys/gqakit-write-probe")
     try:
@@ -209,6 +223,7 @@ def test_other_ranks_log_errors_only_and_show_no_progress_bars(recipe, monkeypat
 
     class Rank1:
         is_main_process = False
+        num_processes = 1  # a fake without a process group: no collective calls
 
         def wait_for_everyone(self) -> None:
             pass
