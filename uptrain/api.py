@@ -73,27 +73,36 @@ def hold_run_dir(out: Path) -> Iterator[None]:
         "their checkpoints: wait for that run to finish, or choose another output_dir (override "
         "output_dir=DIR)."
     )
-    with ExitStack() as held:
-        refused: str | None = None
-        # A parent that does not exist yet holds no run under way, and creating it here would leave it
-        # behind when check_inputs refuses the recipe; one that cannot be written, check_inputs names.
-        if state.is_main_process and out.parent.is_dir():
-            try:
-                held.enter_context(exclusive(out.parent / f".{out.name}.lock", busy))
-            except GqakitError as e:
-                refused = e.message
-            except OSError:
-                pass
-        if state.num_processes > 1:  # every rank learns the main process's answer
-            # deferred: accelerate takes seconds to import
-            from accelerate.utils import broadcast_object_list
+    made: list[Path] = []  # the parents this run creates, removed again if it fails
+    try:
+        with ExitStack() as held:
+            refused: str | None = None
+            if state.is_main_process:
+                made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+                try:
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    held.enter_context(exclusive(out.parent / f".{out.name}.lock", busy))
+                except GqakitError as e:
+                    refused = e.message
+                except OSError:
+                    pass  # a directory that cannot be written: check_inputs names it, with the fix
+            if state.num_processes > 1:  # every rank learns the main process's answer
+                # deferred: accelerate takes seconds to import
+                from accelerate.utils import broadcast_object_list
 
-            box = [refused]
-            broadcast_object_list(box, from_process=0)
-            refused = box[0]
-        if refused is not None:
-            raise GqakitError(refused)
-        yield
+                box = [refused]
+                broadcast_object_list(box, from_process=0)
+                refused = box[0]
+            if refused is not None:
+                raise GqakitError(refused)
+            yield
+    except BaseException:
+        for p in made:  # innermost first; a directory something else was written into stays
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def _quiet_other_ranks(recipe: Recipe) -> None:

@@ -133,6 +133,12 @@ def test_a_run_directory_another_run_holds_is_refused_before_any_work(recipe, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # the lock is gone with its holder
 
 
+def test_a_refused_recipe_leaves_no_parent_directory_behind(recipe, tmp_path, no_work):
+    with pytest.raises(GqakitError, match="nonexistent.txt"):
+        uptrain(recipe("data.files=[/nonexistent.txt]", f"output_dir={tmp_path / 'a' / 'b' / 'run'}"))
+    assert not (tmp_path / "a").exists()
+
+
 def test_an_unwritable_output_dir_is_one_message(recipe):
     probe = Path("/sys/gqakit-write-probe")
     try:
