@@ -35,7 +35,16 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 OUR_TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
 
 # simple_evaluate arguments that gqakit sets itself.
-_RESERVED = {"model", "model_args", "tasks", "task_manager", "device", "verbosity"}
+# lm-eval options that gqakit eval sets itself, and the gqakit option that sets each
+_RESERVED = {
+    "model": "MODEL",
+    "model_args": "MODEL",
+    "tasks": "--tasks",
+    "task_manager": "--tasks",
+    "device": "--device",
+    "verbosity": "-v",
+    "batch_size": "--batch-size",  # lm-eval reads it only for a model given by name, not a loaded one
+}
 # HFLM arguments that make sense for a model that is already loaded.
 _HFLM_KEYS = {
     "max_length",
@@ -160,7 +169,7 @@ def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEval
         elif key in known:
             out.evaluate[key] = _value(val)
         elif key in _RESERVED:
-            problems.append(f"{key!r} is set by gqakit eval itself (use MODEL, --tasks or --device).")
+            problems.append(f"{key!r} is set by gqakit eval itself: use its {_RESERVED[key]}.")
         else:
             choices = sorted({*known, *_HFLM_KEYS, "include_path", "metadata"})
             problems.append(

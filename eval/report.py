@@ -257,7 +257,7 @@ def _decode_table(results: EvalResults, comps: dict[str, Any]) -> str:
                     f"{p.prefill_s:.3f}" if p.prefill_s is not None else "–",  # None: a random-filled cache
                     f"{p.decode_ms:.2f}",
                     _tokens_per_s(p),
-                    f"{p.kv_bytes / MIB:.1f}",
+                    f"{p.kv_bytes / MIB:.1f}" if p.kv_bytes is not None else "–",  # None: not measured
                     f"{p.kv_bytes_predicted / MIB:.1f}",
                     _speedup(d),
                     f"{d['bound']:.2f}×" if d else "–",

@@ -82,13 +82,17 @@ class ModelResult:
         return next((p for p in self.decode if p.batch == batch and p.context == context), None)
 
     def task_metrics(self) -> dict[str, float]:
-        """``{"task/metric": value}`` for every numeric lm-eval metric (stderr left out)."""
+        """``{"task/metric": value}`` for every numeric lm-eval metric (stderr left out). lm-eval keys a
+        metric ``metric,filter``; a filter other than ``none`` stays in the name, ``task/metric
+        (filter)``, since tasks such as gsm8k score one metric under several filters."""
         out = {}
         for task, metrics in ((self.lm_eval or {}).get("results") or {}).items():
             for key, value in metrics.items():
-                name = key.split(",")[0]
-                if isinstance(value, (int, float)) and "stderr" not in name and name != "sample_len":
-                    out[f"{task}/{name}"] = float(value)
+                metric, _, flt = key.partition(",")
+                if not isinstance(value, (int, float)) or "stderr" in metric or metric == "sample_len":
+                    continue
+                name = metric if flt in ("", "none") else f"{metric} ({flt})"
+                out[f"{task}/{name}"] = float(value)
         return out
 
 
@@ -133,7 +137,9 @@ class EvalResults:
                         "speedup": p.tokens_per_s / b.tokens_per_s if ok and reliable else None,
                         "reliable": reliable,
                         "bound": b.bytes_per_step / p.bytes_per_step,
-                        "kv_bytes_ratio": (p.kv_bytes / b.kv_bytes) if ok and b.kv_bytes else None,
+                        "kv_bytes_ratio": (
+                            p.kv_bytes / b.kv_bytes if ok and p.kv_bytes and b.kv_bytes else None
+                        ),
                     }
                 )
             for d in c["decode"]:

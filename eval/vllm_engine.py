@@ -132,12 +132,13 @@ def vllm_throughput(
     points = []
     for (batch, context), rounds in zip(grid, interleaved(len(grid), options.rounds, one), strict=True):
         stats = round_stats(rounds)
-        kv = res.kv_bytes_per_token * batch * (context + n)
+        kv_tokens = context + n - 1  # as the hf engine counts: the last output token is never fed back
         points.append(
             DecodePoint(
                 batch=batch, context=context, new_tokens=n, tokens_per_s=stats.median,
-                decode_ms=1000 * batch / stats.median if stats.median else None, kv_bytes=kv,
-                kv_bytes_predicted=kv, kv_tokens=context + n,
+                decode_ms=1000 * batch / stats.median if stats.median else None,
+                kv_bytes=None,  # vLLM's paged cache is not read back per request: predicted only
+                kv_bytes_predicted=res.kv_bytes_per_token * batch * kv_tokens, kv_tokens=kv_tokens,
                 bytes_per_step=res.weight_bytes + res.kv_bytes_per_token * batch * (context + n // 2),
                 rounds=list(stats.rounds), spread=stats.spread, reliable=stats.reliable,
             )

@@ -147,7 +147,9 @@ def test_parse_lm_eval_args_both_styles():
     "text, message",
     [
         ("--num_fewshots 5", "'num_fewshots' is not an lm-eval option. Did you mean \"num_fewshot\"?"),
-        ("--tasks x", "set by gqakit eval itself"),
+        ("--tasks x", "'tasks' is set by gqakit eval itself: use its --tasks."),
+        # lm-eval would record it and ignore it for a loaded model: gqakit's own option sets it
+        ("--batch_size 2", "'batch_size' is set by gqakit eval itself: use its --batch-size."),
         ("--metadata 3", "metadata must be a JSON object"),
         ("fewshot", "cannot read 'fewshot'"),
     ],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -74,6 +76,35 @@ def test_report_files_and_plots(three_way, tmp_path):
     assert res["options"]["batch_sizes"] == [1, 2]
     assert set(res["comparisons"]) == {"GQA-2", "MQA"}
     assert sorted(res["plots"]) == ["decode_tokens_per_s.png", "kv_cache_mib.png", "perplexity.png"]
+
+
+def test_a_metric_under_several_filters_keeps_each_and_an_unread_kv_cache_is_a_dash(three_way, tmp_path):
+    res = copy.deepcopy(three_way)
+    mqa = res.models["MQA"]
+    mqa.lm_eval = {
+        "results": {
+            "gsm8k": {  # lm-eval scores gsm8k's exact_match under two filters
+                "alias": "gsm8k",
+                "exact_match,strict-match": 1.0,
+                "exact_match_stderr,strict-match": 0.1,
+                "exact_match,flexible-extract": 0.0,
+            },
+            "arc_easy": {"acc,none": 0.5},
+        }
+    }
+    assert mqa.task_metrics() == {
+        "gsm8k/exact_match (strict-match)": 1.0,
+        "gsm8k/exact_match (flexible-extract)": 0.0,
+        "arc_easy/acc": 0.5,
+    }
+    # an engine that reported no KV bytes for a point (a llama.cpp log gqakit cannot read)
+    mqa.decode[0] = dataclasses.replace(mqa.decode[0], kv_bytes=None)
+    assert res.comparisons()["MQA"]["decode"][0]["kv_bytes_ratio"] is None
+    md = write_report(res, tmp_path / "report").read_text()
+    p = mqa.decode[0]
+    row = next(ln for ln in md.splitlines() if ln.startswith(f"| MQA | {p.batch} | {p.context} |"))
+    assert row.split(" | ")[6] == "–"  # KV MiB (measured)
+    assert "gsm8k/exact_match (flexible-extract)" in md
 
 
 def test_single_model_without_bench_still_reports(tiny_models, tmp_path, known_txt):

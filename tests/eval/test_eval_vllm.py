@@ -63,6 +63,8 @@ def test_the_report_shows_capacity_and_throughput_with_spreads(tiny_models, text
     points = data["models"]["gqa"]["decode"]
     assert [(p["batch"], p["context"]) for p in points] == [(1, 8), (2, 8)]
     assert all(len(p["rounds"]) == 2 and p["spread"] is not None for p in points)
+    # vLLM's paged cache is not read back: predicted only, for as many tokens as the hf engine counts
+    assert all(p["kv_bytes"] is None and p["kv_tokens"] == 8 + 4 - 1 for p in points)
     assert "±" in report
 
 
