@@ -341,8 +341,9 @@ def _bench_grid(
             static_cache=static_cache,
             compiled=compile,
             kv_tokens=kv_tokens,
-            kv_bytes_predicted=predicted_kv_bytes(model.config, b, kv_tokens, dtype),
-            bytes_per_step=weights + predicted_kv_bytes(model.config, b, c + new_tokens // 2, dtype),
+            kv_bytes_predicted=predicted_kv_bytes(model.config, b, kv_tokens, dtype, static_cache),
+            bytes_per_step=weights
+            + predicted_kv_bytes(model.config, b, c + new_tokens // 2, dtype, static_cache),
         )
         try:
             prompts = _prompts(model, b, c, seed, device)

@@ -31,20 +31,47 @@ def dtype_bytes(dtype: torch.dtype | str | int) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def config_geometry(config) -> AttentionGeometry:
-    """The attention geometry of a transformers config or a ``config.json`` dict."""
+def _decoder_config(config) -> dict:
     as_dict = config if isinstance(config, dict) else config.to_dict()
     # Multimodal wrappers keep the decoder's numbers in text_config.
     if "num_attention_heads" not in as_dict and isinstance(as_dict.get("text_config"), dict):
         as_dict = as_dict["text_config"]
-    return AttentionGeometry.from_config(as_dict)
+    return as_dict
 
 
-def predicted_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype | str | int) -> int:
-    """KV-cache bytes for ``batch`` sequences of ``tokens``: 2 (K and V) * layers * batch * G * tokens *
-    head_dim * bytes per element. ``config`` is a transformers config or a ``config.json`` dict."""
+def config_geometry(config) -> AttentionGeometry:
+    """The attention geometry of a transformers config or a ``config.json`` dict."""
+    return AttentionGeometry.from_config(_decoder_config(config))
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer, the sliding window its attention (and so its KV cache) is limited to, or None
+    for a layer that attends to every token: ``layer_types`` where the config has them (Gemma 2/3,
+    Qwen 2/3 ...), else every layer when ``sliding_window`` is set and not switched off (Mistral)."""
+    c = _decoder_config(config)
+    n = config_geometry(c).num_layers
+    window = c.get("sliding_window")
+    if not window or c.get("use_sliding_window") is False:
+        return [None] * n
+    types = c.get("layer_types")
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * n
+
+
+def predicted_kv_bytes(
+    config, batch: int, tokens: int, dtype: torch.dtype | str | int, static_cache: bool = False
+) -> int:
+    """KV-cache bytes for ``batch`` sequences of ``tokens``: 2 (K and V) * batch * G * head_dim * bytes per
+    element * the tokens each layer holds, which is ``tokens`` on a global layer and at most its window
+    on a sliding-window layer (``window`` in a static cache, ``window - 1`` in transformers' dynamic one,
+    which drops the oldest token once the step has read it). ``config`` is a transformers config or a
+    ``config.json`` dict."""
     g = config_geometry(config)
-    return 2 * g.num_layers * batch * g.num_kv_heads * tokens * g.head_dim * dtype_bytes(dtype)
+    held = sum(
+        tokens if w is None else min(tokens, w if static_cache else w - 1) for w in layer_windows(config)
+    )
+    return 2 * batch * g.num_kv_heads * held * g.head_dim * dtype_bytes(dtype)
 
 
 def measured_kv_bytes(cache) -> int:

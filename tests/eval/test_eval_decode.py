@@ -14,6 +14,7 @@ from gqakit.eval.kv_bytes import (
     weight_bytes_per_step,
 )
 from gqakit.models import load_causal_lm
+from gqakit.testing import tiny_model
 
 
 @pytest.mark.parametrize("layout, kv_heads", [("mha", 4), ("gqa", 2), ("mqa", 1)])
@@ -40,6 +41,25 @@ def test_measured_kv_bytes_equal_the_formula(tiny_models, layout, kv_heads, stat
         assert p.kv_bytes == p.kv_bytes_predicted == formula
         assert p.prefill_s > 0 and p.decode_ms > 0
         assert p.tokens_per_s == pytest.approx(p.batch * 1000 / p.decode_ms)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "config"),
+    [
+        ("gemma2", {}),  # layer_types: sliding, global
+        ("gemma3_text", {}),  # every layer sliding at this depth
+        ("mistral", {}),  # no layer_types: every layer slides
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}),
+    ],
+)
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_sliding_window_layers_hold_at_most_their_window(model_type, config, static_cache):
+    model = tiny_model(model_type, kv_heads=2, head_dim=16, sliding_window=16, **config)
+    grid = {"batch_sizes": [2], "contexts": [40], "new_tokens": 3, "warmup": 0}
+    (p,) = bench_decode(model, **grid, static_cache=static_cache, progress=False)
+    full = predicted_kv_bytes({**model.config.to_dict(), "sliding_window": None}, 2, p.kv_tokens, "float32")
+    assert p.kv_bytes == p.kv_bytes_predicted < full  # the window, not the 42 tokens, on sliding layers
+    assert p.bytes_per_step < weight_bytes_per_step(model) + full
 
 
 def test_predicted_kv_bytes_accepts_dicts_and_dtype_names(tiny_models):
