@@ -177,6 +177,11 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
                 self.optimizer.step()
                 bad_streak = 0
             else:
+                # optimizer.step() would have called the fp16 grad scaler's update(); without it the
+                # next step's clip_grad_norm_ unscales again and torch raises. update() also lowers the
+                # scale when this step's gradients overflowed.
+                if acc.scaler is not None:
+                    acc.scaler.update()
                 bad_streak += 1
                 s.skipped += 1
                 log.warning(
@@ -227,8 +232,11 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
                 k: v.to(self.save_dtype) if v.is_floating_point() else v for k, v in state_dict.items()
             }
             model.config.use_cache = True
-            model.config.dtype = self.save_dtype
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            # save_pretrained records the dtype of the float32 master weights; the file holds save_dtype,
+            # which from_pretrained(dtype="auto") must read back.
+            model.config.dtype = self.save_dtype
+            model.config.save_pretrained(tmp)
             copy_non_weight_files(Path(self.model_path), tmp)
             self.tokenizer.save_pretrained(tmp)
             write_json(tmp / PROVENANCE, provenance)

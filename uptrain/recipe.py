@@ -13,6 +13,7 @@ directory, so a shipped recipe can point into ``${GQAKIT_CACHE:-~/.cache/gqakit}
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -139,7 +140,7 @@ def recipe_from_dict(
 ) -> Recipe:
     """Build and validate a :class:`Recipe` from plain data (what the YAML file holds)."""
     problems: list[str] = []
-    data = dict(data)
+    data = copy.deepcopy(data)  # overrides write into nested sections: never into the caller's dicts
     apply_overrides(data, overrides, problems)
     data = _expand_all(data)
     recipe = build(Recipe, data, "", problems)

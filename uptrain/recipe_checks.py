@@ -41,9 +41,14 @@ def recipe_problems(self: Recipe) -> list[str]:
         p.append("data: give either data.files (local files) or data.hub (a hub dataset), not both.")
     if d.val_files and d.hub:
         p.append("data.val_files goes with data.files; with data.hub use data.val_split.")
+    if d.val_split and d.files and not d.hub:  # build_blocks would ignore it, holding out val_fraction
+        p.append(
+            f"data.val_split={d.val_split!r} only applies to data.hub; with data.files set "
+            "data.val_split=null and give data.val_files (or hold out data.val_fraction)."
+        )
     if d.seq_len < 2:
         p.append(f"data.seq_len must be at least 2, got {d.seq_len}.")
-    if not d.val_files and not d.val_split and not 0 < d.val_fraction < 1:
+    if not d.val_files and not (d.hub and d.val_split) and not 0 < d.val_fraction < 1:
         p.append(f"data.val_fraction must be between 0 and 1 (exclusive), got {d.val_fraction}.")
     if d.max_val_blocks is not None and d.max_val_blocks < 1:
         p.append(f"data.max_val_blocks must be at least 1 (or null), got {d.max_val_blocks}.")
@@ -68,9 +73,14 @@ def recipe_problems(self: Recipe) -> list[str]:
         p.append(f"objective.temperature must be positive, got {o.temperature}.")
     if not 0 <= o.distill_weight <= 1:
         p.append(f"objective.distill_weight must be in [0, 1], got {o.distill_weight}.")
-    for section, k in (("eval", "every"), ("checkpoint", "every"), ("checkpoint", "keep")):
+    for section, k in (("eval", "every"), ("checkpoint", "every")):
         if getattr(getattr(self, section), k) < 0:
             p.append(f"{section}.{k} must be >= 0, got {getattr(getattr(self, section), k)}.")
+    if self.checkpoint.keep < 1:  # 0 would delete each checkpoint as it is written: no resume, no rollback
+        p.append(
+            f"checkpoint.keep must be at least 1, got {self.checkpoint.keep}: --resume and the non-finite "
+            "guard's rollback need the newest checkpoint. To write none, set checkpoint.every=0."
+        )
     bad_steps = [n for n in self.eval.at_steps if n < 1]
     if bad_steps:
         p.append(f"eval.at_steps must hold steps of at least 1, got {bad_steps}.")

@@ -113,7 +113,7 @@ class DataConfig:
         hub: a hub dataset name instead of ``files`` (needs a network connection).
         hub_config: the hub dataset's configuration name.
         split: the hub split to train on.
-        val_split: the hub split to validate on.
+        val_split: the hub split to validate on (only with ``hub``; with ``files`` use ``val_files``).
         text_field: the column holding the text (tables and hub datasets).
         txt_docs: what one document of a ``.txt`` file is: a ``line``, a blank-line separated
             ``paragraph``, or the whole ``file``.
@@ -261,7 +261,7 @@ class CheckpointConfig:
 
     Attributes:
         every: steps between checkpoints (0: none, so no ``--resume`` and no rollback).
-        keep: how many recent checkpoints to keep.
+        keep: how many recent checkpoints to keep (at least 1; ``every: 0`` writes none).
         keep_after_finish: keep them once the final model is saved (they hold optimizer state, 3x the
             model's size).
     """

@@ -164,6 +164,9 @@ class CheckpointMixin:
         s.lr_scale, s.rollbacks = s.lr_scale * g.lr_factor, s.rollbacks + 1
         self._apply_lr()
         log.warning("rolled back to %s; learning rate now x%g", ckpt.name, s.lr_scale)
+        # The steps past the checkpoint are run again, as after a resume: their records go, so the
+        # history holds each step once (the rollback record below says what happened).
+        self.metrics.truncate_after(s.step)
         self.metrics.write(
             {"step": s.step, "event": "rollback", "checkpoint": ckpt.name, "lr_scale": s.lr_scale}
         )

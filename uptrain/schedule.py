@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from gqakit.uptrain.recipe import BudgetConfig
 
@@ -50,17 +51,33 @@ class Budget:
         return f"{steps:,} steps = {self.tokens(step):,} tokens = {a}"
 
 
+def _exact(x: float) -> Fraction:
+    """The number as written: a float through its shortest repr (``0.07`` is 7/100, not the binary
+    0.07000000000000000666...), so products that are whole numbers on paper stay whole."""
+    return Fraction(x) if isinstance(x, int) else Fraction(repr(float(x)))
+
+
 def resolve_budget(cfg: BudgetConfig, tokens_per_step: int) -> Budget:
-    """Turn ``steps`` / ``tokens`` / ``alpha`` into whole steps (rounding tokens up to a full step)."""
+    """Turn ``steps`` / ``tokens`` / ``alpha`` into whole steps (rounding tokens up to a full step).
+
+    The arithmetic is exact: a float product would round 0.07 x 12,800 tokens to 896.0000000000001 and
+    add a step.
+    """
     if cfg.steps is not None:
         steps = cfg.steps
     elif cfg.tokens is not None:
-        steps = math.ceil(cfg.tokens / tokens_per_step)
+        steps = math.ceil(_exact(cfg.tokens) / tokens_per_step)
     elif cfg.alpha is not None and cfg.pretraining_tokens:
-        steps = math.ceil(cfg.alpha * cfg.pretraining_tokens / tokens_per_step)
+        steps = math.ceil(_exact(cfg.alpha) * _exact(cfg.pretraining_tokens) / tokens_per_step)
     else:  # load_recipe has already refused this
         raise ValueError("budget needs steps, tokens, or alpha with pretraining_tokens")
     return Budget(max(1, steps), tokens_per_step, cfg.pretraining_tokens)
+
+
+def warmup_steps(warmup_fraction: float, steps: int) -> int:
+    """Whole warmup steps: ``warmup_fraction`` of ``steps``, rounded down, computed exactly (a float
+    product truncates 0.29 x 100 = 28.999999999999996 to 28)."""
+    return math.floor(_exact(warmup_fraction) * steps)
 
 
 def lr_multiplier(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -76,4 +93,4 @@ def lr_multiplier(step: int, total: int, warmup: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-__all__ = ["Budget", "lr_multiplier", "resolve_budget"]
+__all__ = ["Budget", "lr_multiplier", "resolve_budget", "warmup_steps"]

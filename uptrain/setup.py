@@ -14,7 +14,7 @@ from gqakit.uptrain.data import build_blocks
 from gqakit.uptrain.fused_loss import LossSpec
 from gqakit.uptrain.metrics import METRICS, MetricsLog
 from gqakit.uptrain.preflight import environment_problems
-from gqakit.uptrain.schedule import Budget, lr_multiplier, resolve_budget
+from gqakit.uptrain.schedule import Budget, lr_multiplier, resolve_budget, warmup_steps
 from gqakit.uptrain.speed import (
     apply_kernels,
     compile_layers,
@@ -29,6 +29,27 @@ log = logging.getLogger("gqakit.uptrain")
 _MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 _SAVE_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def checkpoint_dtype(path: str) -> torch.dtype:
+    """The dtype a checkpoint's ``config.json`` states (what ``model.save_dtype: auto`` saves in).
+
+    Args:
+        path: a checkpoint directory or hub id (the converted checkpoint when the recipe converts first;
+            conversion keeps the source's dtype).
+
+    Returns:
+        The stated float32, bfloat16 or float16; float32 when the config states none or another.
+    """
+    # deferred: transformers takes seconds to import
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return torch.float32
+    stated = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)  # older transformers
+    return _SAVE_DTYPE.get(str(stated).replace("torch.", ""), torch.float32)
 
 
 class SetupMixin:
@@ -88,12 +109,11 @@ class SetupMixin:
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         except (OSError, ValueError) as e:
             raise GqakitError(f"Could not load the model {self.model_path}: {e}") from None
+        # Not model.config.dtype: loading in float32 above has overwritten it with float32.
         self.save_dtype = (
             _SAVE_DTYPE[r.model.save_dtype]
             if r.model.save_dtype != "auto"
-            else _SAVE_DTYPE.get(
-                str(getattr(model.config, "dtype", "float32")).replace("torch.", ""), torch.float32
-            )
+            else checkpoint_dtype(self.model_path)
         )
         self.n_trainable, self.n_params = apply_trainable(model, r.train.trainable)
         if r.train.gradient_checkpointing:
@@ -157,7 +177,7 @@ class SetupMixin:
         self.budget: Budget = resolve_budget(
             r.budget, r.train.batch_size * r.train.grad_accum * world * r.data.seq_len
         )
-        self.warmup = int(r.train.warmup_fraction * self.budget.steps)
+        self.warmup = warmup_steps(r.train.warmup_fraction, self.budget.steps)
 
     def _setup_optimizer(self) -> None:
         t = self.recipe.train

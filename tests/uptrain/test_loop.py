@@ -46,6 +46,15 @@ def test_loss_falls_and_the_model_saves_as_a_plain_hf_checkpoint(recipe):
     assert not (res.output_dir / "checkpoints").exists()  # removed once the final model is saved
 
 
+@pytest.mark.parametrize("convert", [["model.convert=null"], []], ids=["as-is", "convert-first"])
+def test_save_dtype_auto_saves_in_the_sources_dtype(recipe, tmp_path, convert):
+    src = save_tiny_model(tmp_path / "bf16", "llama", heads=4, kv_heads=4, dtype=torch.bfloat16)
+    res = uptrain(recipe(f"model.path={src}", *convert, "model.save_dtype=auto", "budget.steps=1"))
+    assert {t.dtype for t in _weights(res.output_dir).values()} == {torch.bfloat16}
+    assert json.loads((res.output_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(res.output_dir, dtype="auto").dtype == torch.bfloat16
+
+
 def _fail_before_training(r, monkeypatch) -> None:
     """Run ``r`` with a loop that fails before its first step."""
 
@@ -156,11 +165,52 @@ def test_non_finite_steps_are_skipped_then_rolled_back(recipe, monkeypatch):
 
     monkeypatch.setattr(UptrainLoop, "_loss_step", poisoned)
     res = uptrain(
-        recipe("budget.steps=12", "checkpoint.every=5", "guard.max_bad_steps=3", "guard.lr_factor=0.5")
-    )
+        recipe(
+            "budget.steps=12", "checkpoint.every=5", "guard.max_bad_steps=3", "guard.lr_factor=0.5",
+            "log.every=1",
+        )
+    )  # fmt: skip
     assert res.skipped_steps == 4 and res.rollbacks == 1 and res.steps == 12
-    events = [h for h in read_history(res.output_dir) if h.get("event") == "rollback"]
+    hist = read_history(res.output_dir)
+    events = [h for h in hist if h.get("event") == "rollback"]
     assert events == [{"step": 5, "event": "rollback", "checkpoint": "step-00000005", "lr_scale": 0.5}]
+    # steps 6-9 ran twice; the history keeps the second, as after a resume
+    assert [h["step"] for h in hist if "loss" in h] == list(range(1, 13))
+    assert all(torch.isfinite(t).all() for t in _weights(res.output_dir).values())
+
+
+def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe, monkeypatch):
+    """CUDA fp16 simulated on CPU: accelerate's GradScaler on the CPU device, one non-finite loss. The
+    skipped step must still update the scaler, or the next step's unscale_() raises."""
+    import gqakit.uptrain.preflight as preflight
+    from gqakit.uptrain.setup import SetupMixin
+
+    monkeypatch.setattr(preflight, "precision_problem", lambda precision, device_type: None)
+    setup, scalers = SetupMixin._setup_accelerator, []
+
+    def with_scaler(self):
+        setup(self)
+        # what Accelerator(mixed_precision="fp16") makes on a CUDA device
+        self.acc.scaler = torch.amp.GradScaler("cpu")
+        self.acc.native_amp = True
+        scalers.append(self.acc.scaler)
+
+    loss_step = UptrainLoop._loss_step
+
+    def poisoned(self, batch):
+        loss, parts = loss_step(self, batch)
+        return (loss * float("inf"), parts) if self.state.batches_seen == 3 else (loss, parts)
+
+    monkeypatch.setattr(SetupMixin, "_setup_accelerator", with_scaler)
+    monkeypatch.setattr(UptrainLoop, "_loss_step", poisoned)
+    res = uptrain(
+        recipe(
+            "train.precision=fp16", "budget.steps=5", "checkpoint.every=0", "eval.every=0",
+            "eval.at_start=false", "speed.fused_loss=false", "model.convert=null",
+        )
+    )  # fmt: skip
+    assert res.steps == 5 and res.skipped_steps == 1 and res.rollbacks == 0
+    assert scalers[0].get_scale() == 2.0**15  # the overflow halved the initial 2**16 once
     assert all(torch.isfinite(t).all() for t in _weights(res.output_dir).values())
 
 

@@ -42,6 +42,22 @@ def test_overrides_nested_lists_null_and_scientific_numbers():
     assert r.model.convert.groups == 1
 
 
+def test_overrides_leave_the_callers_dict_unchanged():
+    import copy
+
+    import yaml
+
+    from gqakit.uptrain.recipe import recipe_from_dict
+
+    data = yaml.safe_load(TINY_RECIPE.read_text())
+    before = copy.deepcopy(data)
+    r1 = recipe_from_dict(data, ["train.grad_accum=8", "train.lr=0.5", "model.convert.groups=1"])
+    assert (r1.train.grad_accum, r1.train.lr, r1.model.convert.groups) == (8, 0.5, 1)
+    assert data == before
+    r2 = recipe_from_dict(data)  # no overrides: the file's values, not the last call's
+    assert (r2.train.grad_accum, r2.train.lr, r2.model.convert.groups) == (1, 3e-3, 2)
+
+
 def test_environment_variables_and_defaults_expand(monkeypatch):
     monkeypatch.setenv("GQAKIT_CACHE", "/data/cache")
     r = load_recipe(TINY_RECIPE, ["model.path=${GQAKIT_CACHE:-~/x}/m", "output_dir=${NOPE_UNSET:-/tmp/o}"])
@@ -110,6 +126,29 @@ def test_budget_in_steps_tokens_and_alpha_agree():
         == 4
     )
     assert "10 steps = 1,000 tokens = alpha 0.001 of 1e+06" in Budget(10, 100, 10**6).describe()
+
+
+@pytest.mark.parametrize(
+    ("alpha", "pretraining", "tokens_per_step", "steps"),
+    [(0.07, 12800, 128, 7), (0.07, 100, 1, 7), (0.05, 2e12, 4 * 2 * 8 * 512, 3051758), (0.29, 100, 1, 29)],
+)
+def test_an_alpha_budget_that_is_whole_steps_on_paper_takes_exactly_those_steps(
+    alpha, pretraining, tokens_per_step, steps
+):
+    over = ["budget.steps=null", f"budget.alpha={alpha}", f"budget.pretraining_tokens={pretraining}"]
+    b = resolve_budget(load_recipe(TINY_RECIPE, over).budget, tokens_per_step)
+    assert b.steps == steps  # 0.07 x 12,800 is 896 tokens = 7 steps of 128, not 896.0000000000001 -> 8
+
+
+@pytest.mark.parametrize(("fraction", "steps", "warmup"), [(0.29, 100, 29), (0.57, 100, 57), (0.1, 15, 1)])
+def test_warmup_is_the_exact_fraction_of_the_steps_rounded_down(recipe, tmp_path, fraction, steps, warmup):
+    from gqakit.uptrain.loop import UptrainLoop
+
+    r = recipe(f"train.warmup_fraction={fraction}", f"budget.steps={steps}")
+    loop = UptrainLoop(r, tmp_path / "run", r.model.path)
+    loop._setup_accelerator()
+    loop._setup_data()
+    assert loop.warmup == warmup  # 0.29 x 100 in floats is 28.999999999999996, truncated to 28 before
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

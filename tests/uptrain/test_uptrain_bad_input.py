@@ -68,6 +68,12 @@ CASES = [
      "train.precision=fp16 needs a CUDA GPU"),
     ("output-dir-is-a-file", lambda t: [f"output_dir={_file(t, 'out', b'x')}"],
      "output_dir .*out is a file"),
+    ("checkpoint-keep-0", lambda t: ["checkpoint.keep=0"],
+     "checkpoint.keep must be at least 1, got 0: .*rollback .* set checkpoint.every=0"),
+    ("val-split-with-files", lambda t: ["data.val_split=validation"],
+     "data.val_split='validation' only applies to data.hub; with data.files set data.val_split=null"),
+    ("val-fraction-0-beside-val-split", lambda t: ["data.val_split=validation", "data.val_fraction=0"],
+     r"data.val_fraction must be between 0 and 1 \(exclusive\), got 0"),
 ]  # fmt: skip
 
 
