@@ -228,6 +228,8 @@ class _LayerwiseJob:
 
     @carried.setter
     def carried(self, states: list[torch.Tensor]) -> None:
+        # a resumed run's states come back from LayerwiseResume on the CPU; the layers run on self.device
+        states = [s.to(self.device) for s in states]
         n = len(states) // 2 if self._converted_inputs else len(states)
         self.hidden = states[:n]
         if self._converted_inputs:

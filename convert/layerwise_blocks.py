@@ -10,7 +10,7 @@ import torch
 
 from gqakit.convert.plan import OutputTensor, execute
 from gqakit.convert.refine import converted_attention, layer_output
-from gqakit.convert.registry import ArchAdapter
+from gqakit.convert.registry import ArchAdapter, Role
 
 
 class Window(torch.nn.Module):
@@ -31,15 +31,21 @@ class Window(torch.nn.Module):
         return layer_output(out)
 
 
-_QK_ROLES = ("q", "k", "k_norm", "k_norm_flat", "q_norm_flat")
+# The query/key side that --refine-qk-lr covers: the q and k projections and every norm on them.
+_QK_ROLES: tuple[Role, ...] = ("q", "k", "q_norm", "k_norm", "q_norm_flat", "k_norm_flat")
+# Per-head norms (stablelm): one module per head, named by the container that holds them all.
+_QK_PER_HEAD_ROLES: tuple[Role, ...] = ("q_norm_per_head", "k_norm_per_head")
 
 
 def qk_parameters(adapter: ArchAdapter, layer: int, path: str, block: torch.nn.Module) -> list[str]:
     """The names, in ``block`` (the attention module at ``path``), of the query/key-side parameters:
     the q and k projections and their norms (none for a fused qkv projection)."""
-    mods = [
-        m[len(path) + 1 :] for m in (adapter.module(r, layer) for r in _QK_ROLES) if m and m.startswith(path)
-    ]
+    found = [adapter.module(r, layer) for r in _QK_ROLES]
+    for role in _QK_PER_HEAD_ROLES:
+        template: str | None = getattr(adapter, role)
+        if template is not None:  # "...k_layernorm.norms.{head}" -> the container "...k_layernorm.norms"
+            found.append(template.split(".{head}", 1)[0].format(layer=layer))
+    mods = [m[len(path) + 1 :] for m in found if m and m.startswith(path + ".")]
     return [n for n, _ in block.named_parameters() if any(n.startswith(m + ".") for m in mods)]
 
 

@@ -16,7 +16,17 @@ _ATTN = "model.layers.{layer}.self_attn"
 
 # The module roles an adapter names; ArchAdapter.module/tensor take one of these.
 Role = Literal[
-    "q", "k", "v", "o", "qkv", "k_norm", "k_norm_flat", "q_norm_flat", "k_norm_per_head", "q_norm_per_head"
+    "q",
+    "k",
+    "v",
+    "o",
+    "qkv",
+    "k_norm",
+    "q_norm",
+    "k_norm_flat",
+    "q_norm_flat",
+    "k_norm_per_head",
+    "q_norm_per_head",
 ]
 # The roles whose modules normalise keys after projection: a linear key merge is then not exact.
 _KEY_NORM_ROLES: tuple[Role, ...] = ("k_norm", "k_norm_flat", "k_norm_per_head")
@@ -35,8 +45,10 @@ class ArchAdapter:
             (olmo2), which must be regrouped like a bias.
         q_norm_flat: the query-side counterpart, ``[heads * head_dim]`` (olmo2); only head
             permutations touch it.
-        k_norm: one norm over ``head_dim`` shared by every key head (qwen3, gemma3); its weight is
-            ``[head_dim]`` and no regrouping touches it.
+        k_norm: one norm over ``head_dim`` shared by every key head (qwen3, gemma3, phi with
+            ``qk_layernorm``); its weight is ``[head_dim]`` and no regrouping touches it.
+        q_norm: its query-side counterpart. Nothing in a conversion touches it; it is named so that
+            query/key-side refinement (``--refine-qk-lr``) trains it.
         k_norm_per_head / q_norm_per_head: one norm module per head, ``{head}`` in the path (stablelm
             with ``qk_layernorm``).
         rotary: keys get rotary embeddings.
@@ -57,6 +69,7 @@ class ArchAdapter:
     k_norm_flat: str | None = None
     q_norm_flat: str | None = None
     k_norm: str | None = None
+    q_norm: str | None = None
     k_norm_per_head: str | None = None
     q_norm_per_head: str | None = None
     rotary: bool = True
@@ -104,12 +117,21 @@ ADAPTERS: dict[str, ArchAdapter] = {
         _adapter("llama"),
         _adapter("mistral"),
         _adapter("qwen2"),  # q/k/v biases: picked up as .bias tensors
-        _adapter("qwen3", k_norm=f"{_ATTN}.k_norm"),  # q_norm/k_norm over head_dim, shared by heads
+        # q_norm/k_norm over head_dim, shared by heads
+        _adapter("qwen3", k_norm=f"{_ATTN}.k_norm", q_norm=f"{_ATTN}.q_norm"),
         _adapter("gemma"),
         _adapter("gemma2"),
-        _adapter("gemma3_text", k_norm=f"{_ATTN}.k_norm"),
-        _adapter("phi3", q=None, k=None, v=None, qkv=f"{_ATTN}.qkv_proj"),
-        _adapter("phi", o=f"{_ATTN}.dense", partial_rotary=True),
+        _adapter("gemma3_text", k_norm=f"{_ATTN}.k_norm", q_norm=f"{_ATTN}.q_norm"),
+        # Phi3Config's partial_rotary_factor (default 1) limits rotary to the first channels of each head.
+        _adapter("phi3", q=None, k=None, v=None, qkv=f"{_ATTN}.qkv_proj", partial_rotary=True),
+        # With qk_layernorm, one LayerNorm over head_dim, shared by the heads, on queries and on keys.
+        _adapter(
+            "phi",
+            o=f"{_ATTN}.dense",
+            k_norm=f"{_ATTN}.k_layernorm",
+            q_norm=f"{_ATTN}.q_layernorm",
+            partial_rotary=True,
+        ),
         _adapter("olmo"),
         _adapter(
             "olmo2",

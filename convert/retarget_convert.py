@@ -113,6 +113,7 @@ def convert_retargeted(
         mha = write_target(Path(tmp) / "mha", config, mha_state, ckpt.path)
         with resolve_checkpoint(mha) as target:
             target.origin = ckpt.origin  # the provenance names what the user gave
+            target.derived_from = ckpt  # ... and hashes its files, not the rewrite's
             return convert(target, dst, options, start, extra)
 
 
@@ -163,6 +164,8 @@ def _write_bigcode(
         torch_dtype = DTYPES[out_dtype]
         state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
         config["dtype"] = options.dtype
+        if "torch_dtype" in config:  # a carried-over legacy key must not contradict it (as in write.py)
+            config["torch_dtype"] = options.dtype
     with atomic_output_dir(Path(dst), options.force, src=ckpt.path) as tmp:
         write_target(tmp, config, state, ckpt.path)
         provenance = {

@@ -40,8 +40,11 @@ def neox_gain_problems(state: StateDict, layers: int) -> list[str]:
 
 def neox_to_phi_config(config: Config) -> Config:
     """The phi config (MHA) that computes what ``config``'s GPT-NeoX computes."""
-    rope = dict(config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
+    # A config saved before transformers 5 names its scaling ``rope_scaling`` (with ``type``); transformers
+    # reads it in place of ``rope_parameters`` (GPTNeoXConfig.convert_rope_params_to_dict), so do the same.
+    rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    legacy_type = rope.pop("type", None)
+    rope.setdefault("rope_type", legacy_type or "default")
     rope.setdefault("rope_theta", config.get("rotary_emb_base", 10000.0))
     rope.setdefault("partial_rotary_factor", config.get("rotary_pct", 0.25))
     heads = config["num_attention_heads"]
@@ -59,7 +62,8 @@ def neox_to_phi_config(config: Config) -> Config:
         "layer_norm_eps": config.get("layer_norm_eps", 1e-5),
         "rope_parameters": rope,
         "qk_layernorm": False,
-        "tie_word_embeddings": False,
+        # phi ties lm_head.weight to the embedding as GPT-NeoX does (its lm_head bias stays its own)
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attention_dropout": 0.0,
@@ -72,18 +76,23 @@ def neox_to_phi_config(config: Config) -> Config:
 
 def neox_to_phi_state(state: StateDict, config: Config) -> StateDict:
     """GPT-NeoX tensors as phi tensors (MHA): q/k/v split from the per-head interleaved
-    ``query_key_value``, the second LayerNorm folded into ``fc1``, ``embed_out`` as a biased ``lm_head``."""
+    ``query_key_value``, the second LayerNorm folded into ``fc1``, ``embed_out`` as a biased ``lm_head``
+    (the embedding itself when ``config`` ties them)."""
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     d = hidden // heads
-    # a tied checkpoint may store the output projection only as the embedding
-    embed_out = state.get("embed_out.weight", state["gpt_neox.embed_in.weight"])
+    embed = state["gpt_neox.embed_in.weight"]
     out: StateDict = {
-        "model.embed_tokens.weight": state["gpt_neox.embed_in.weight"],
+        "model.embed_tokens.weight": embed,
         "model.final_layernorm.weight": state["gpt_neox.final_layer_norm.weight"],
         "model.final_layernorm.bias": state["gpt_neox.final_layer_norm.bias"],
-        "lm_head.weight": embed_out,
-        "lm_head.bias": torch.zeros(embed_out.shape[0], dtype=embed_out.dtype),
+        "lm_head.bias": torch.zeros(embed.shape[0], dtype=embed.dtype),
     }
+    # Tied (neox_to_phi_config keeps the tie): transformers' GPT-NeoX reads the embedding as its output
+    # projection, whatever embed_out a checkpoint also holds, and so will phi; no lm_head.weight is written
+    # (one tensor stored under two names is what safetensors refuses to save).
+    if not config.get("tie_word_embeddings", False):
+        # an untied checkpoint that lacks embed_out: the embedding is the best guess, as its own copy
+        out["lm_head.weight"] = state["embed_out.weight"] if "embed_out.weight" in state else embed.clone()
     for i in range(config["num_hidden_layers"]):
         src, dst = f"gpt_neox.layers.{i}", f"model.layers.{i}"
         g1, b1 = state[f"{src}.input_layernorm.weight"], state[f"{src}.input_layernorm.bias"]

@@ -66,7 +66,11 @@ def write_converted(
         if "torch_dtype" in config:
             config["torch_dtype"] = config["dtype"]
     config.update(config_updates or {})
-    with atomic_output_dir(Path(dst), force, src=ckpt.path) as tmp:
+    user = ckpt.derived_from or ckpt  # a retargeted source: the user's files, not the temporary rewrite
+    # a .gguf source is the file the user named (its checkpoint is a dequantized copy in the cache)
+    origin = Path(ckpt.origin).expanduser() if ckpt.origin else None
+    src = origin if origin is not None and origin.is_file() else user.path
+    with atomic_output_dir(Path(dst), force, src=src) as tmp:
         if callable(weights):
             files = weights(tmp)
         else:
@@ -80,8 +84,8 @@ def write_converted(
             "source": ckpt.origin,
             # a .gguf source is hashed itself: the config we read was derived from it
             "source_file_sha256": sha256_file(Path(ckpt.origin)) if Path(ckpt.origin).is_file() else None,
-            "source_config_sha256": sha256_file(ckpt.path / "config.json"),
-            "source_index_sha256": sha256_file(ckpt.index_file) if ckpt.index_file else None,
+            "source_config_sha256": sha256_file(user.path / "config.json"),
+            "source_index_sha256": sha256_file(user.index_file) if user.index_file else None,
             "model_type": ckpt.model_type,
             "num_heads": geom.num_heads,
             "from_kv_heads": geom.num_kv_heads,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class Checkpoint:
         shards: weight files in order; one entry for an unsharded checkpoint.
         index_file: the shard index, when the checkpoint is sharded.
         origin: what the user named (a directory, a ``.gguf`` file or a hub id), for provenance.
+        derived_from: the checkpoint this one was rewritten from (a retargeted family's MHA rewrite in a
+            temporary directory), whose files the provenance hashes; None for the user's own.
     """
 
     path: Path
@@ -60,6 +63,7 @@ class Checkpoint:
     shards: list[Shard]
     index_file: Path | None = None
     origin: str = ""
+    derived_from: Checkpoint | None = field(default=None, repr=False)
     _infos: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict, repr=False)
 
     @property
@@ -112,8 +116,11 @@ class TensorReader:
         if shard_file not in self._bin:
             path = self.ckpt.path / shard_file
             try:
-                # mmap keeps the shard on disk; weights_only refuses pickled code.
-                self._bin[shard_file] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                # mmap keeps the shard on disk; weights_only refuses pickled code. torch can mmap only the
+                # zip format (torch >= 1.6): a legacy (pre-zip) file is read into memory, as transformers
+                # reads it.
+                mmap = zipfile.is_zipfile(path)
+                self._bin[shard_file] = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
             except Exception as e:  # torch raises many types for a bad pickle
                 raise GqakitError(f"{path} could not be read as a PyTorch checkpoint: {e}") from None
         return self._bin[shard_file]

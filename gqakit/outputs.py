@@ -2,11 +2,11 @@
 
 A conversion (or an asset build) writes into a hidden temporary sibling of DST,
 ``.DST.<random>.partial``, and renames it to DST only when everything is written. The checks a user can
-fail (DST inside the source, DST a file, DST not empty without ``--force``, a parent that cannot be
-written) run when the directory is claimed, before any expensive work. A run killed with ``kill -9``
-cannot clean up after itself: its ``.partial`` directory records the process that owns it, and the next
-run into the same parent removes partials of the same DST whose process is gone (and reports those it
-cannot attribute, with their size and the command that removes them).
+fail (DST inside the source or containing it, DST a file, DST not empty without ``--force``, a parent
+that cannot be written) run when the directory is claimed, before any expensive work. A run killed with
+``kill -9`` cannot clean up after itself: its ``.partial`` directory records the process that owns it,
+and the next run into the same parent removes partials of the same DST whose process is gone (and
+reports those it cannot attribute, with their size and the command that removes them).
 """
 
 from __future__ import annotations
@@ -35,13 +35,32 @@ def _writable_ancestor(path: Path) -> Path:
 
 
 def check_output_dir(dst: Path, force: bool, src: Path | None = None) -> Path:
-    """Refuse a DST inside SRC, a DST that is a file, a non-empty DST without ``force``, or a DST whose
-    parent cannot be written; return DST resolved."""
+    """Check an output directory before any work is done.
+
+    Args:
+        dst: the output directory.
+        force: whether a non-empty DST may be replaced.
+        src: the source checkpoint directory, when there is one.
+
+    Returns:
+        DST, resolved.
+
+    Raises:
+        GqakitError: DST is SRC, inside SRC or contains SRC; DST is a file; DST is not empty and
+            ``force`` is false; or DST's parent cannot be written.
+    """
     dst = Path(dst).expanduser().resolve()
     if src is not None:
-        src = Path(src).resolve()
+        src = Path(src).expanduser().resolve()
         if dst == src or src in dst.parents:
             raise GqakitError(f"Output {dst} is inside the source {src}: choose a directory outside it.")
+        # Checked before "not empty": replacing DST (--force) would delete the source with it.
+        if dst in src.parents:
+            raise GqakitError(
+                f"Output {dst} contains the source {src}: writing it replaces the whole directory, source "
+                f"included. Choose a new directory that does not contain the source, e.g. "
+                f"{src.parent / (src.name + '-gqa')}."
+            )
     if dst.exists() and not dst.is_dir():
         raise GqakitError(f"Output {dst} exists and is a file: choose a directory path.")
     if dst.is_dir() and any(dst.iterdir()) and not force:

@@ -169,6 +169,29 @@ def test_every_family_calibrates_loads_and_keeps_g_equal_k_exact(tmp_path, calib
     assert res.provenance["key_merge"].startswith("mean") == normalized
 
 
+@pytest.mark.parametrize(
+    ("family", "kw", "key_merge"),
+    [
+        # Phi3 rotates the first head_dim * partial_rotary_factor channels: a merge that pairs channels as
+        # if all of head_dim rotated is no longer an invertible map of the keys at G = K
+        ("phi3", {"partial_rotary_factor": 0.5}, "calibrated"),
+        # phi with qk_layernorm normalizes keys after projection: the keys fall back to mean
+        ("phi", {"qk_layernorm": True}, "mean"),
+    ],
+)
+def test_g_equal_k_stays_exact_with_partial_rotary_and_key_norms(tmp_path, calib_txt, family, kw, key_merge):
+    model = tiny_model(family, heads=4, kv_heads=4, **kw)
+    with torch.no_grad():  # sharpen the near-uniform random attention, so that keys matter
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                p.mul_(8)
+    src = _save(model, tmp_path / "src")
+    opts = ConvertOptions(groups=4, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
+    res = convert_checkpoint(src, tmp_path / "out", opts)
+    assert res.provenance["key_merge"].startswith(key_merge)
+    torch.testing.assert_close(_logits(tmp_path / "out"), _logits(src), rtol=1e-4, atol=1e-4)
+
+
 def test_calibrated_beats_mean_on_calibration_error(tmp_path, calib_txt):
     """On a random model, the calibrated merge loses less output energy than mean pooling."""
     gen = torch.Generator().manual_seed(0)

@@ -83,12 +83,19 @@ def test_sharded_input_gives_sharded_output_with_valid_index(tmp_path):
     assert _load(tmp_path / "out").config.num_key_value_heads == 2
 
 
-def test_legacy_bin_input(tmp_path):
+# zip_format False: the pre-zip format torch.save wrote before torch 1.6, which transformers still loads
+# (and torch cannot memory-map).
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_legacy_bin_input(tmp_path, zip_format):
     model_dir = save_tiny_model(tmp_path / "st", "llama", heads=4, kv_heads=4)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     sd = _load(model_dir).state_dict()
-    torch.save({k: v.contiguous() for k, v in sd.items()}, bin_dir / "pytorch_model.bin")
+    torch.save(
+        {k: v.contiguous() for k, v in sd.items()},
+        bin_dir / "pytorch_model.bin",
+        _use_new_zipfile_serialization=zip_format,
+    )
     for f in model_dir.iterdir():
         if not f.name.endswith(".safetensors"):
             (bin_dir / f.name).write_bytes(f.read_bytes())

@@ -130,6 +130,21 @@ def test_dst_inside_src(tiny_llama):
     assert not (tiny_llama / "sub").exists()
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_dst_containing_src_is_refused_before_force_could_delete_it(tmp_path, force):
+    """``gqakit convert models/llama-src models --force`` would replace models/, the source with it."""
+    models = tmp_path / "models"
+    src = save_tiny_model(models / "llama-src", "llama", tokenizer=False)
+    (models / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in src.iterdir())
+    args = ["convert", str(src), str(models), "-g", "2", *(["--force"] if force else [])]
+    # the message is the same with or without --force: it must not suggest --force
+    _assert_error(_run(*args), f"Output {models} contains the source {src}", f"{models / 'llama-src-gqa'}")
+    assert sorted(p.name for p in src.iterdir()) == before
+    assert (models / "notes.txt").read_text() == "mine"
+    assert not [p for p in models.iterdir() if p.name.startswith(".")]  # nothing half-written
+
+
 def test_existing_dst_needs_force(tiny_llama, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -3,6 +3,7 @@ with the smaller KV cache at G < H, refused by name where the mapping cannot be 
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -10,9 +11,11 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from gqakit.checkpoint import SAFE_INDEX
 from gqakit.cli import main
 from gqakit.eval.decode import cache_kwarg
 from gqakit.eval.kv_bytes import measured_kv_bytes
+from gqakit.safetensors_io import SafetensorsFile
 from gqakit.testing import save_tiny_model
 
 IDS = torch.tensor([[5, 9, 17, 3, 22, 41, 8, 13, 2, 30, 11, 7]])
@@ -236,3 +239,67 @@ def test_bigcode_output_takes_the_dtype_asked_for(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def _edit_config(path, edit) -> None:
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    edit(config)
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def test_a_tied_neox_stays_tied_in_phi_with_the_same_logits(tmp_path):
+    """A tied GPT-NeoX stores no embed_out; phi ties its lm_head weight to the embedding the same way."""
+    src = _model(tmp_path, "gpt_neox", tie_word_embeddings=True)
+    assert "embed_out.weight" not in SafetensorsFile(src / "model.safetensors").tensors
+    want, _ = _logits(src)
+    for groups in (4, 2):
+        out = tmp_path / f"g{groups}"
+        res = _convert(src, out, "--groups", str(groups))
+        assert res.exit_code == 0, res.output
+        assert "lm_head.weight" not in SafetensorsFile(out / "model.safetensors").tensors
+        got, model = _logits(out)
+        assert model.config.tie_word_embeddings
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        if groups == 4:
+            assert (got - want).abs().max().item() < 1e-4
+        assert torch.isfinite(got).all()
+
+
+def test_a_legacy_rope_scaling_carries_over_to_phi(tmp_path):
+    """A config saved before transformers 5: rotary_pct/rotary_emb_base and rope_scaling with ``type``,
+    which transformers reads as rope_parameters."""
+    src = _model(tmp_path, "gpt_neox")
+
+    def legacy(config):
+        config.pop("rope_parameters")
+        config.update(rotary_pct=0.25, rotary_emb_base=5000.0, rope_scaling={"type": "linear", "factor": 4.0})
+
+    _edit_config(src, legacy)
+    res = _convert(src, tmp_path / "out", "--groups", "4")
+    assert res.exit_code == 0, res.output
+    ids = torch.randint(3, 300, (1, 96), generator=torch.Generator().manual_seed(0))
+    (want, _), (got, model) = _logits(src, ids), _logits(tmp_path / "out", ids)
+    rope = model.config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("linear", 4.0, 5000.0)
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_retargeted_provenance_hashes_the_users_source_files(tmp_path):
+    """Not the MHA rewrite's (a temporary directory): the user's config.json and shard index."""
+    src = _model(tmp_path, "gpt_neox", max_shard_size="100KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    res = _convert(src, tmp_path / "out", "--groups", "2")
+    assert res.exit_code == 0, res.output
+    prov = json.loads((tmp_path / "out" / "gqakit.json").read_text())
+    for key, name in (("source_config_sha256", "config.json"), ("source_index_sha256", SAFE_INDEX)):
+        assert prov[key] == hashlib.sha256((src / name).read_bytes()).hexdigest(), key
+
+
+def test_bigcode_output_dtype_also_rewrites_a_legacy_torch_dtype(tmp_path):
+    src = _model(tmp_path, "gpt2")
+    _edit_config(src, lambda config: config.update(torch_dtype=config.pop("dtype")))
+    res = _convert(src, tmp_path / "out", "-g", "1", "--dtype", "bfloat16")
+    assert res.exit_code == 0, res.output
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"

@@ -237,3 +237,18 @@ def test_a_conversion_into_a_dst_another_one_is_writing_is_refused(tmp_path, cal
     res = convert_checkpoint(src, dst, other)  # once it is done, the next one runs
     assert json.loads((res.dst / "config.json").read_text())["num_key_value_heads"] == 1
     assert not (tmp_path / ".out.lock").exists()
+
+
+@pytest.mark.parametrize("target", [None, "attention-corrective"])  # corrective: the converted states too
+def test_resumed_hidden_states_move_to_the_device_the_layers_run_on(target):
+    """LayerwiseResume keeps the carried hidden states on the CPU; a resumed run on CUDA must move them to
+    the device its layers run on. Checked with the meta device, which needs no GPU."""
+    from gqakit.convert import layerwise
+    from gqakit.convert.refine import RefineSettings
+
+    job = object.__new__(layerwise._LayerwiseJob)  # only what the carried states need
+    job.device, job.conv_hidden = torch.device("meta"), None
+    job.refine = None if target is None else RefineSettings(4, 1e-3, 0, target)
+    job.carried = [torch.ones(2, 3), torch.zeros(2, 3)]  # what LayerwiseResume.hidden() returns
+    assert len(job.carried) == 2 and all(h.device.type == "meta" for h in job.carried)
+    assert len(job.hidden) == (2 if target is None else 1)

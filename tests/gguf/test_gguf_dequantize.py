@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from gqakit.convert.api import ConvertOptions, convert_checkpoint, inspect_checkpoint
+from gqakit.errors import GqakitError
 from gqakit.gguf import dequantize as deq
 from gqakit.gguf import export_gguf
 from gqakit.locks import one_at_a_time
@@ -84,3 +85,14 @@ def test_a_command_while_another_dequantizes_the_same_gguf_waits_and_reuses_its_
             deq.dequantize_gguf(mha.path, tmp)
     waiter.join(timeout=60)
     assert got == [out] and counted == [mha.path]  # dequantized once, by the first
+
+
+def test_an_output_containing_the_gguf_is_refused_before_force_could_delete_it(exported, tmp_path, counted):
+    _, mha = exported("llama", "mha", "f32")
+    models = tmp_path / "models"
+    models.mkdir()
+    gguf = models / "model.gguf"
+    gguf.write_bytes(mha.path.read_bytes())
+    with pytest.raises(GqakitError, match=r"Output .*models contains the source .*model\.gguf"):
+        convert_checkpoint(gguf, models, ConvertOptions(groups=2, force=True))
+    assert [p.name for p in models.iterdir()] == ["model.gguf"]
