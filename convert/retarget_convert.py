@@ -28,7 +28,7 @@ from gqakit.convert.retarget import (
 )
 from gqakit.convert.retarget_bigcode import bigcode_to_mqa
 from gqakit.convert.retarget_bigcode_merge import calibrated_mqa
-from gqakit.convert.write import ConvertResult
+from gqakit.convert.write import ConvertResult, source_hashes, source_path
 from gqakit.errors import GqakitError
 from gqakit.files import write_json
 from gqakit.models import resolve_device
@@ -166,7 +166,7 @@ def _write_bigcode(
         config["dtype"] = options.dtype
         if "torch_dtype" in config:  # a carried-over legacy key must not contradict it (as in write.py)
             config["torch_dtype"] = options.dtype
-    with atomic_output_dir(Path(dst), options.force, src=ckpt.path) as tmp:
+    with atomic_output_dir(Path(dst), options.force, src=source_path(ckpt)) as tmp:
         write_target(tmp, config, state, ckpt.path)
         provenance = {
             "tool": "gqakit",
@@ -177,6 +177,7 @@ def _write_bigcode(
             "dtype": options.dtype,
             **extra,
             "source": ckpt.origin,
+            **source_hashes(ckpt),
             "model_type": ckpt.model_type,
             "num_heads": heads,
             "from_kv_heads": heads,

@@ -37,6 +37,25 @@ class ConvertResult:
     provenance: dict[str, Any] = field(default_factory=dict)
 
 
+def source_path(ckpt: Checkpoint) -> Path:
+    """What the user converts, for the output checks: a ``.gguf`` file as named (its checkpoint is a
+    dequantized copy in the cache), else the user's checkpoint directory (not a retargeted family's
+    temporary rewrite)."""
+    origin = Path(ckpt.origin).expanduser() if ckpt.origin else None
+    return origin if origin is not None and origin.is_file() else (ckpt.derived_from or ckpt).path
+
+
+def source_hashes(ckpt: Checkpoint) -> dict[str, str | None]:
+    """The provenance hashes of the user's source: the ``.gguf`` file itself when that is what was named
+    (the config we read was derived from it), and the config and shard index of the user's checkpoint."""
+    user = ckpt.derived_from or ckpt
+    return {
+        "source_file_sha256": sha256_file(Path(ckpt.origin)) if Path(ckpt.origin).is_file() else None,
+        "source_config_sha256": sha256_file(user.path / "config.json"),
+        "source_index_sha256": sha256_file(user.index_file) if user.index_file else None,
+    }
+
+
 def write_converted(
     ckpt: Checkpoint,
     dst: str | Path,
@@ -66,11 +85,7 @@ def write_converted(
         if "torch_dtype" in config:
             config["torch_dtype"] = config["dtype"]
     config.update(config_updates or {})
-    user = ckpt.derived_from or ckpt  # a retargeted source: the user's files, not the temporary rewrite
-    # a .gguf source is the file the user named (its checkpoint is a dequantized copy in the cache)
-    origin = Path(ckpt.origin).expanduser() if ckpt.origin else None
-    src = origin if origin is not None and origin.is_file() else user.path
-    with atomic_output_dir(Path(dst), force, src=src) as tmp:
+    with atomic_output_dir(Path(dst), force, src=source_path(ckpt)) as tmp:
         if callable(weights):
             files = weights(tmp)
         else:
@@ -82,10 +97,7 @@ def write_converted(
             "version": __version__,
             **record,
             "source": ckpt.origin,
-            # a .gguf source is hashed itself: the config we read was derived from it
-            "source_file_sha256": sha256_file(Path(ckpt.origin)) if Path(ckpt.origin).is_file() else None,
-            "source_config_sha256": sha256_file(user.path / "config.json"),
-            "source_index_sha256": sha256_file(user.index_file) if user.index_file else None,
+            **source_hashes(ckpt),
             "model_type": ckpt.model_type,
             "num_heads": geom.num_heads,
             "from_kv_heads": geom.num_kv_heads,

@@ -303,3 +303,13 @@ def test_bigcode_output_dtype_also_rewrites_a_legacy_torch_dtype(tmp_path):
     assert res.exit_code == 0, res.output
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_a_bigcode_output_records_the_hashes_of_its_source(tmp_path, family):
+    src = _model(tmp_path, family)
+    res = _convert(src, tmp_path / "out", "-g", "1")
+    assert res.exit_code == 0, res.output
+    prov = json.loads((tmp_path / "out" / "gqakit.json").read_text())
+    assert prov["source_config_sha256"] == hashlib.sha256((src / "config.json").read_bytes()).hexdigest()
+    assert prov["source_file_sha256"] is None and prov["source_index_sha256"] is None
