@@ -176,6 +176,8 @@ class GgufArch:
             weight, so ``w + 1`` is stored (convert_hf_to_gguf.py's gemma classes do the same).
         has_output: the architecture has an ``output.weight`` tensor. gemma and gemma2 in llama.cpp always
             reuse ``token_embd`` as the output projection.
+        output_required: llama.cpp's loader requires ``output.weight`` (phi2 has no fallback to
+            ``token_embd``), so a tied checkpoint writes a copy of the embedding there.
         hparams: keys beyond :data:`COMMON`.
         layer_kinds: kinds of layer with their own rotary parameters (gemma3's sliding layers rotate
             with a 10k base and no scaling; llama.cpp scales only the full-attention ones).
@@ -194,6 +196,7 @@ class GgufArch:
     permute_qk: bool = False
     norm_plus_one: bool = False
     has_output: bool = True
+    output_required: bool = False
     hparams: tuple[HParam, ...] = ()
     layer_kinds: tuple[str, ...] = ("full_attention",)
     checks: tuple[Callable[[Config], str | None], ...] = ()
@@ -268,6 +271,7 @@ ARCHS: dict[str, GgufArch] = {
             "phi",
             MODEL_ARCH.PHI2,
             layer_norm=True,
+            output_required=True,  # a tied phi (e.g. from a tied GPT-NeoX) gets output.weight written
             checks=(gelu_only("hidden_act"),),
             problems=(gelu_problem("hidden_act"),),
         ),

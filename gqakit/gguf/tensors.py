@@ -185,6 +185,12 @@ def plan_tensors(
             f"{len(unknown)} tensor(s) have no place in llama.cpp's {arch.name} layout (first: "
             f"{', '.join(unknown[:5])}). Is this checkpoint really a plain {arch.model_type} causal LM?"
         )
+    output = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
+    embedding = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
+    if tied and arch.output_required and all(t.name != output for t in plan):
+        # llama.cpp would refuse the file without it: the tied projection, written out
+        embed = next(t for t in plan if t.name == embedding)
+        plan.append(GgufTensor(output, embed.source, embed.shape, _stored_type(embed.shape, matrix_type)))
     return plan
 
 

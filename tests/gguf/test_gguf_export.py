@@ -229,3 +229,19 @@ def test_llama_biases_are_permuted_like_their_rows(tmp_path) -> None:
     np.testing.assert_array_equal(
         values["blk.0.attn_v.bias"], hf["model.layers.0.self_attn.v_proj.bias"].numpy()
     )
+
+
+def test_a_tied_phi_writes_the_output_projection_llama_cpp_requires(tmp_path) -> None:
+    """llama.cpp's phi2 loader requires output.weight (no fallback to token_embd); a tied phi, such as a
+    tied GPT-NeoX converted by gqakit, stores no lm_head.weight, so the embedding is written there."""
+    from gqakit.convert import ConvertOptions, convert_checkpoint
+    from gqakit.gguf import export_gguf
+    from gqakit.testing import save_tiny_model
+
+    src = save_tiny_model(tmp_path / "neox", "gpt_neox", heads=4, tie_word_embeddings=True)
+    phi = convert_checkpoint(src, tmp_path / "phi", ConvertOptions(groups=2), progress=False).dst
+    assert "lm_head.weight" not in load_file(phi / "model.safetensors")
+    values = read_gguf(export_gguf(phi, tmp_path / "phi.gguf", "f32", progress=False).path)[0]
+    embedding = load_file(phi / "model.safetensors")["model.embed_tokens.weight"].numpy()
+    np.testing.assert_array_equal(values["output.weight"], embedding)
+    assert "output.bias" in values
