@@ -125,15 +125,24 @@ def _swa_pattern(default_period: int) -> Callable[[Config], list[bool] | None]:
     return get
 
 
+# The layer counts of the 27B gemma2 / gemma3 models, which llama.cpp recognises by them.
+_WIDTH_SCALED_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
 def _attention_scale_check(cfg: Config) -> str | None:
-    # gemma2/gemma3 in llama.cpp scale queries by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 27B
-    # sizes) and ignore query_pre_attn_scalar, which transformers uses.
+    # gemma2/gemma3 in llama.cpp ignore query_pre_attn_scalar, which transformers uses: they scale queries
+    # by 1/sqrt(head_dim), or by 1/sqrt(hidden/heads) when the layer count is the 27B model's.
     scalar = cfg.get("query_pre_attn_scalar")
-    allowed = {head_dim(cfg), cfg["hidden_size"] // cfg["num_attention_heads"]}
-    if scalar is not None and int(scalar) not in allowed:
+    if scalar is None:
+        return None
+    layers = int(cfg["num_hidden_layers"])
+    wide = layers == _WIDTH_SCALED_LAYERS.get(str(cfg.get("model_type")))
+    used = cfg["hidden_size"] // cfg["num_attention_heads"] if wide else head_dim(cfg)
+    if int(scalar) != used:
         return (
-            f"query_pre_attn_scalar={scalar} is neither head_dim ({head_dim(cfg)}) nor hidden/heads: "
-            "llama.cpp scales attention by 1/sqrt(head_dim), so its logits will differ from transformers'."
+            f"query_pre_attn_scalar={scalar}, but llama.cpp scales attention of this {layers}-layer model by "
+            f"1/sqrt({used}) ({'hidden/heads' if wide else 'head_dim'}), so its logits will differ from "
+            "transformers'."
         )
     return None
 
