@@ -78,7 +78,7 @@ def _default(name: str) -> Any:
     type=int,
     default=_default("warmup_steps"),
     show_default=True,
-    help="Linear warmup steps; the learning rate is constant after them.",
+    help="Linear warmup steps (at most half the run); the learning rate is constant after them.",
 )
 @click.option(
     "--evals-per-decade",

@@ -83,7 +83,8 @@ class Saving:
         factor: reference tokens / this start's tokens (None when it cannot be said).
         bound: ``"="``, ``">="`` (a lower bound: the reference never got there, or this start's tokens
             are an upper bound), ``"inf"`` (this start needs no uptraining; the reference does),
-            ``"n/a"`` (this start never got there, or neither needs any).
+            ``"n/a"`` (this start never got there, neither needs any, or the reference got there by its
+            first measured point, so its tokens are an upper bound and the factor is unknown).
     """
 
     factor: float | None
@@ -106,13 +107,14 @@ def saving(start: Reach, reference: Reach) -> Saving:
         return Saving(None, "n/a")
     if start.tokens == 0:
         return Saving(None, "n/a") if reference.reached and reference.tokens == 0 else Saving(None, "inf")
+    # first: with the reference's tokens an upper bound the factor has no lower bound, whatever this
+    # start's tokens are (both reached by the first point: either could have got there first)
+    if reference.bound == "<=":
+        return Saving(None, "n/a")
     factor = reference.tokens / start.tokens
-    exact = reference.bound == "=" and start.bound == "="
     if not reference.reached or start.bound == "<=":
         return Saving(factor, ">=")
-    if reference.bound == "<=":  # the reference's tokens are an upper bound too: nothing sure to say
-        return Saving(None, "n/a")
-    return Saving(factor, "=" if exact else ">=")
+    return Saving(factor, "=")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,9 @@ import click
 from gqakit.cli_options import Problems
 from gqakit.convert.refine import REFINE_QK_LR
 from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
+from gqakit.files import fingerprint
 from gqakit.pipelines.starts import REFINED, STARTS
+from gqakit.uptrain.schedule import warmup_steps
 
 DEFAULT_STARTS = ("mean", "calibrated", REFINED)
 OBJECTIVES = ("distill", "lm")
@@ -40,7 +43,7 @@ class RecoveryOptions:
             ``bf16`` or ``fp32``; the weights stay float32.
         seq_len, batch_size: the packed blocks and blocks per step (one step = their product in tokens).
         warmup_steps: linear warmup, then a constant learning rate, so that the point at N tokens is
-            what a run stopped at N tokens gives.
+            what a run stopped at N tokens gives; at most half the run (:attr:`warmup_run`).
         evals_per_decade: log-spaced held-out evaluations per factor of ten tokens.
         eval_tokens: held-out tokens per evaluation.
         calib_tokens, refine_steps: the calibrated and refined conversions.
@@ -96,6 +99,21 @@ class RecoveryOptions:
         return -(-self.tokens // self.tokens_per_step)
 
     @property
+    def warmup_fraction(self) -> float:
+        """The recipe's ``warmup_fraction``: ``warmup_steps`` of the run, at most half of it (a longer
+        warmup would leave too little of a short run at the peak rate to measure it)."""
+        if not self.warmup_steps:
+            return 0.0
+        # the half step makes the fraction round down to exactly warmup_steps whole steps
+        return min((self.warmup_steps + 0.5) / self.steps, 0.5)
+
+    @property
+    def warmup_run(self) -> int:
+        """The warmup steps each run actually takes: ``warmup_steps``, or half the run where that is
+        fewer; what the report states."""
+        return warmup_steps(self.warmup_fraction, self.steps)
+
+    @property
     def refine(self) -> dict[str, Any]:
         """The refined start's refinement options, by their ``gqakit convert`` option names."""
         names = ("refine_target", "refine_qk_lr", "refine_schedule", "refine_loss")
@@ -144,8 +162,8 @@ class RecoveryOptions:
                 )
                 continue
             p.add(STARTS.unknown(start, f"{f('start_lr')} start", among=self.starts))
-            if not all(lr > 0 for lr in rates):
-                p.add(f"{f('start_lr')} {item!r}: every learning rate must be positive.")
+            if not all(_rate_ok(lr) for lr in rates):
+                p.add(f"{f('start_lr')} {item!r}: every learning rate must be finite and positive.")
             given.setdefault(start, []).extend(rates)
         for start, rates in given.items():
             twice = sorted({lr for lr in rates if rates.count(lr) > 1})
@@ -155,8 +173,8 @@ class RecoveryOptions:
                     f"{f('start_lr')} gives {start} the rate {', '.join(f'{lr:g}' for lr in twice)} more "
                     "than once; list each rate once."
                 )
-        if not self.lr > 0:
-            p.add(f"{f('lr')} must be positive, got {self.lr}.")
+        if not _rate_ok(self.lr):
+            p.add(f"{f('lr')} must be a finite positive learning rate, got {self.lr}.")
         if self.objective not in OBJECTIVES:
             p.add(f"{f('objective')} {self.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}.")
         p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
@@ -190,6 +208,18 @@ class Inputs:
     train: Path
     calibration: Path
     heldout: Path
+
+    def texts(self, *names: str) -> dict[str, str]:
+        """The fingerprints of the named text files (``"train"``, ``"calibration"``, ``"heldout"``), for
+        the cache key of a step that reads them: the split of ``--data`` is always written to the same
+        paths, so a key holding only the paths would serve one file's results for another's."""
+        return {name: fingerprint(getattr(self, name)) for name in names}
+
+
+def _rate_ok(lr: float) -> bool:
+    """A usable learning rate: finite and positive (click and float() both accept ``inf`` and ``nan``,
+    and an infinite rate would only fail, or train to nan, after the conversions)."""
+    return math.isfinite(lr) and lr > 0
 
 
 def _rates(item: str) -> tuple[str, tuple[float, ...]]:

@@ -142,7 +142,8 @@ def write_report(
     savings_text = (
         f"How many times fewer uptraining tokens than {ref} each start needs to reach the "
         f'threshold{at_best}; ">=" is a lower\nbound ({ref} never got there within the run, or the start '
-        f"got there by its first point).\n\n{chr(10).join(save_rows)}"
+        f'got there by its first point); "n/a" where the start never got there, or {ref} got there by '
+        f"its\nfirst point (its tokens are then an upper bound).\n\n{chr(10).join(save_rows)}"
         if saved
         else "Only one start was run: nothing to compare it with (list two or more in --starts; the first "
         "is the reference)."
@@ -196,12 +197,16 @@ def write_report(
             f"threshold.\n\n{chr(10).join(best_rows)}"
         )
     once = "once per rate" if swept else "once"
+    # the warmup each run took: a --warmup-steps over half the run is cut to half (RecoveryOptions)
+    warmup = f"{o.warmup_run} steps"
+    if o.warmup_run != o.warmup_steps:
+        warmup += f" (--warmup-steps {o.warmup_steps}, cut to half the run)"
     text = f"""# gqakit recovery: {o.src} -> {o.groups} K/V heads
 
 How many uptraining tokens each start needs to come back to the original's quality. Each start is
 converted from the original, then uptrained {once} for {tokens:,} tokens ({o.steps} steps of {o.batch_size} x
 {o.seq_len} tokens; objective {o.objective}{" from the original" if o.objective == "distill" else ""};
-{lr_note}: a warmup of {o.warmup_steps} steps, then constant, so each point is what a run stopped there
+{lr_note}: a warmup of {warmup}, then constant, so each point is what a run stopped there
 gives), and scored on the held-out text at log-spaced token counts during that run. Perplexity on
 {max(1, o.eval_tokens // o.seq_len) * o.seq_len:,} held-out tokens in {o.seq_len}-token blocks, {precision};
 the original scores **{fmt_ppl(original)}** the same way.
@@ -254,6 +259,7 @@ Machine-readable figures: `results.json`.
             "objective": o.objective,
             "precision": precision,
             "warmup_steps": o.warmup_steps,
+            "warmup_steps_run": o.warmup_run,
             "eval_tokens": o.eval_tokens,
             "calib_tokens": o.calib_tokens,
             "refine_steps": o.refine_steps,

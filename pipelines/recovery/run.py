@@ -139,7 +139,7 @@ def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: f
             "lr": lr,
             "weight_decay": 0.0,  # a repair run: do not pull the weights towards zero
             # a fixed warmup, then constant: the point at N tokens is what a run stopped there gives
-            "warmup_fraction": min((o.warmup_steps + 0.5) / steps, 0.5) if o.warmup_steps else 0.0,
+            "warmup_fraction": o.warmup_fraction,
             "min_lr_ratio": 1.0,
             "batch_size": o.batch_size,
             "precision": precision,
@@ -166,6 +166,7 @@ def original_ppl(o: RecoveryOptions, store: ResultStore, inputs: Inputs, precisi
     key = {
         "model": _fingerprint(inputs.src),
         "data": r["data"],
+        "texts": inputs.texts("heldout"),
         "precision": r["train"]["precision"],
         "batch_size": [r["train"]["batch_size"], r["eval"].get("batch_size")],
     }
@@ -188,6 +189,8 @@ def convert_start(
     opts = start_options(o, start, inputs.calibration)
     dst = models / f"start-{start}"
     key = {"source": _fingerprint(inputs.src), "options": conversion_key(opts)}
+    if opts.calib_data is not None:  # only a start that reads the calibration text depends on it
+        key["texts"] = inputs.texts("calibration")
     cached = store.get_output("convert-" + start, key, dst)
     if cached is not None:
         return dst, float(cached["elapsed_s"])
@@ -196,6 +199,13 @@ def convert_start(
     elapsed = time.perf_counter() - t0
     store.put_output("convert-" + start, key, dst, {"elapsed_s": elapsed})
     return dst, elapsed
+
+
+def _started_after(started: Path, inputs: list[Path]) -> bool:
+    """True when the file ``started`` was written after every file of ``inputs`` (files or
+    directories)."""
+    files = [f for p in inputs for f in ([p] if p.is_file() else p.iterdir()) if f.is_file()]
+    return all(f.stat().st_mtime_ns <= started.stat().st_mtime_ns for f in files)
 
 
 def run_name(o: RecoveryOptions, start: str, lr: float) -> str:
@@ -214,10 +224,17 @@ def uptrain_start(
     name = run_name(o, start, lr)
     out = runs / name
     recipe = recipe_from_dict(recipe_data(o, inputs, str(start_dir), out, lr, precision))
-    key = {"start": fingerprint(start_dir), "recipe": _weights_key(recipe.to_dict())}
+    key = {
+        "start": fingerprint(start_dir),
+        "recipe": _weights_key(recipe.to_dict()),
+        "texts": inputs.texts("train", "heldout"),
+    }
     cached = store.get_output("run-" + name, key, out)
     if cached is None:
         same = (out / "recipe.yaml").is_file() and (out / "recipe.yaml").read_text() == recipe.to_yaml()
+        # the same recipe names the same paths, which a rebuilt split or conversion reuses: resume only a
+        # run started after the start and the texts it reads were written
+        same = same and _started_after(out / "recipe.yaml", [start_dir, inputs.train, inputs.heldout])
         resume = same and not (out / "gqakit.json").is_file() and not o.fresh
         res = uptrain(recipe, resume=resume, force=not resume)
         history = read_history(out)

@@ -14,7 +14,14 @@ from click.testing import CliRunner
 from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.locks import working_directory
-from gqakit.pipelines.recovery.curves import Reach, best_rates, eval_steps, saving, tokens_to_reach
+from gqakit.pipelines.recovery.curves import (
+    Reach,
+    Saving,
+    best_rates,
+    eval_steps,
+    saving,
+    tokens_to_reach,
+)
 from gqakit.pipelines.recovery.options import RecoveryOptions
 from gqakit.pipelines.recovery.run import run_recovery
 from gqakit.testing import TINY_TEXT, save_tiny_model
@@ -49,6 +56,9 @@ def test_savings_are_exact_lower_bounds_or_not_applicable():
     assert saving(Reach(100, ">"), Reach(1000, "=")).label() == "n/a"
     assert saving(Reach(0, "="), Reach(1000, "=")).label() == "no uptraining needed"
     assert saving(Reach(256, "<="), Reach(1000, "=")).label() == ">= 3.9x"
+    # both got there by their first point: both counts are upper bounds, so either may be the faster
+    assert saving(Reach(128, "<="), Reach(128, "<=")) == Saving(None, "n/a")
+    assert saving(Reach(100, "="), Reach(128, "<=")) == Saving(None, "n/a")
 
 
 def test_best_rates_take_each_threshold_from_the_run_that_got_there_first():
@@ -140,6 +150,60 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
     assert res5["settings"]["refine_loss"] == "per-token" and "per-token loss" in fifth.report.read_text()
 
 
+def _points(result) -> dict[str, list]:
+    return {s: c["points"] for s, c in json.loads(result.results_json.read_text())["starts"].items()}
+
+
+def test_another_data_file_in_the_same_work_dir_is_measured_afresh(tiny, tmp_path, monkeypatch):
+    rng = random.Random(1)
+    other = tmp_path / "numbers.txt"  # text unlike tiny["data"]: every figure it gives differs
+    other.write_text("\n".join(" ".join(str(rng.randrange(10**6)) for _ in range(30)) for _ in range(400)))
+    kw = dict(starts=("mean", "calibrated"), tokens=512)
+    first = run_recovery(options(tiny, tmp_path, [], **kw))
+    first_points = _points(first)  # read now: each run rewrites the same report
+    second = run_recovery(options(tiny, tmp_path, [], data=other, **kw))
+    second_points = _points(second)
+    alone = run_recovery(options(tiny, tmp_path / "alone", [], data=other, **kw))  # its own work dir
+    assert second.original_ppl != first.original_ppl and second.original_ppl == alone.original_ppl
+    assert second_points == _points(alone) and second_points != first_points
+    # the same data again reuses all 6: the split, the original's evaluation, 2 conversions, 2 runs
+    again = run_recovery(options(tiny, tmp_path, [], data=other, **kw))
+    assert _points(again) == second_points
+    assert "(6 results reused from" in again.report.read_text()
+
+    # A run killed on one file does not resume on another from its checkpoint (same recipe, same paths).
+    from gqakit.uptrain.loop import UptrainLoop
+
+    save = UptrainLoop._save_checkpoint
+
+    def die_after_first_checkpoint(self):
+        save(self)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(UptrainLoop, "_save_checkpoint", die_after_first_checkpoint)
+        with pytest.raises(KeyboardInterrupt):
+            run_recovery(options(tiny, tmp_path, [], starts=("mean",), tokens=512))
+    after = run_recovery(options(tiny, tmp_path, [], data=other, starts=("mean",), tokens=512))
+    assert _points(after)["mean"] == _points(alone)["mean"]
+    history = (tmp_path / "work" / "runs" / "mean" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(h)["step"] for h in history if '"loss"' in h] == [1, 2, 3, 4]  # run whole, once
+
+
+def test_a_warmup_over_half_the_run_is_cut_to_half_and_the_report_says_so(tiny, tmp_path):
+    assert RecoveryOptions(src="x", groups=1, tokens=16384, seq_len=256, warmup_steps=10).warmup_run == 8
+    assert RecoveryOptions(src="x", groups=1, tokens=204800, seq_len=256, warmup_steps=10).warmup_run == 10
+    assert RecoveryOptions(src="x", groups=1, warmup_steps=0).warmup_run == 0
+    result = run_recovery(options(tiny, tmp_path, [], starts=("mean",), tokens=512, warmup_steps=3))
+    history = (tmp_path / "work" / "runs" / "mean" / "metrics.jsonl").read_text().splitlines()
+    lrs = [json.loads(h)["lr"] for h in history if '"loss"' in h]
+    assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2, 1e-2])  # 4 steps: a warmup of 2, not 3
+    report = result.report.read_text().replace("\n", " ")
+    assert "a warmup of 2 steps (--warmup-steps 3, cut to half the run)" in report, report
+    settings = json.loads(result.results_json.read_text())["settings"]
+    assert settings["warmup_steps"] == 3 and settings["warmup_steps_run"] == 2
+
+
 def test_several_rates_for_a_start_run_once_each_and_the_savings_take_its_best(tiny, tmp_path):
     opts = options(tiny, tmp_path, [], starts=("mean", "random"), start_lr=("random=5e-3,2e-2",))
     first = run_recovery(opts)
@@ -215,6 +279,16 @@ def _cli(tiny, tmp_path, *args: str):
         (["--groups", "3"], "--groups 3 does not divide the 4 K/V heads of this checkpoint. Valid --groups"),
         (["--groups", "1", "--start-lr", "mean"], "--start-lr 'mean' must be START=LR"),
         (["--groups", "1", "--start-lr", "first=1e-3"], "--start-lr start 'first' is unknown"),
+        (["--groups", "1", "--lr", "inf"], "--lr must be a finite positive learning rate, got inf."),
+        (["--groups", "1", "--lr", "nan"], "--lr must be a finite positive learning rate, got nan."),
+        (
+            ["--groups", "1", "--start-lr", "mean=inf"],
+            "--start-lr 'mean=inf': every learning rate must be finite and positive.",
+        ),
+        (
+            ["--groups", "1", "--start-lr", "refined=1e-4,nan"],
+            "--start-lr 'refined=1e-4,nan': every learning rate must be finite and positive.",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_message_before_any_conversion(tiny, tmp_path, args, message):
@@ -270,7 +344,12 @@ def test_options_from_python_name_the_flags():
             src="x", groups=1, start_lr=("refined=1e-4,4e-4", "refined=1e-4", "mean=1e-3,-1")
         ).validate()
     assert "--start-lr gives refined the rate 0.0001 more than once; list each rate once." in e.value.message
-    assert "--start-lr 'mean=1e-3,-1': every learning rate must be positive." in e.value.message
+    assert "--start-lr 'mean=1e-3,-1': every learning rate must be finite and positive." in e.value.message
+    with pytest.raises(GqakitError) as e:  # every non-finite rate at once, each by its flag
+        inf = float("inf")
+        RecoveryOptions(src="x", groups=1, lr=inf, start_lr=("mean=inf",)).validate()
+    assert "--lr must be a finite positive learning rate, got inf." in e.value.message
+    assert "--start-lr 'mean=inf': every learning rate must be finite and positive." in e.value.message
 
 
 def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversion(tiny, tmp_path):
