@@ -15,6 +15,7 @@ command the options belong to. A field that command has no flag for is named as 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,7 +42,8 @@ def parse_list(value: str | Any, kind: type = str, flag: str = "the list") -> tu
     empty names are dropped (``"a,b,"``).
 
     Raises:
-        GqakitError: naming ``flag`` and the value when an item is not a ``kind``.
+        GqakitError: naming ``flag`` and the value when an item is not a ``kind``, or is not finite
+            (``inf``, ``nan``).
     """
     items = [
         v.strip() if isinstance(v, str) else v
@@ -49,14 +51,22 @@ def parse_list(value: str | Any, kind: type = str, flag: str = "the list") -> tu
     ]
     if kind is str:
         return tuple(v for v in items if v)  # "a,,b" and "a," name two
+    example = _EXAMPLES.get(kind, "a,b")
     try:
-        return tuple(kind(v) for v in items)  # an empty item is no number: "1,,8" is an error
+        out = tuple(kind(v) for v in items)  # an empty item is no number: "1,,8" is an error
     except (TypeError, ValueError):
-        example = _EXAMPLES.get(kind, "a,b")
         raise GqakitError(
             f"{flag} {value!r} is not a comma-separated list of {kind.__name__} values: give "
             f"comma-separated numbers, e.g. {example}."
         ) from None
+    # float() reads "inf" and "nan", which no list option means: they would fail later, mid-run
+    bad = [v for v, x in zip(items, out, strict=True) if isinstance(x, float) and not math.isfinite(x)]
+    if bad:
+        raise GqakitError(
+            f"{flag} {value!r}: {', '.join(map(str, bad))} is not a finite number: give finite "
+            f"comma-separated numbers, e.g. {example}."
+        )
+    return out
 
 
 class CommaList(click.ParamType):

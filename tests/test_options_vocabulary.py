@@ -158,6 +158,9 @@ def test_comma_lists_parse_one_way_everywhere():
     assert parse_list((0.5, "1"), float, "--alphas") == (0.5, 1.0)
     with pytest.raises(GqakitError, match="--alphas 'a,b' is not a comma-separated list of float values"):
         parse_list("a,b", float, "--alphas")
+    for text in ("0,0.05,inf", "nan", "0,-inf"):  # float() reads them; no list option means them
+        with pytest.raises(GqakitError, match=rf"--alphas '{text}': .* is not a finite number"):
+            parse_list(text, float, "--alphas")
     res = CliRunner().invoke(main, ["probe", "m", "--eval-data", "x", "--groups", "1,two"])
     assert res.exit_code == 2 and "'--groups'" in res.output and "comma-separated list of int" in res.output
 

@@ -34,6 +34,7 @@ from gqakit.pipelines.demo.options import (
     Variant,
 )
 from gqakit.pipelines.demo.report import render_table, write_demo_report
+from gqakit.pipelines.run_keys import same_run, weights_key
 from gqakit.pipelines.starts import conversion_key
 from gqakit.pipelines.steps import Steps, quiet_transformers
 from gqakit.pipelines.store import ResultStore, fingerprint
@@ -147,7 +148,7 @@ def _uptrain(
     recipe = _load_recipe(options, assets, student, assets.model, out, recipe_name)
     if s.device.startswith("cuda") and recipe.train.precision == "fp32":
         recipe.train.precision = "bf16"
-    key = {"student": fingerprint(student), "recipe": recipe.to_dict()}
+    key = {"student": fingerprint(student), "recipe": weights_key(recipe.to_dict())}
     name = "uptrain-" + out.name
     cached = store.get_output(name, key, out)  # only while the uptrained model is still the one recorded
     if cached is not None:
@@ -157,8 +158,7 @@ def _uptrain(
     budget = {k: v for k, v in asdict(recipe.budget).items() if v is not None and k != "pretraining_tokens"}
     steps.note(f"recipe {recipe_name}, budget {budget}, objective {recipe.objective.kind}, -> {out}")
     # An interrupted run of the same recipe resumes from its last checkpoint; anything else starts over.
-    resume = (out / "recipe.yaml").is_file() and (out / "recipe.yaml").read_text() == recipe.to_yaml()
-    resume = resume and not (out / "gqakit.json").is_file() and not options.fresh
+    resume = same_run(out, recipe) and not (out / "gqakit.json").is_file() and not options.fresh
     if resume:
         steps.note("resuming the interrupted run")
     res = uptrain(recipe, resume=resume, force=not resume)

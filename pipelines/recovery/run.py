@@ -22,6 +22,7 @@ from gqakit.outputs import atomic_output_dir, writable_dir
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, eval_steps, tokens_to_reach
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 from gqakit.pipelines.recovery.report import write_report
+from gqakit.pipelines.run_keys import weights_key
 from gqakit.pipelines.starts import REFINED, conversion_key, start_convert_options
 from gqakit.pipelines.steps import Steps, quiet_transformers
 from gqakit.pipelines.store import ResultStore, fingerprint
@@ -153,11 +154,6 @@ def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: f
     }
 
 
-def _weights_key(recipe: dict) -> dict:
-    """What changes the weights and the evaluations: not logging, progress, speed levers or checkpoints."""
-    return {k: v for k, v in recipe.items() if k not in ("log", "speed", "checkpoint")}
-
-
 def original_ppl(o: RecoveryOptions, store: ResultStore, inputs: Inputs, precision: str) -> float:
     """The original's held-out perplexity, measured as each run measures its points."""
     recipe = recipe_from_dict(recipe_data(o, inputs, inputs.src, Path("unused"), o.lr, precision))
@@ -226,7 +222,7 @@ def uptrain_start(
     recipe = recipe_from_dict(recipe_data(o, inputs, str(start_dir), out, lr, precision))
     key = {
         "start": fingerprint(start_dir),
-        "recipe": _weights_key(recipe.to_dict()),
+        "recipe": weights_key(recipe.to_dict()),
         "texts": inputs.texts("train", "heldout"),
     }
     cached = store.get_output("run-" + name, key, out)

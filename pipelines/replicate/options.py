@@ -13,6 +13,7 @@ The arms, as in the GQA paper (Ainslie et al. 2023):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -127,14 +128,15 @@ class ReplicateOptions:
                 p.add(f"{f(name)} must be positive, got {getattr(self, name)}.")
         if not self.seeds:
             p.add(f"{f('seeds')} needs at least one seed.")
-        if sorted(self.alphas) != list(self.alphas) or any(a < 0 for a in self.alphas) or not self.alphas:
-            p.add(f"{f('alphas')} must be increasing and >= 0, got {','.join(map(str, self.alphas))}.")
+        self._check_alphas(p)
         bad = [g for g in self.groups if g < 1 or self.shape.heads % g or g >= self.shape.heads]
         if bad:
             p.add(
                 f"{f('groups')} {','.join(map(str, bad))}: each must divide the {self.shape.heads} heads and "
                 f"be fewer (G = {self.shape.heads} is the MHA model itself)."
             )
+        if not self.methods:
+            p.add(f"{f('methods')} needs at least one method: {', '.join(ARMS.names)}.")
         p.add(ARMS.unknown_in(self.methods, f("methods")))
         p.add(ARCHES.unknown(self.arch, f("arch")))
         for name in ("pretrain_steps", "batch_size", "calib_tokens", "eval_tokens", "decode_rounds"):
@@ -143,6 +145,36 @@ class ReplicateOptions:
         if Path(self.out).resolve() == Path(self.work_dir).resolve():
             p.add(f"{f('out')} and {f('work_dir')} must differ.")
         p.raise_if_any()
+
+    def _check_alphas(self, p: Problems) -> None:
+        """Add to ``p`` what is wrong with :attr:`alphas`: each must be finite, they must increase from 0
+        (the conversions alone: Fig. 4's starts and the first point of every Fig. 5 curve, which the report
+        measures everything against), and each above 0 must give at least one uptraining step.
+
+        Args:
+            p: the problems of these options.
+        """
+        flag, text = p.flag("alphas"), ",".join(map(str, self.alphas))
+        finite = all(math.isfinite(a) for a in self.alphas)
+        if not finite or any(a < 0 for a in self.alphas) or sorted(self.alphas) != list(self.alphas):
+            p.add(f"{flag} must be increasing, >= 0 and finite, got {text}.")
+            return  # uptrain_steps() cannot round an infinite alpha
+        if not self.alphas or self.alphas[0] != 0:
+            p.add(
+                f"{flag} must start at 0, got {text or 'none'}: alpha 0 (the conversions alone) is Fig. 4's "
+                "comparison of the starts and where every Fig. 5 curve begins; add it, e.g. "
+                f"0,{text or '0.05'}."
+            )
+        # round(alpha * steps) of 0 would be an "uptrained" arm that is the conversion itself
+        if self.tokens_per_step < 1:
+            return  # a --batch-size below 1, reported on its own, gives no step count
+        short = [a for a in self.alphas if a > 0 and self.uptrain_steps(a) < 1]
+        if short:
+            p.add(
+                f"{flag} {','.join(map(str, short))} gives 0 uptraining steps of the {self.steps} "
+                f"pretraining steps: the smallest alpha that gives one step is 1/{self.steps} = "
+                f"{1 / self.steps:g} (a larger {p.flag('scale')} trains more steps)."
+            )
 
     @property
     def model(self) -> ModelShape:

@@ -50,21 +50,24 @@ def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> di
     at0 = {m: _ppl(arms, kind="converted", groups=1, method=m, alpha=0.0)[0] for m in methods}
     mid = {m: _ppl(arms, kind="converted", groups=1, method=m, alpha=o.middle_alpha) for m in at0}
     mid_mean = {m: statistics.mean(v) for m, v in mid.items() if v}
-    order = list(PAPER_METHODS)
     out["fig4"] = {
         "alpha_0": at0,
         "alpha_mid": {m: {"mean": statistics.mean(v), "runs": v} for m, v in mid.items() if v},
-        "ordered_at_0": sorted(at0, key=at0.get) == [m for m in order if m in at0],
-        "ordered_after": sorted(mid_mean, key=mid_mean.get) == [m for m in order if m in mid_mean],
+        "ordered_at_0": _in_paper_order(at0),
+        "ordered_after": _in_paper_order(mid_mean),
     }
-    curves = {m: {a: _ppl(arms, kind="converted", groups=1, method=m, alpha=a, seed=o.seeds[0])[0]
+    # The conversion alone (alpha 0) is one arm whatever the seeds (run._arm_plan makes it with seed 0);
+    # an uptrained point is the first seed's run.
+    curves = {m: {a: _ppl(arms, kind="converted", groups=1, method=m, alpha=a,
+                          **({"seed": o.seeds[0]} if a > 0 else {}))[0]
                   for a in o.alphas} for m in o.methods}  # fmt: skip
     mean = [curves["mean"][a] for a in o.alphas] if "mean" in curves else []
     gains = [a - b for a, b in zip(mean, mean[1:], strict=False)]
     out["fig5"] = {
         "curves": curves,
         "mean_gains": gains,
-        "levels_off": len(gains) > 1 and gains[-1] < gains[0],
+        # two gains to compare, or it is not measured (None), not "not reproduced"
+        "levels_off": gains[-1] < gains[0] if len(gains) > 1 else None,
     }
     gqa = {g: _ppl(arms, kind="converted", groups=g, method="mean", alpha=top)[0] for g in o.groups}
     mqa = gqa.get(1)
@@ -104,7 +107,18 @@ def _options_json(o: ReplicateOptions) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
-def _yes(ok: bool) -> str:
+def _in_paper_order(ppl: dict[str, float]) -> bool | None:
+    """Whether the paper's methods in ``ppl`` rank as in Fig. 4 (mean, first, random; lower perplexity
+    first); None (not measured) with fewer than two of them, where any order would agree."""
+    if len(ppl) < 2:
+        return None
+    return sorted(ppl, key=ppl.get) == [m for m in PAPER_METHODS if m in ppl]
+
+
+def _yes(ok: bool | None) -> str:
+    """A finding's verdict: None is a claim this run's options did not measure."""
+    if ok is None:
+        return "not measured with these options"
     return "reproduced" if ok else "**not reproduced** at this scale"
 
 
@@ -135,7 +149,9 @@ def _markdown(o: ReplicateOptions, f, elapsed_s: float, reused: int, figures: li
         rows.append([meth, f"{p0:,.2f}", f"{after.get('mean', float('nan')):,.2f} ({runs})"])
     lines += _table(["method", "MQA, no uptraining", f"MQA, alpha {mid:g}: mean over seeds (each)"], rows)
     lines += ["", f"mean < first < random (lower is better): with no uptraining {_yes(f4['ordered_at_0'])}; "
-              f"after uptraining {_yes(f4['ordered_after'])}.", ""]  # fmt: skip
+              f"after uptraining {_yes(f4['ordered_after'])}"
+              + (" (an order needs two of mean, first and random in --methods)." if None in
+                 (f4["ordered_at_0"], f4["ordered_after"]) else "."), ""]  # fmt: skip
     lines += ["## Fig. 5: how much uptraining", "", f"Paper: {PAPER_CLAIMS['fig5']}", ""]
     rows = [[meth] + [f"{c[a]:,.2f}" for a in o.alphas] for meth, c in f5["curves"].items()]
     lines += _table(["MQA from", *(f"alpha {a:g}" for a in o.alphas)], rows)

@@ -17,9 +17,10 @@ from gqakit.convert import convert_checkpoint
 from gqakit.eval import perplexity
 from gqakit.eval.decode_rounds import decode_rounds, round_stats
 from gqakit.geometry import AttentionGeometry
-from gqakit.models import load_causal_lm, load_tokenizer
+from gqakit.models import load_causal_lm, load_tokenizer, resolve_device
 from gqakit.outputs import atomic_output_dir
 from gqakit.pipelines.replicate.options import ReplicateOptions
+from gqakit.pipelines.run_keys import same_run, weights_key
 from gqakit.pipelines.starts import conversion_key, start_convert_options
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
@@ -27,6 +28,8 @@ from gqakit.text import load_texts
 from gqakit.uptrain import load_recipe, recipe_from_dict, uptrain
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
+# a run is keyed and resumed on its whole recipe but logging (this cache key predates run_keys.NOT_WEIGHTS)
+ONLY_LOG = ("log",)
 
 
 @dataclass
@@ -50,6 +53,12 @@ class Context:
     @property
     def test(self) -> Path:
         return self.corpus[2]
+
+    @property
+    def device(self) -> str:
+        """The device ``o.device`` means on this machine (``auto``: ``cuda`` or ``cpu``): part of the key
+        of every measurement, so a working directory moved to another machine measures again."""
+        return str(resolve_device(self.o.device))
 
 
 def train_tokenizer(ctx: Context) -> Path:
@@ -182,14 +191,13 @@ def train_run(
     """Train ``start`` for ``steps`` steps into ``out`` with gqakit's loop; cached, resumed when killed."""
     recipe = recipe_from_dict(recipe_data(ctx, start, out, steps, lr, seed, pretraining))
     # The key is what changes the weights: logging and progress bars do not.
-    key = {"start": fingerprint(start), "recipe": {k: v for k, v in recipe.to_dict().items() if k != "log"}}
+    key = {"start": fingerprint(start), "recipe": weights_key(recipe.to_dict(), ONLY_LOG)}
     name = "train-" + out.name
     cached = ctx.store.get_output(name, key, out)
     if cached is not None:
         ctx.steps.note(f"reusing {out.name} ({cached['steps']} steps)")
         return cached
-    resume = (out / "recipe.yaml").is_file() and (out / "recipe.yaml").read_text() == recipe.to_yaml()
-    resume = resume and not (out / "gqakit.json").is_file() and not ctx.o.fresh
+    resume = same_run(out, recipe, ONLY_LOG) and not (out / "gqakit.json").is_file() and not ctx.o.fresh
     res = uptrain(recipe, resume=resume, force=not resume)
     summary = {
         "steps": res.steps,
@@ -220,7 +228,10 @@ def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
 
 def perplexity_of(ctx: Context, path: Path) -> float:
     """Test perplexity of one checkpoint on the first ``eval_tokens`` test tokens (cached)."""
-    key = {"model": fingerprint(path), "test": fingerprint(ctx.test), "tokens": ctx.o.eval_tokens}
+    key = {
+        "model": fingerprint(path), "test": fingerprint(ctx.test), "tokens": ctx.o.eval_tokens,
+        "device": ctx.device,
+    }  # fmt: skip
     name = "ppl-" + path.name
     cached = ctx.store.get(name, key)
     if cached is not None:
@@ -238,7 +249,8 @@ def perplexity_of(ctx: Context, path: Path) -> float:
 def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any]]:
     """Decode time per token (batch 8, the model's full context, interleaved rounds) and KV bytes per
     token (float32) of one model per G."""
-    key = {str(g): fingerprint(p) for g, p in by_g.items()} | {"rounds": ctx.o.decode_rounds}
+    key = {str(g): fingerprint(p) for g, p in by_g.items()}
+    key |= {"rounds": ctx.o.decode_rounds, "device": ctx.device}
     cached = ctx.store.get("decode", key)
     if cached is None:
         points = decode_rounds(

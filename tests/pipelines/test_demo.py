@@ -235,3 +235,44 @@ def test_demo_help_names_the_options():
         "--wheelhouse",
     ):
         assert flag in res.output
+
+
+def test_progress_bars_change_neither_the_uptraining_cache_nor_what_resumes(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from gqakit.pipelines.demo import run
+    from gqakit.pipelines.steps import Steps
+    from gqakit.pipelines.store import ResultStore
+
+    calls: list[bool] = []
+
+    def fake_uptrain(recipe, resume, force):
+        """Stands in for the training: records whether it resumed, writes what a finished run leaves."""
+        calls.append(resume)
+        out = Path(recipe.output_dir)
+        out.mkdir(exist_ok=True)
+        (out / "recipe.yaml").write_text(recipe.to_yaml())
+        (out / "gqakit.json").write_text("{}")
+        return SimpleNamespace(output_dir=out, steps=3, tokens=96, initial_val_ppl=9.0, final_val_ppl=8.0,
+                               elapsed_s=1.0, history=[])  # fmt: skip
+
+    monkeypatch.setattr(run, "uptrain", fake_uptrain)
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / "config.json").write_text("{}")
+    assets = DemoAssets(student, tmp_path / "train.txt", tmp_path / "val.txt", tmp_path / "test.txt")
+
+    def uptrain(progress: bool, out: Path, store: ResultStore) -> None:
+        o = DemoOptions(progress=progress, recipe_overrides=TINY_RECIPE)
+        variant = Variant("mqa", 1, uptrain=True)
+        run._uptrain(o, SimpleNamespace(device="cpu"), assets, variant, student, out, store, Steps(1, print))
+
+    store = ResultStore(tmp_path / "results")
+    uptrain(True, tmp_path / "a", store)
+    uptrain(False, tmp_path / "a", store)  # --no-progress: the same uptraining, reused
+    assert calls == [False]
+    # a run killed under --progress (no gqakit.json yet), run again under --no-progress, resumes
+    uptrain(True, tmp_path / "b", store)
+    (tmp_path / "b" / "gqakit.json").unlink()
+    uptrain(False, tmp_path / "b", ResultStore(tmp_path / "other-results"))
+    assert calls == [False, False, True]

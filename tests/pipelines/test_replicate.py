@@ -13,11 +13,13 @@ import pytest
 from click.testing import CliRunner
 
 from gqakit.cli import main
+from gqakit.cli_options import parse_list
 from gqakit.errors import GqakitError
 from gqakit.locks import working_directory
 from gqakit.pipelines.replicate import run_replicate
 from gqakit.pipelines.replicate.options import ModelShape, ReplicateOptions
-from gqakit.pipelines.replicate.run import _arm_plan
+from gqakit.pipelines.replicate.report import _markdown, findings
+from gqakit.pipelines.replicate.run import Arm, _arm_plan
 from gqakit.testing import TINY_TEXT
 
 TINY = ModelShape(vocab=300, layers=2, hidden=32, heads=4, intermediate=64, seq_len=32)
@@ -159,7 +161,7 @@ def test_bad_options_are_reported_together(tmp_path, corpus):
     for fragment in (
         "--scale must be positive",
         "--groups 3,4",
-        "--alphas must be increasing",
+        "--alphas must be increasing, >= 0 and finite, got 0.5,0.1",
         "--methods median",
         "--uptrain-lr must be positive, got 0",
     ):
@@ -215,3 +217,148 @@ def test_a_gpt_neox_model_replicates_through_phi(tmp_path, corpus):
 def test_an_unknown_arch_is_refused_with_the_choices(tmp_path, corpus):
     with pytest.raises(GqakitError, match=r"--arch 'gpt9' is unknown; choose one of llama, neox"):
         run_replicate(tiny(tmp_path, corpus, [], arch="gpt9"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The report step on the arms each valid set of options makes (no training: made-up perplexities)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _measured_arms(o: ReplicateOptions) -> list[Arm]:
+    """The arms a run with ``o`` reports, as run._replicate makes them, with made-up perplexities."""
+    arms = [Arm("mha", "mha", o.model.heads, ppl=10.0)]
+    for i, a in enumerate(_arm_plan(o)):
+        a.ppl = 20.0 + i
+        arms.append(a)
+    arms.append(Arm("mha-cont", "mha-continued", o.model.heads, alpha=max(o.alphas), ppl=9.0))
+    arms += [Arm(f"scratch-g{g}", "scratch", g, ppl=30.0) for g in dict.fromkeys((1, max(o.groups), 8))]
+    return arms
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"seeds": (1, 2)},  # the alpha-0 arms are made with seed 0 whatever the seeds
+        {"seeds": (3,), "alphas": (0.0, 0.05)},
+        {"methods": ("calibrated", "refined")},
+        {"methods": ("mean",)},
+        {"alphas": (0.0,)},
+    ],
+)
+def test_the_report_step_takes_the_arms_of_every_valid_option_set(kw):
+    o = ReplicateOptions(**kw)
+    o.validate()
+    arms = _measured_arms(o)
+    f = findings(o, arms, {})
+    at0 = {a.method: a.ppl for a in arms if a.kind == "converted" and a.groups == 1 and a.alpha == 0}
+    assert {m: c[0.0] for m, c in f["fig5"]["curves"].items()} == {m: at0[m] for m in o.methods}
+    assert "# gqakit replicate" in _markdown(o, f, 1.0, 0, [])
+
+
+def test_alphas_must_start_at_0_where_the_report_compares_everything():
+    with pytest.raises(GqakitError) as e:
+        ReplicateOptions(alphas=(0.025, 0.05, 0.1)).validate()
+    assert "--alphas must start at 0, got 0.025,0.05,0.1" in e.value.message
+    assert "e.g. 0,0.025,0.05,0.1" in e.value.message
+
+
+@pytest.mark.parametrize("methods", [("calibrated", "refined"), ("mean",), ("refined", "random")])
+def test_the_fig4_order_of_fewer_than_two_paper_methods_is_not_measured(methods):
+    o = ReplicateOptions(methods=methods)
+    f = findings(o, _measured_arms(o), {})
+    assert f["fig4"]["ordered_at_0"] is None and f["fig4"]["ordered_after"] is None
+    line = next(x for x in _markdown(o, f, 1.0, 0, []).splitlines() if x.startswith("mean < first"))
+    assert "reproduced" not in line and line.count("not measured") == 2 and "--methods" in line
+
+
+@pytest.mark.parametrize("random_ppl, ordered", [(50.0, True), (5.0, False)])
+def test_the_fig4_order_of_two_paper_methods_is_measured(random_ppl, ordered):
+    o = ReplicateOptions(methods=("random", "mean"))
+    arms = _measured_arms(o)
+    for a in arms:
+        if a.method == "random":
+            a.ppl = random_ppl
+    f = findings(o, arms, {})
+    assert f["fig4"]["ordered_at_0"] is ordered and f["fig4"]["ordered_after"] is ordered
+
+
+def test_no_methods_are_refused():
+    with pytest.raises(GqakitError, match="--methods needs at least one method"):
+        ReplicateOptions(methods=parse_list(",", str, "--methods")).validate()
+
+
+def test_non_finite_alphas_are_refused_before_any_step():
+    res = CliRunner().invoke(main, ["replicate", "--alphas", "0,0.05,inf"])
+    assert res.exit_code == 2 and "inf is not a finite number" in res.output
+    with pytest.raises(GqakitError, match=r"--alphas must be increasing, >= 0 and finite, got 0.0,0.05,inf"):
+        ReplicateOptions(alphas=(0.0, 0.05, float("inf"))).validate()  # from Python, parse_list is bypassed
+
+
+def test_an_alpha_that_gives_no_uptraining_step_is_refused_with_the_smallest_that_does():
+    with pytest.raises(GqakitError) as e:
+        ReplicateOptions(alphas=(0.0, 0.0001, 0.05)).validate()
+    assert "--alphas 0.0001 gives 0 uptraining steps of the 500 pretraining steps" in e.value.message
+    assert "the smallest alpha that gives one step is 1/500 = 0.002" in e.value.message
+    ReplicateOptions(alphas=(0.0, 0.002, 0.05)).validate()
+    assert ReplicateOptions().uptrain_steps(0.002) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cache keys
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_perplexity_and_decode_time_are_measured_again_on_another_device(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from gqakit.pipelines.replicate import train
+    from gqakit.pipelines.steps import Steps
+    from gqakit.pipelines.store import ResultStore
+    from gqakit.testing import save_tiny_model
+
+    m4 = save_tiny_model(tmp_path / "g4", "llama", heads=4, kv_heads=4, tokenizer=False)
+    m1 = save_tiny_model(tmp_path / "g1", "llama", heads=4, kv_heads=1, tokenizer=False)
+    test = tmp_path / "test.txt"
+    test.write_text(TINY_TEXT)
+    # the measurements themselves, stood in for: this test is about when they run
+    runs: list[str] = []
+    monkeypatch.setattr(train, "load_causal_lm", lambda *a, **k: runs.append("ppl"))
+    monkeypatch.setattr(train, "load_tokenizer", lambda *a, **k: None)
+    monkeypatch.setattr(train, "perplexity", lambda *a, **k: SimpleNamespace(ppl=2.0, tokens=8))
+    point = SimpleNamespace(tokens_per_s=100.0)
+    monkeypatch.setattr(
+        train, "decode_rounds", lambda paths, **k: runs.append("decode") or [[point] for _ in paths]
+    )
+    o = ReplicateOptions(device="auto", echo=lambda m: None)
+    ctx = train.Context(o, ResultStore(tmp_path / "results"), Steps(1, o.echo), tmp_path, (test,) * 3)
+
+    def measure() -> list[str]:
+        runs.clear()
+        train.perplexity_of(ctx, m1)
+        train.decode_times(ctx, {4: m4, 1: m1})
+        return sorted(runs)
+
+    assert measure() == ["decode", "ppl"] and measure() == []  # the same machine reuses both
+    # the working directory moved to a machine where auto means CUDA
+    monkeypatch.setattr(train, "resolve_device", lambda device: torch.device("cuda"))
+    assert ctx.device == "cuda" and measure() == ["decode", "ppl"]
+
+
+def test_a_run_killed_under_progress_bars_resumes_without_them(tmp_path):
+    from gqakit.pipelines.replicate import train
+    from gqakit.pipelines.run_keys import same_run
+    from gqakit.uptrain import recipe_from_dict
+
+    def recipe(progress: bool, lr: float = 1e-3):
+        o = ReplicateOptions(progress=progress)
+        ctx = train.Context(o, None, None, tmp_path, (tmp_path / "t.txt",) * 3)  # type: ignore[arg-type]
+        return recipe_from_dict(train.recipe_data(ctx, tmp_path / "start", tmp_path / "out", 10, lr, 0, 100))
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "recipe.yaml").write_text(recipe(True).to_yaml())
+    assert same_run(out, recipe(False), train.ONLY_LOG)
+    assert not same_run(out, recipe(False, lr=2e-3), train.ONLY_LOG)
