@@ -15,6 +15,8 @@ pipeline), ``report``, ``cli`` (the click command), and what that pipeline needs
   by the settings and the models' fingerprints, so a rerun reuses and an interrupted run resumes;
 * :mod:`gqakit.pipelines.steps`: ``[k/N] title ... done in X s`` progress lines;
 * :mod:`gqakit.pipelines.reporting`: figures written with Agg, perplexities and durations formatted.
+* :mod:`gqakit.pipelines.run_keys`: what an uptraining run is cached and resumed by (its recipe less
+  the sections that do not change its weights).
 
 This file imports nothing, so ``gqakit --help`` stays light.
 """
