@@ -29,7 +29,7 @@ from gqakit.convert.refine import check_sequences
 from gqakit.convert.registry import ArchAdapter, get_adapter
 from gqakit.convert.retarget import RETARGETS
 from gqakit.convert.retarget_convert import convert_retargeted
-from gqakit.convert.write import ConvertResult, write_converted
+from gqakit.convert.write import ConvertResult, source_path, write_converted
 from gqakit.errors import GqakitError
 from gqakit.files import fingerprint
 from gqakit.geometry import AttentionGeometry
@@ -101,7 +101,7 @@ def _convert(
         sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
         if options.refine_steps:
             check_sequences(sequences)
-        with claim_layerwise(dst, options.force, ckpt.path):
+        with claim_layerwise(dst, options.force, source_path(ckpt)):
             resume = LayerwiseResume(resume_dir(dst), _resume_key(ckpt, options, sequences))
             weights = partial(
                 write_layerwise,

@@ -40,7 +40,8 @@ def resume_dir(dst: str | Path) -> Path:
 def claim_layerwise(dst: str | Path, force: bool, src: str | Path) -> Iterator[None]:
     """Hold DST's finished layers for one conversion (``.DST.lock`` beside it): a second conversion into
     the same DST while this one runs would discard or mix them, so it is refused with this one's pid.
-    DST is checked first (:func:`~gqakit.outputs.check_output_dir`), so a bad DST gets its own message."""
+    DST is checked first (:func:`~gqakit.outputs.check_output_dir`, against ``src``: what the user
+    named, :func:`gqakit.convert.write.source_path`), so a bad DST gets its own message."""
     dst = check_output_dir(Path(dst), force, Path(src))
     dst.parent.mkdir(parents=True, exist_ok=True)
     busy = (

@@ -49,7 +49,7 @@ def layer_windows(config) -> list[int | None]:
     for a layer that attends to every token: ``layer_types`` where the config has them (Gemma 2/3,
     Qwen 2/3 ...), else every layer when ``sliding_window`` is set and not switched off (Mistral)."""
     c = _decoder_config(config)
-    n = config_geometry(c).num_layers
+    n = AttentionGeometry.from_config(c).num_layers
     window = c.get("sliding_window")
     if not window or c.get("use_sliding_window") is False:
         return [None] * n
@@ -67,10 +67,9 @@ def predicted_kv_bytes(
     on a sliding-window layer (``window`` in a static cache, ``window - 1`` in transformers' dynamic one,
     which drops the oldest token once the step has read it). ``config`` is a transformers config or a
     ``config.json`` dict."""
-    g = config_geometry(config)
-    held = sum(
-        tokens if w is None else min(tokens, w if static_cache else w - 1) for w in layer_windows(config)
-    )
+    c = _decoder_config(config)  # a transformers config turned into a dict once
+    g = AttentionGeometry.from_config(c)
+    held = sum(tokens if w is None else min(tokens, w if static_cache else w - 1) for w in layer_windows(c))
     return 2 * batch * g.num_kv_heads * held * g.head_dim * dtype_bytes(dtype)
 
 

@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from gqakit.errors import GqakitError
@@ -143,17 +143,19 @@ def working_directory(work_dir: str | Path, option: str = "--work-dir") -> Itera
         GqakitError: when it cannot be created, or another run holds it.
     """
     work = Path(work_dir).expanduser().resolve()
-    try:
-        work.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GqakitError(
-            f"{option} {work_dir} cannot be created ({e.strerror}): choose a directory you can write to."
-        ) from None
     busy = (
         f"{option} {work} is in use by another run ({OWNER}). Two runs in one working directory would "
         f"write the same checkpoints: wait for that run to finish, or pass another {option}."
     )
-    with exclusive(work / ".gqakit-lock", busy):
+    with ExitStack() as held:
+        try:  # a directory that cannot be made, or an existing one that cannot be written (the lock file)
+            work.mkdir(parents=True, exist_ok=True)
+            held.enter_context(exclusive(work / ".gqakit-lock", busy))
+        except OSError as e:
+            raise GqakitError(
+                f"{option} {work_dir} cannot be created or written ({e.strerror}): choose a directory you "
+                "can write to."
+            ) from None
         yield work
 
 

@@ -70,3 +70,16 @@ def test_a_working_directory_that_cannot_be_created_is_named(tmp_path):
     with pytest.raises(GqakitError, match=r"--work-dir .*file/w cannot be created"):
         with working_directory(blocker / "w"):
             pass
+
+
+def test_a_working_directory_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    import gqakit.locks as locks
+
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(locks.os, "open", read_only)  # as in a directory this user cannot write
+    message = r"--work-dir .*w cannot be created or written \(Permission denied\)"
+    with pytest.raises(GqakitError, match=message):
+        with working_directory(tmp_path / "w"):
+            pass
