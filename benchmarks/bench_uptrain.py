@@ -222,15 +222,19 @@ def throughput(args) -> None:
     head = "| loop | tokens/s (median step) | vs plain | step ms | peak memory MiB | loss vs plain |"
     print(head + (" MFU (6N) | MFU (with attention) |" if cuda else ""))
     print("|---" * (8 if cuda else 6) + "|")
-    tps: dict[str, float] = {}
+    # every row's median first: a row's "plain" baseline may run after it (--rows auto:distill,plain:distill)
+    medians = {
+        row: statistics.median([x for res in results for x in res["step_s"][args.warmup :]])
+        for row, results in runs.items()
+        if not any("error" in r for r in results)
+    }
+    tps = {row: tokens / med for row, med in medians.items()}
     for row, results in runs.items():
-        failed = [r["error"] for r in results if "error" in r]
-        if failed:
-            print(f"| {row} | failed: {failed[0].strip().splitlines()[-1][:200]} |")
+        if row not in medians:
+            failed = next(r["error"] for r in results if "error" in r)
+            print(f"| {row} | failed: {failed.strip().splitlines()[-1][:200]} |")
             continue
-        steps = [x for res in results for x in res["step_s"][args.warmup :]]
-        med = statistics.median(steps)
-        tps[row] = tokens / med
+        med = medians[row]
         _, _, objective = row.partition(":")
         base = tps.get(f"plain:{objective}" if objective else "plain")
         ratio = f"{tps[row] / base:.2f}x" if base else ""

@@ -131,6 +131,21 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path, calib_txt):
     assert len(prov["layerwise"]["seconds_per_layer"]) == 14
 
 
+def _three_layers_refined(tmp_path, calib_txt, target: str, steps: int, device: str = "auto"):
+    """A tiny 3-layer llama and the options of its calibrated + refined MQA conversion."""
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=3)
+    opts = ConvertOptions(
+        groups=1,
+        method="calibrated",
+        calib_data=str(calib_txt),
+        calib_tokens=1024,
+        refine_steps=steps,
+        refine_target=target,
+        device=device,
+    )
+    return src, opts
+
+
 # layer-corrective carries the converted model's hidden states from layer to layer too (layer-all-corrective
 # states made by a moved MLP); the window targets read the next layer, whose arguments a resumed run must
 # still have
@@ -140,45 +155,16 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path, calib_txt):
 def test_a_killed_conversion_resumes_at_the_first_unfinished_layer(
     tmp_path, calib_txt, monkeypatch, capsys, target
 ):
-    from gqakit.convert import layerwise
     from gqakit.convert.layerwise_resume import resume_dir
 
-    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=3)
-    opts = ConvertOptions(
-        groups=1,
-        method="calibrated",
-        calib_data=str(calib_txt),
-        calib_tokens=1024,
-        refine_steps=4,
-        refine_target=target,
-    )
+    src, opts = _three_layers_refined(tmp_path, calib_txt, target, steps=4)
     whole = convert_checkpoint(src, tmp_path / "whole", opts)
 
-    convert_layer = layerwise._LayerwiseJob.convert_layer
-    converted: list[int] = []
-
-    def dies_at_layer_2(self, i):
-        if i == 2:
-            raise KeyboardInterrupt
-        converted.append(i)
-        return convert_layer(self, i)
-
     dst = tmp_path / "cut"
-    with monkeypatch.context() as m:
-        m.setattr(layerwise._LayerwiseJob, "convert_layer", dies_at_layer_2)
-        with pytest.raises(KeyboardInterrupt):
-            convert_checkpoint(src, dst, opts)
+    _killed_at_layer(src, dst, opts, monkeypatch, 2)
     assert not dst.exists() and json.loads((resume_dir(dst) / "state.json").read_text())["done"] == 2
     assert "2 finished layer(s) kept in" in capsys.readouterr().err
-
-    def counts(self, i):
-        converted.append(i)
-        return convert_layer(self, i)
-
-    converted.clear()
-    with monkeypatch.context() as m:
-        m.setattr(layerwise._LayerwiseJob, "convert_layer", counts)
-        resumed = convert_checkpoint(src, dst, opts)
+    resumed, converted = _convert_counting_layers(src, dst, opts, monkeypatch)
     assert converted == [2]  # layers 0 and 1 came from the earlier run
     a, b = checkpoint_tensors(whole.dst), checkpoint_tensors(resumed.dst)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -189,21 +175,42 @@ def test_a_killed_conversion_resumes_at_the_first_unfinished_layer(
     assert not resume_dir(dst).exists()  # removed once DST is complete
 
 
-def _killed_after_layer_0(src, dst, opts: ConvertOptions, monkeypatch) -> None:
-    """Run the conversion into ``dst`` and kill it when layer 1 starts: layer 0 stays in the resume folder."""
+def _killed_at_layer(src, dst, opts: ConvertOptions, monkeypatch, layer: int) -> None:
+    """Run the conversion into ``dst`` and kill it when ``layer`` starts: the layers before it stay in the
+    resume folder."""
     from gqakit.convert import layerwise
 
     convert_layer = layerwise._LayerwiseJob.convert_layer
 
-    def dies_at_layer_1(self, i):
-        if i == 1:
+    def dies(self, i):
+        if i == layer:
             raise KeyboardInterrupt
         return convert_layer(self, i)
 
     with monkeypatch.context() as m:
-        m.setattr(layerwise._LayerwiseJob, "convert_layer", dies_at_layer_1)
+        m.setattr(layerwise._LayerwiseJob, "convert_layer", dies)
         with pytest.raises(KeyboardInterrupt):
             convert_checkpoint(src, dst, opts)
+
+
+def _killed_after_layer_0(src, dst, opts: ConvertOptions, monkeypatch) -> None:
+    _killed_at_layer(src, dst, opts, monkeypatch, 1)
+
+
+def _convert_counting_layers(src, dst, opts: ConvertOptions, monkeypatch):
+    """Convert (or resume) into ``dst``; returns the result and the layers this run converted."""
+    from gqakit.convert import layerwise
+
+    convert_layer = layerwise._LayerwiseJob.convert_layer
+    ran: list[int] = []
+
+    def counts(self, i):
+        ran.append(i)
+        return convert_layer(self, i)
+
+    with monkeypatch.context() as m:
+        m.setattr(layerwise._LayerwiseJob, "convert_layer", counts)
+        return convert_checkpoint(src, dst, opts), ran
 
 
 def test_finished_layers_of_another_conversion_are_not_reused(tmp_path, calib_txt, monkeypatch):
@@ -252,3 +259,27 @@ def test_resumed_hidden_states_move_to_the_device_the_layers_run_on(target):
     job.carried = [torch.ones(2, 3), torch.zeros(2, 3)]  # what LayerwiseResume.hidden() returns
     assert len(job.carried) == 2 and all(h.device.type == "meta" for h in job.carried)
     assert len(job.hidden) == (2 if target is None else 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_killed_conversion_on_cuda_resumes_to_the_uninterrupted_result(tmp_path, calib_txt, monkeypatch):
+    """The resume folder keeps the carried hidden states on the CPU; a run resumed with ``device=cuda``
+    must move them back to the GPU (layer-corrective carries the converted model's states too) and
+    finish with the weights of an uninterrupted CUDA run."""
+    from gqakit.convert.layerwise_resume import resume_dir
+
+    src, opts = _three_layers_refined(tmp_path, calib_txt, "layer-corrective", steps=8, device="cuda")
+    whole = convert_checkpoint(src, tmp_path / "whole", opts)
+    assert json.loads((whole.dst / "gqakit.json").read_text())["layerwise"]["device"] == "cuda"
+
+    dst = tmp_path / "cut"
+    _killed_at_layer(src, dst, opts, monkeypatch, 2)
+    assert json.loads((resume_dir(dst) / "state.json").read_text())["done"] == 2
+    resumed, ran = _convert_counting_layers(src, dst, opts, monkeypatch)
+    assert ran == [2]
+    a, b = checkpoint_tensors(whole.dst), checkpoint_tensors(resumed.dst)
+    assert a.keys() == b.keys()
+    # the same kernels on the same inputs: equal up to CUDA's run-to-run reduction order
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= 1e-5, worst

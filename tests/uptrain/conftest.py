@@ -57,3 +57,21 @@ def recipe(assets, tmp_path):
         return load_recipe(TINY_RECIPE, [*base, *overrides])
 
     return make
+
+
+@pytest.fixture
+def poison_loss(monkeypatch):
+    """``poison_loss(batches, value)``: the loss of the micro-batches drawn as number ``batches`` (the
+    loop's ``batches_seen`` when the loss is computed) is multiplied by ``value`` (inf or nan)."""
+    from gqakit.uptrain.loop import UptrainLoop
+
+    loss_step = UptrainLoop._loss_step
+
+    def poison(batches: set[int], value: float) -> None:
+        def poisoned(self, batch):
+            loss, parts = loss_step(self, batch)
+            return (loss * value, parts) if self.state.batches_seen in batches else (loss, parts)
+
+        monkeypatch.setattr(UptrainLoop, "_loss_step", poisoned)
+
+    return poison

@@ -155,15 +155,9 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(recipe, tmp_pat
         uptrain(r, resume=True)
 
 
-def test_non_finite_steps_are_skipped_then_rolled_back(recipe, monkeypatch):
-    loss_step = UptrainLoop._loss_step
-    bad_batches = {3, 8, 9, 10}  # one lone bad step, then three in a row (micro-batches are never repeated)
-
-    def poisoned(self, batch):
-        loss, parts = loss_step(self, batch)
-        return (loss * float("nan"), parts) if self.state.batches_seen in bad_batches else (loss, parts)
-
-    monkeypatch.setattr(UptrainLoop, "_loss_step", poisoned)
+def test_non_finite_steps_are_skipped_then_rolled_back(recipe, poison_loss):
+    poison_loss({3, 8, 9, 10}, float("nan"))  # one lone bad step, then three in a row (micro-batches are
+    # never repeated)
     res = uptrain(
         recipe(
             "budget.steps=12", "checkpoint.every=5", "guard.max_bad_steps=3", "guard.lr_factor=0.5",
@@ -179,7 +173,7 @@ def test_non_finite_steps_are_skipped_then_rolled_back(recipe, monkeypatch):
     assert all(torch.isfinite(t).all() for t in _weights(res.output_dir).values())
 
 
-def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe, monkeypatch):
+def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe, monkeypatch, poison_loss):
     """CUDA fp16 simulated on CPU: accelerate's GradScaler on the CPU device, one non-finite loss. The
     skipped step must still update the scaler, or the next step's unscale_() raises."""
     import gqakit.uptrain.preflight as preflight
@@ -195,14 +189,8 @@ def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe
         self.acc.native_amp = True
         scalers.append(self.acc.scaler)
 
-    loss_step = UptrainLoop._loss_step
-
-    def poisoned(self, batch):
-        loss, parts = loss_step(self, batch)
-        return (loss * float("inf"), parts) if self.state.batches_seen == 3 else (loss, parts)
-
     monkeypatch.setattr(SetupMixin, "_setup_accelerator", with_scaler)
-    monkeypatch.setattr(UptrainLoop, "_loss_step", poisoned)
+    poison_loss({3}, float("inf"))
     res = uptrain(
         recipe(
             "train.precision=fp16", "budget.steps=5", "checkpoint.every=0", "eval.every=0",
