@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from gqakit.cli_options import parse_list
 from gqakit.errors import GqakitError
-from gqakit.eval.kv_bytes import config_geometry, measured_kv_bytes, predicted_kv_bytes, weight_bytes_per_step
+from gqakit.eval.kv_bytes import cache_geometry, measured_kv_bytes, predicted_kv_bytes, weight_bytes_per_step
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: 
     # deferred: transformers takes seconds to import
     from transformers import DynamicCache, StaticCache
 
-    g = config_geometry(model.config)
+    g = cache_geometry(model.config)  # the heads the cache holds (Falcon's new layout: H)
     param = next(model.parameters())
     cache = (
         StaticCache(config=model.config, max_cache_len=static_len)

@@ -22,12 +22,11 @@ from typing import Any
 import torch
 
 from gqakit.eval.decode import bench_decode
-from gqakit.eval.kv_bytes import dtype_bytes, weight_bytes_per_step
+from gqakit.eval.kv_bytes import cache_geometry, config_geometry, dtype_bytes, weight_bytes_per_step
 from gqakit.eval.lm_eval_bridge import parse_lm_eval_args, run_lm_eval
 from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import perplexity
 from gqakit.eval.results import ModelResult
-from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm, load_tokenizer, resolve_device
 
 log = logging.getLogger(__name__)
@@ -61,13 +60,14 @@ def measure_hf_model(
     model = load_causal_lm(path, dtype=options.dtype, device=options.device)
     tokenizer = load_tokenizer(path) if (texts is not None or options.tasks) else None
     load_s = time.perf_counter() - start
-    geom = AttentionGeometry.from_config(config.to_dict())
     dtype = next(model.parameters()).dtype
     res = ModelResult.of(
-        label, path, geom, parameters=sum(p.numel() for p in model.parameters()),
+        label, path, config_geometry(config), parameters=sum(p.numel() for p in model.parameters()),
         dtype=str(dtype).removeprefix("torch."), kv_dtype_bytes=dtype_bytes(dtype),
         weight_bytes=weight_bytes_per_step(model), load_s=load_s,
     )  # fmt: skip
+    # The weights' K/V heads above, the bytes of the heads transformers caches (Falcon's new layout: H).
+    res.kv_bytes_per_token = cache_geometry(config).kv_bytes_per_token(dtype_bytes=dtype_bytes(dtype))
     if texts is not None:
         res.perplexity = perplexity(
             model,

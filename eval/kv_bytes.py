@@ -14,6 +14,8 @@ These functions time nothing; :mod:`gqakit.eval.decode` measures the speed they 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from gqakit.errors import GqakitError
@@ -44,6 +46,18 @@ def config_geometry(config) -> AttentionGeometry:
     return AttentionGeometry.from_config(_decoder_config(config))
 
 
+def cache_geometry(config) -> AttentionGeometry:
+    """The attention geometry of ``config`` as transformers' KV cache holds it: :func:`config_geometry`,
+    with ``num_kv_heads`` the K/V heads each layer caches. They are the weights' K/V heads, except in
+    Falcon's new decoder architecture (Falcon-40B/180B): its attention broadcasts them to every query
+    head before it caches them, so its cache holds H per layer (vLLM and llama.cpp hold the weights')."""
+    c = _decoder_config(config)
+    g = AttentionGeometry.from_config(c)
+    if c.get("model_type") == "falcon" and c.get("new_decoder_architecture"):
+        return replace(g, num_kv_heads=g.num_heads)
+    return g
+
+
 def layer_windows(config) -> list[int | None]:
     """Per decoder layer, the sliding window its attention (and so its KV cache) is limited to, or None
     for a layer that attends to every token: ``layer_types`` where the config has them (Gemma 2/3,
@@ -62,13 +76,14 @@ def layer_windows(config) -> list[int | None]:
 def predicted_kv_bytes(
     config, batch: int, tokens: int, dtype: torch.dtype | str | int, static_cache: bool = False
 ) -> int:
-    """KV-cache bytes for ``batch`` sequences of ``tokens``: 2 (K and V) * batch * G * head_dim * bytes per
-    element * the tokens each layer holds, which is ``tokens`` on a global layer and at most its window
-    on a sliding-window layer (``window`` in a static cache, ``window - 1`` in transformers' dynamic one,
-    which drops the oldest token once the step has read it). ``config`` is a transformers config or a
-    ``config.json`` dict."""
+    """KV-cache bytes for ``batch`` sequences of ``tokens`` in transformers' cache: 2 (K and V) * batch *
+    the K/V heads it caches (G, but H for Falcon's new decoder architecture: :func:`cache_geometry`) *
+    head_dim * bytes per element * the tokens each layer holds, which is ``tokens`` on a global layer and
+    at most its window on a sliding-window layer (``window`` in a static cache, ``window - 1`` in the
+    dynamic one, which drops the oldest token once the step has read it). ``config`` is a transformers
+    config or a ``config.json`` dict."""
     c = _decoder_config(config)  # a transformers config turned into a dict once
-    g = AttentionGeometry.from_config(c)
+    g = cache_geometry(c)
     held = sum(tokens if w is None else min(tokens, w if static_cache else w - 1) for w in layer_windows(c))
     return 2 * batch * g.num_kv_heads * held * g.head_dim * dtype_bytes(dtype)
 
@@ -121,6 +136,7 @@ def speedup_bound(baseline_bytes: int, candidate_bytes: int) -> float:
 
 __all__ = [
     "bytes_moved_per_step",
+    "cache_geometry",
     "config_geometry",
     "dtype_bytes",
     "measured_kv_bytes",

@@ -5,7 +5,8 @@ The stream
     tokenized once without special tokens, and a prefix token is put in front of it: the tokenizer's
     BOS, or its EOS when it has no BOS (the same rule as lm-eval's ``prefix_token_id``). Every text
     token is scored, the first one given the prefix token alone. ``--max-tokens`` keeps the first
-    ``max_tokens`` text tokens (and the bytes they cover).
+    ``max_tokens`` text tokens (and the bytes they spell, which may end inside a character:
+    :mod:`~gqakit.eval.kept_bytes`).
 
 The windows
     A window is one forward pass over at most ``seq_len`` tokens; it scores its last predictions::
@@ -42,6 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqakit.errors import GqakitError
+from gqakit.eval.kept_bytes import kept_bytes
 from gqakit.models import check_seq_len
 from gqakit.text import DOC_SEPARATOR
 
@@ -155,13 +157,9 @@ def encode_stream(tokenizer, texts: Sequence[str], max_tokens: int | None = None
         raise GqakitError("The evaluation text tokenizes to nothing.")
     n_bytes = len(text.encode("utf-8"))
     if max_tokens is not None and max_tokens < len(ids):
+        # The bytes the kept tokens spell, a cut character's kept bytes included (not the whole of it).
+        n_bytes = kept_bytes(tokenizer, text, ids, max_tokens, enc["offset_mapping"] if fast else None)
         ids = ids[:max_tokens]
-        # Bytes of the text the kept tokens cover: up to the end of the last kept token.
-        if fast:
-            covered = text[: enc["offset_mapping"][max_tokens - 1][1]]
-        else:
-            covered = tokenizer.decode(ids)
-        n_bytes = len(covered.encode("utf-8"))
     return [prefix_token_id(tokenizer), *ids], n_bytes
 
 

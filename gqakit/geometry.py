@@ -31,6 +31,19 @@ def _field(config: dict[str, Any], name: str) -> Any:
     raise KeyError(name)
 
 
+def _kv_heads(config: dict[str, Any], heads: int) -> int:
+    """The K/V heads of the checkpoint's weights."""
+    if config.get("model_type") == "falcon":
+        # Falcon names them num_kv_heads, and its multi_query flag (on unless the config says otherwise,
+        # FalconConfig's default) applies to the old decoder layout only; transformers' FalconAttention
+        # reads num_kv_heads under new_decoder_architecture whatever multi_query says.
+        if config.get("new_decoder_architecture"):
+            return int(config.get("num_kv_heads") or heads)
+        return 1 if config.get("multi_query", True) else heads
+    # gpt_bigcode states MQA as a flag, not a K/V head count
+    return 1 if config.get("multi_query") else int(config.get("num_key_value_heads") or heads)
+
+
 @dataclass(frozen=True)
 class AttentionGeometry:
     """The shape facts of a decoder's attention, as its config states them.
@@ -40,7 +53,9 @@ class AttentionGeometry:
         num_layers: decoder layers.
         hidden_size: model width.
         num_heads: query heads H.
-        num_kv_heads: key/value heads G (H for MHA, 1 for MQA).
+        num_kv_heads: key/value heads G (H for MHA, 1 for MQA) in the weights. A cache may hold more:
+            transformers' Falcon with ``new_decoder_architecture`` caches H
+            (:func:`gqakit.eval.kv_bytes.cache_geometry`).
         head_dim: channels per head (not always hidden_size / H: gemma).
     """
 
@@ -62,8 +77,7 @@ class AttentionGeometry:
             raise GqakitError(
                 f"config.json has no {e.args[0]!r}: is this a decoder-only causal LM?"
             ) from None
-        # gpt_bigcode states MQA as a flag, not a K/V head count
-        kv = 1 if config.get("multi_query") else (config.get("num_key_value_heads") or heads)
+        kv = _kv_heads(config, heads)
         head_dim = config.get("head_dim") or hidden // heads
         return cls(str(config.get("model_type")), layers, hidden, heads, int(kv), int(head_dim))
 

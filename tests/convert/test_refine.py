@@ -449,6 +449,23 @@ def test_refine_options_are_checked_together(tiny_llama, tmp_path):
     assert "--refine-loss 'l1' is unknown; choose one of relative, per-token" in e.value.message
 
 
+@pytest.mark.parametrize("bad", ["inf", "nan", "-inf"])
+def test_cli_refuses_non_finite_refine_rates_with_the_other_problems(tiny_llama, tmp_path, calib_txt, bad):
+    # inf > 0: a positivity check alone let it through, and the conversion then "refined" nothing
+    args = ["convert", str(tiny_llama), str(tmp_path / "o"), "-g", "1", "--method", "calibrated"]
+    extra = ["--calib-data", str(calib_txt), "--calib-tokens", "0", "--refine-steps", "2"]
+    res = CliRunner().invoke(main, [*args, *extra, "--refine-lr", bad, "--refine-qk-lr", bad])
+    assert res.exit_code != 0
+    out = " ".join(res.output.split())  # click wraps the message
+    assert "--calib-tokens must be a positive number of tokens, got 0." in out
+    for flag, default in (("--refine-lr", "0.001"), ("--refine-qk-lr", "0.003")):
+        assert (
+            f"{flag} must be a finite positive learning rate, got {float(bad)}; give a number above 0, "
+            f"e.g. {default} (the default)." in out
+        )
+    assert not (tmp_path / "o").exists()
+
+
 def test_refine_without_data_or_from_random_is_a_clear_error(tiny_llama, tmp_path, calib_txt):
     with pytest.raises(GqakitError, match="--refine-steps needs calibration text: give --calib-data"):
         convert_checkpoint(tiny_llama, tmp_path / "o", ConvertOptions(groups=2, refine_steps=10))

@@ -9,6 +9,8 @@ from gqakit.errors import GqakitError
 from gqakit.eval.decode import bench_decode, cache_kwarg, parse_grid
 from gqakit.eval.kv_bytes import (
     bytes_moved_per_step,
+    config_geometry,
+    measured_kv_bytes,
     predicted_kv_bytes,
     speedup_bound,
     weight_bytes_per_step,
@@ -66,6 +68,66 @@ def test_predicted_kv_bytes_accepts_dicts_and_dtype_names(tiny_models):
     cfg = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
     assert predicted_kv_bytes(cfg, 8, 2048, "bfloat16") == 2 * 30 * 8 * 3 * 2048 * 64 * 2
     assert predicted_kv_bytes(cfg, 1, 1, torch.float32) == 2 * 30 * 3 * 64 * 4
+
+
+def _tiny_falcon(new_decoder_architecture: bool, multi_query: bool, num_kv_heads: int | None):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    config = FalconConfig(
+        vocab_size=384, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=num_kv_heads,
+        new_decoder_architecture=new_decoder_architecture, multi_query=multi_query,
+    )  # fmt: skip
+    return FalconForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    "flags, weight_heads, cached_heads",
+    [
+        # Falcon-40B/180B's layout: G K/V heads, broadcast to all H query heads before they are cached,
+        # whatever multi_query (on by default in FalconConfig) says
+        ((True, True, 2), 2, 4),
+        ((True, False, 2), 2, 4),
+        ((False, True, None), 1, 1),  # Falcon-7B's: multi-query
+        ((False, False, None), 4, 4),  # Falcon-RW's: a K/V head per query head
+    ],
+    ids=["new-mq", "new", "old-mq", "old"],
+)
+def test_falcon_kv_bytes_are_what_transformers_caches(flags, weight_heads, cached_heads):
+    model = _tiny_falcon(*flags)
+    # the weights: the fused projection holds H query heads and weight_heads keys and values of 8 channels
+    assert model.transformer.h[0].self_attention.query_key_value.weight.shape[0] == (4 + 2 * weight_heads) * 8
+    assert config_geometry(model.config).num_kv_heads == weight_heads
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 384, (2, 5)), use_cache=True).past_key_values
+    assert cache.layers[0].keys.shape[1] == cached_heads
+    real = measured_kv_bytes(cache)
+    assert real == 2 * 2 * 2 * cached_heads * 5 * 8 * 4  # K and V, layers, batch, heads, tokens, dim, f32
+    as_json = {k: v for k, v in model.config.to_dict().items() if not (k == "multi_query" and v)}
+    for config in (model.config, as_json):  # a config.json may leave multi_query at FalconConfig's True
+        assert predicted_kv_bytes(config, 2, 5, torch.float32) == real
+    for prefill in ("model", "random"):  # generate()'s cache, and the random one gqakit fills itself
+        grid = {"batch_sizes": [2], "contexts": [8], "new_tokens": 3, "warmup": 0}
+        (p,) = bench_decode(model, **grid, prefill=prefill, progress=False)
+        assert p.status == "ok" and p.kv_bytes == p.kv_bytes_predicted
+
+
+def test_falcon_eval_result_reports_the_weights_heads_and_the_cached_bytes(tmp_path):
+    from transformers import AutoConfig
+
+    from gqakit.eval.hf_engine import measure_hf_model
+    from gqakit.eval.options import EvalOptions
+
+    _tiny_falcon(True, True, 2).save_pretrained(tmp_path)
+    opts = EvalOptions(
+        bench=True, batch_sizes=(2,), new_tokens=3, warmup=0, device="cpu", dtype="float32", progress=False
+    )
+    config = AutoConfig.from_pretrained(tmp_path)
+    res = measure_hf_model("falcon", str(tmp_path), config=config, options=opts, texts=None, contexts=[8])
+    (p,) = res.decode
+    assert res.num_kv_heads == 2  # GQA-2 in its weights, and its cache holds all 4 query heads' copies
+    assert res.kv_bytes_per_token == 2 * 2 * 4 * 8 * 4
+    assert p.kv_bytes == res.kv_bytes_per_token * p.batch * p.kv_tokens
 
 
 def test_bytes_moved_and_bound(tiny_models):

@@ -168,6 +168,74 @@ def test_max_tokens_caps_tokens_and_bytes(loaded_mha, known_text):
     assert 0 < capped.bytes < full.bytes
 
 
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's layout): pieces for a b c é and the word boundary ▁,
+    ``<0xNN>`` byte tokens for every other character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({piece: 259 + i for i, piece in enumerate("▁abcé")})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+class _NoOffsets:
+    """A tokenizer as a slow (Python) one is to ``encode_stream``: no offset mapping, so it decodes."""
+
+    is_fast = False
+
+    def __init__(self, tok) -> None:
+        self._tok = tok
+
+    def __call__(self, text, **kwargs):
+        kwargs.pop("return_offsets_mapping", None)
+        return self._tok(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.mark.parametrize("offsets", [True, False], ids=["offsets", "decode"])
+@pytest.mark.parametrize(
+    "make, pieces, kept",
+    [
+        # 日 (3 bytes) and é (2) are unknown to the tiny byte-level BPE: one token per byte
+        (tiny_tokenizer, ["a", "b", "æ", "Ĺ", "¥", "Ã", "©", "Ġc"], [1, 2, 3, 4, 5, 6, 7]),
+        # byte fallback: 日 as three <0xNN> tokens, é a piece of its own
+        (
+            _byte_fallback_tokenizer,
+            ["a", "b", "<0xE6>", "<0x97>", "<0xA5>", "é", "▁", "c"],
+            [1, 2, 3, 4, 5, 7, 8],
+        ),
+    ],
+    ids=["byte-level", "byte-fallback"],
+)
+def test_max_tokens_counts_the_bytes_of_a_cut_character_it_keeps(make, pieces, kept, offsets):
+    """A cut inside 日 keeps 1 or 2 of its 3 bytes: bits per byte divides by those, not by 3 (character
+    offsets) or by U+FFFD's 3 (decode)."""
+    tok = make() if offsets else _NoOffsets(make())
+    text = "ab日é c"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == pieces
+    for k, n in enumerate(kept, start=1):
+        stream, n_bytes = encode_stream(tok, [text], max_tokens=k)
+        assert (len(stream) - 1, n_bytes) == (k, n)
+    assert encode_stream(tok, [text], max_tokens=len(ids))[1] == len(text.encode("utf-8")) == 9
+
+
+def test_perplexity_cut_inside_a_character_divides_by_the_bytes_scored(loaded_mha):
+    model, tok = loaded_mha
+    text = "The cache 日本 shrinks."
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids[:5]) == ["The", "Ġc", "ache", "Ġ", "æ"]  # 日's first byte of 3
+    res = perplexity(model, tok, [text], seq_len=16, max_tokens=5, progress=False)
+    assert res.tokens == 5 and res.bytes == len(b"The cache ") + 1 == 11
+    assert res.bits_per_byte == pytest.approx(res.nll_sum / (math.log(2) * 11), rel=1e-12)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
