@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING, Any
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFValueType, Keys
 
 from gqakit.errors import GqakitError, did_you_mean
+from gqakit.gguf.arch_gemma import (
+    attention_scale_check,
+    gemma3_rename,
+    gemma3_text_view,
+    softcap_check,
+    swa_pattern,
+)
 from gqakit.gguf.arch_layernorm import bigcode_view, gelu_only, gelu_problem
 
 if TYPE_CHECKING:
@@ -106,59 +113,6 @@ COMMON_LAYERNORM: tuple[HParam, ...] = (
 )
 
 
-def _swa_pattern(default_period: int) -> Callable[[Config], list[bool] | None]:
-    """Per-layer sliding flags, written only when they differ from the period llama.cpp assumes.
-
-    llama.cpp marks layer ``i`` sliding when ``i % n < n - 1`` (``llama_hparams::set_swa_pattern``), n = 2
-    for gemma2 and 6 for gemma3; an explicit bool array under ``attention.sliding_window_pattern``
-    overrides it. Writing the array only when needed keeps older readers, which expect no array, working.
-    """
-
-    def get(cfg: Config) -> list[bool] | None:
-        kinds = cfg.get("layer_types")
-        if not kinds:
-            return None
-        flags = [k == "sliding_attention" for k in kinds]
-        implied = [i % default_period < default_period - 1 for i in range(len(flags))]
-        return None if flags == implied else flags
-
-    return get
-
-
-# The layer counts of the 27B gemma2 / gemma3 models, which llama.cpp recognises by them.
-_WIDTH_SCALED_LAYERS = {"gemma2": 46, "gemma3_text": 62}
-
-
-def _attention_scale_check(cfg: Config) -> str | None:
-    # gemma2/gemma3 in llama.cpp ignore query_pre_attn_scalar, which transformers uses: they scale queries
-    # by 1/sqrt(head_dim), or by 1/sqrt(hidden/heads) when the layer count is the 27B model's.
-    scalar = cfg.get("query_pre_attn_scalar")
-    if scalar is None:
-        return None
-    layers = int(cfg["num_hidden_layers"])
-    wide = layers == _WIDTH_SCALED_LAYERS.get(str(cfg.get("model_type")))
-    used = cfg["hidden_size"] // cfg["num_attention_heads"] if wide else head_dim(cfg)
-    if int(scalar) != used:
-        return (
-            f"query_pre_attn_scalar={scalar}, but llama.cpp scales attention of this {layers}-layer model by "
-            f"1/sqrt({used}) ({'hidden/heads' if wide else 'head_dim'}), so its logits will differ from "
-            "transformers'."
-        )
-    return None
-
-
-def _softcap_check(cfg: Config) -> str | None:
-    # llama.cpp's gemma2 caps attention and final logits unconditionally, at 50 and 30 when the GGUF
-    # states no value (llama_hparams defaults); transformers caps only when the config says so.
-    absent = [k for k in ("attn_logit_softcapping", "final_logit_softcapping") if cfg.get(k) is None]
-    if absent:
-        return (
-            f"{' and '.join(absent)} is None, but llama.cpp's gemma2 always soft-caps (at its defaults): "
-            "its logits will differ from transformers'."
-        )
-    return None
-
-
 def _sliding_window_check(cfg: Config) -> str | None:
     # llama.cpp's llama architecture has no sliding window: mistral v0.1's 4096-token window is not applied.
     window, ctx = cfg.get("sliding_window"), cfg.get("max_position_embeddings") or 0
@@ -198,6 +152,8 @@ class GgufArch:
         problems: config -> why llama.cpp's graph cannot compute this checkpoint at all (refused).
         qkv_per_head: the fused ``c_attn`` holds rows per head (``q_h k_h v_h``) when there is one K/V
             head per query head (gpt_bigcode without ``multi_query``); llama.cpp reads ``q | k | v``.
+        rename: a checkpoint tensor name -> the name the text model has, or None for a tensor the GGUF
+            leaves out (the multimodal Gemma 3's vision tower, which llama.cpp reads from an mmproj file).
     """
 
     model_type: str
@@ -213,6 +169,7 @@ class GgufArch:
     view: Callable[[Config], Config] | None = None
     qkv_per_head: bool = False
     problems: tuple[Callable[[Config], str | None], ...] = ()
+    rename: Callable[[str], str | None] | None = None
 
     def config(self, cfg: Config) -> Config:
         """``cfg`` under the names the common keys read."""
@@ -232,14 +189,23 @@ _GEMMA2_KEYS = (
     HParam(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, _F32, _field("attn_logit_softcapping")),
     HParam(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _F32, _field("final_logit_softcapping")),
     HParam(Keys.Attention.SLIDING_WINDOW, _U32, _field("sliding_window"), config_name="sliding_window"),
-    HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, _swa_pattern(2)),
+    HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, swa_pattern(2)),
 )
 _GEMMA3_KEYS = (
     HParam(Keys.Attention.SLIDING_WINDOW, _U32, _field("sliding_window"), config_name="sliding_window"),
-    HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, _swa_pattern(6)),
+    HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, swa_pattern(6)),
     # local layers rotate with their own base (10k), global ones with rope_theta (1M)
     HParam(Keys.Rope.FREQ_BASE_SWA, _F32, lambda c: rope(c, "sliding_attention").get("rope_theta")),
     HParam(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _F32, _field("final_logit_softcapping")),
+)
+# Every form of Gemma 3 config (legacy names, multimodal) is read as transformers 5's text config.
+_GEMMA3: dict[str, Any] = dict(
+    arch=MODEL_ARCH.GEMMA3,
+    norm_plus_one=True,
+    hparams=_GEMMA3_KEYS,
+    layer_kinds=("full_attention", "sliding_attention"),
+    checks=(attention_scale_check,),
+    view=gemma3_text_view,
 )
 _PHI3_KEYS = (
     HParam(Keys.Rope.SCALING_ORIG_CTX_LEN, _U32, _field("original_max_position_embeddings")),
@@ -262,16 +228,12 @@ ARCHS: dict[str, GgufArch] = {
             norm_plus_one=True,
             has_output=False,
             hparams=_GEMMA2_KEYS,
-            checks=(_attention_scale_check, _softcap_check),
+            checks=(attention_scale_check, softcap_check),
         ),
-        GgufArch(
-            "gemma3_text",
-            MODEL_ARCH.GEMMA3,
-            norm_plus_one=True,
-            hparams=_GEMMA3_KEYS,
-            layer_kinds=("full_attention", "sliding_attention"),
-            checks=(_attention_scale_check,),
-        ),
+        # registered before gemma3 so that a gemma3 GGUF reads back as this text model
+        GgufArch("gemma3_text", **_GEMMA3),
+        # the multimodal Gemma 3 (4B and up): its text model, as convert_hf_to_gguf.py writes it
+        GgufArch("gemma3", **_GEMMA3, rename=gemma3_rename),
         GgufArch("phi3", MODEL_ARCH.PHI3, hparams=_PHI3_KEYS),
         # phi (and GPT-NeoX / Pythia, which convert into phi): LayerNorm, biases, partial NeoX-style
         # rotary, lm_head with a bias; llama.cpp's phi2 graph reads n_head_kv (GQA/MQA) and takes q/k/v

@@ -24,6 +24,7 @@ from gqakit import __version__
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.errors import GqakitError
 from gqakit.gguf.arch import GgufArch, get_arch, metadata, rope_freq_factors
+from gqakit.gguf.readback import RECORDED_CONFIG, recorded_config
 from gqakit.gguf.tensors import OUT_TYPES, GgufTensor, check_out_type, plan_tensors, rope_freqs_tensor
 from gqakit.gguf.vocab import Vocab, load_vocab
 
@@ -84,6 +85,9 @@ def _provenance(ckpt: Checkpoint, cfg: dict[str, Any]) -> list[tuple[str, gguf.G
         ("gqakit.source", S, origin),
         ("gqakit.query_heads", U, int(cfg["num_attention_heads"])),
         ("gqakit.kv_heads", U, int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])),
+        # the whole config, for what transformers' GGUF reader cannot rebuild from llama.cpp's keys
+        # (gqakit.gguf.readback puts it back when gqakit reads the file)
+        (RECORDED_CONFIG, S, recorded_config(cfg)),
     ]
     record = ckpt.path / "gqakit.json"
     if record.is_file():  # a converted checkpoint: name what it was converted from
@@ -103,9 +107,25 @@ def _write_kv(writer: gguf.GGUFWriter, key: str, vtype: gguf.GGUFValueType, valu
         writer.add_key_value(key, value, vtype)
 
 
-def _embedding_rows(ckpt: Checkpoint) -> int:
-    info = ckpt.tensor_infos().get("model.embed_tokens.weight")
-    return int(info[1][0]) if info else int(ckpt.config["vocab_size"])
+def _embedding_rows(
+    arch: GgufArch, cfg: dict[str, Any], infos: dict[str, tuple[str, tuple[int, ...]]]
+) -> int:
+    for name, (_, shape) in infos.items():
+        if (arch.rename(name) if arch.rename else name) == "model.embed_tokens.weight":
+            return int(shape[0])
+    return int(cfg["vocab_size"])
+
+
+def _left_out(arch: GgufArch, infos: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """A warning naming the tensors of a multimodal checkpoint that the text GGUF does not hold."""
+    left = [name for name in infos if arch.rename and arch.rename(name) is None]
+    if not left:
+        return []
+    return [
+        f"{len(left)} tensor(s) outside the text model (first: {left[0]}) are not exported: the GGUF "
+        "holds the language model only, as llama.cpp's own converter writes it (the vision tower goes "
+        "into a separate mmproj file, which gqakit does not write)."
+    ]
 
 
 def _write(
@@ -184,8 +204,8 @@ def export_gguf(
         factors = rope_freq_factors(cfg)
         if factors is not None:
             plan.append(rope_freqs_tensor(factors))
-        vocab = load_vocab(ckpt.path, _embedding_rows(ckpt))
-        warnings = warnings + vocab.warnings
+        vocab = load_vocab(ckpt.path, _embedding_rows(arch, cfg, infos))
+        warnings = warnings + _left_out(arch, infos) + vocab.warnings
         dst.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent)
         os.close(fd)

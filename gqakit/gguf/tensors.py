@@ -134,7 +134,7 @@ def plan_tensors(
     Args:
         arch: the family's export rules.
         cfg: ``config.json``.
-        infos: Hugging Face name -> (dtype, shape), in checkpoint order.
+        infos: Hugging Face name -> (dtype, shape), in checkpoint order (the names ``arch.rename`` reads).
         out_type: a key of :data:`OUT_TYPES`.
         lm_head_is_embedding: called only when an architecture without an output tensor meets an untied
             ``lm_head``: True when its values equal the embedding's, so it may be dropped.
@@ -155,8 +155,10 @@ def plan_tensors(
     }
     plan: list[GgufTensor] = []
     unknown: list[str] = []
-    for hf_name, (_, shape) in infos.items():
-        if hf_name.endswith(_IGNORED_SUFFIXES):
+    for source, (_, shape) in infos.items():
+        # the name in the text model's terms (a multimodal checkpoint nests it); None: not in the GGUF
+        hf_name = arch.rename(source) if arch.rename else source
+        if hf_name is None or hf_name.endswith(_IGNORED_SUFFIXES):
             continue
         if hf_name == "lm_head.weight" and (tied or not arch.has_output):
             # tied: llama.cpp uses token_embd when output.weight is absent (TENSOR_DUPLICATED in its loader)
@@ -168,9 +170,9 @@ def plan_tensors(
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
-            unknown.append(hf_name)
+            unknown.append(source)
             continue
-        t = GgufTensor(gguf_name, hf_name, tuple(shape), _stored_type(tuple(shape), matrix_type))
+        t = GgufTensor(gguf_name, source, tuple(shape), _stored_type(tuple(shape), matrix_type))
         module = hf_name.rsplit(".", 1)[0]
         for suffix, n in rotary_rules.items():
             if arch.permute_qk and module.endswith(suffix):

@@ -110,3 +110,49 @@ def read_gguf(path: Path) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, t
         infos[t.name] = (t.tensor_type.name, tuple(int(d) for d in t.shape))
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     return values, infos, fields
+
+
+def legacy_gemma3_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A transformers 5 ``gemma3_text`` config in the form transformers 4.50-4.52 wrote (the released
+    Gemma 3 checkpoints): ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` (full-attention
+    layers only) and ``sliding_window_pattern`` in place of ``rope_parameters`` and ``layer_types``."""
+    cfg = dict(cfg)
+    rope, kinds = cfg.pop("rope_parameters"), cfg.pop("layer_types")
+    cfg.pop("_sliding_window_pattern", None)
+    full = dict(rope["full_attention"])
+    cfg["rope_theta"] = full.pop("rope_theta")
+    cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    cfg["rope_scaling"] = None if full["rope_type"] == "default" else full
+    cfg["sliding_window_pattern"] = kinds.index("full_attention") + 1 if "full_attention" in kinds else 6
+    return cfg
+
+
+def save_gemma3_multimodal(path: Path, seed: int = 0, **text: Any) -> Path:
+    """A tiny multimodal Gemma 3 (``model_type: gemma3``: text model, SigLIP vision tower, projector)
+    with gqakit's tiny tokenizer; ``text`` overrides the text config's fields."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from gqakit.testing import tiny_tokenizer
+
+    defaults = dict(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    text = {**defaults, **text}
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=380,
+        boi_token_index=381, eoi_token_index=382,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norms start at 0 (gemma's 1 + w); perturb them so they are exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    tiny_tokenizer(384).save_pretrained(path)
+    return path

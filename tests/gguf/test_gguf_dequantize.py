@@ -67,7 +67,7 @@ def test_a_command_while_another_dequantizes_the_same_gguf_waits_and_reuses_its_
     exported, tmp_path, counted, caplog
 ):
     _, mha = exported("llama", "mha", "f32")
-    out = deq.cache_root() / deq.CACHE / f"{mha.path.stem}-{deq.fingerprint(mha.path)}"
+    out = deq.cache_root() / deq.CACHE / deq.cache_name(mha.path)
     out.parent.mkdir(parents=True)
     caplog.set_level(logging.WARNING, logger="gqakit.gguf.dequantize")
     got: list[Path] = []

@@ -25,7 +25,10 @@ def test_unknown_family_names_the_supported_ones(checkpoint, tmp_path: Path) -> 
     with pytest.raises(GqakitError) as err:
         export_gguf(src, tmp_path / "o.gguf")
     msg = str(err.value)
-    assert "'olmo'" in msg and "gemma2, gemma3_text, gpt_bigcode, llama, mistral, phi, phi3, qwen2" in msg
+    assert (
+        "'olmo'" in msg
+        and "gemma2, gemma3, gemma3_text, gpt_bigcode, llama, mistral, phi, phi3, qwen2" in msg
+    )
     assert not (tmp_path / "o.gguf").exists()
 
 
@@ -145,16 +148,16 @@ def test_gemma2_without_softcaps_warns(tmp_path: Path) -> None:
 def test_gemma_attention_scale_warns_where_llama_cpp_scales_otherwise() -> None:
     """llama.cpp ignores query_pre_attn_scalar: 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the
     27B layer counts (46 gemma2, 62 gemma3)."""
-    from gqakit.gguf.arch import _attention_scale_check
+    from gqakit.gguf.arch_gemma import attention_scale_check
 
     small = {"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
-    assert _attention_scale_check({**small, "head_dim": 16, "query_pre_attn_scalar": 16}) is None
+    assert attention_scale_check({**small, "head_dim": 16, "query_pre_attn_scalar": 16}) is None
     # hidden/heads is 16 too, but llama.cpp uses it only at 46 layers: here it scales by head_dim 8
-    warning = _attention_scale_check({**small, "head_dim": 8, "query_pre_attn_scalar": 16})
+    warning = attention_scale_check({**small, "head_dim": 8, "query_pre_attn_scalar": 16})
     assert "1/sqrt(8) (head_dim)" in warning
     big = {**small, "model_type": "gemma3_text", "num_hidden_layers": 62, "head_dim": 8}
-    assert _attention_scale_check({**big, "query_pre_attn_scalar": 16}) is None
-    assert "1/sqrt(16) (hidden/heads)" in _attention_scale_check({**big, "query_pre_attn_scalar": 8})
+    assert attention_scale_check({**big, "query_pre_attn_scalar": 16}) is None
+    assert "1/sqrt(16) (hidden/heads)" in attention_scale_check({**big, "query_pre_attn_scalar": 8})
 
 
 def test_mistral_sliding_window_shorter_than_context_warns(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ and GGUF -> ``gqakit convert`` -> GGUF with pooled K/V heads."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from gguf_helpers import read_gguf
 
 from gqakit.gguf import export_gguf, ggml_to_hf_rotary
+from gqakit.gguf.readback import RECORDED_CONFIG
 
 # Keys that name where a file came from, which a round trip changes by design.
 _PROVENANCE = ("general.name", "general.source.url", "gqakit.source", "gqakit.converted_from")
@@ -36,7 +38,14 @@ def test_gguf_checkpoint_gguf(exported, tmp_path: Path, family: str, form: str, 
     scores2 = m2.pop("tokenizer.ggml.scores", None)
     for key in _PROVENANCE:
         m1.pop(key, None), m2.pop(key, None)
+    r1, r2 = json.loads(m1.pop(RECORDED_CONFIG)), json.loads(m2.pop(RECORDED_CONFIG))
     assert m1 == m2
+    # the checkpoint read back keeps every recorded fact of the first: a mistral reads back as llama (the
+    # architecture both export to), which has no sliding window; the file adds its tokenizer's unk id
+    if family != "mistral":
+        assert r1.keys() <= r2.keys() <= r1.keys() | {"unk_token_id"}
+    same = r1.keys() & r2.keys() - {"architectures", "model_type"}
+    assert {k: r2[k] for k in same} == {k: r1[k] for k in same}
     if scores1 is not None:
         # transformers rebuilds merges from the scores, with different gaps: the order is what counts
         s1, s2 = np.array(scores1), np.array(scores2)
