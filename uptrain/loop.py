@@ -86,7 +86,7 @@ class UptrainLoop(SetupMixin, CheckpointMixin, MetricsMixin):
 
     def __init__(self, recipe: Recipe, output_dir: Path, model_path: str) -> None:
         # ``auto`` becomes what this machine runs, once: every step, evaluation and record then agree
-        precision = resolve_precision(recipe.train.precision)
+        precision = resolve_precision(recipe.train.precision, recipe.speed.device)
         self.recipe = replace(recipe, train=replace(recipe.train, precision=precision))
         self.out = Path(output_dir)
         self.model_path = model_path

@@ -58,18 +58,44 @@ _SAFE_TEXT = (
 )
 
 
-def process_state():
+_pinned: list[torch.device] = []  # the device process_state() last put this single process on, if any
+
+
+def process_state(device: str | None = None):
     """accelerate's per-process state (rank, world size, device, barriers), as ``Accelerator`` will see it.
 
     ``PartialState()`` alone ignores ``ACCELERATE_USE_CPU`` (only ``AcceleratorState`` reads it), and the
     first call fixes the state for the whole process: a 2-process CPU launch would then run as two
     independent single processes.
+
+    Args:
+        device: a recipe's ``speed.device``: ``cpu``, ``cuda`` or ``cuda:N`` puts a single process there,
+            ``auto`` where accelerate puts it by itself (also after an earlier run in this process was
+            put elsewhere); None leaves the state as it is. The processes of a distributed launch stay
+            where the launch put them (:func:`environment_problems` refuses a device there).
     """
     # deferred: accelerate takes seconds to import
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
+    state = PartialState(cpu=cpu)
+    if device is None or state.use_distributed or (device == "auto" and not _pinned):
+        return state
+    want = None if device == "auto" else resolve_device(device)
+    if want is not None and state.device == want:
+        return state
+    # One process holds no process group, so its state can be made again: accelerate picks the device
+    # once per process, and a pipeline (or a notebook) may run one recipe on the CPU, the next on CUDA.
+    PartialState._reset_state()
+    _pinned.clear()
+    state = PartialState(cpu=cpu if want is None else want.type == "cpu")
+    if want is not None:
+        state.device = want
+        _pinned.append(want)
+        if want.type == "cuda" and want.index is not None:
+            torch.cuda.set_device(want)  # what runs on "the current device" (autocast, compile) too
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -200,8 +226,15 @@ def deepspeed_problems(recipe: Recipe) -> list[str]:
 
 
 def environment_problems(recipe: Recipe, distributed_type: str, device_type: str) -> list[str]:
-    """What this machine and launch cannot run of the recipe (precision, DeepSpeed's limits)."""
+    """What this machine and launch cannot run of the recipe (precision, DeepSpeed's limits, a device
+    for a distributed launch)."""
     problems = deepspeed_problems(recipe) if distributed_type == "DEEPSPEED" else []
+    if recipe.speed.device != "auto" and distributed_type != "NO":
+        problems.append(
+            f"speed.device={recipe.speed.device} puts a single process on a device; this run was launched "
+            f"as {distributed_type}, whose processes take their devices from accelerate launch (--cpu, "
+            "--gpu_ids): set speed.device=auto."
+        )
     precision = precision_problem(recipe.train.precision, device_type)
     return [precision, *problems] if precision else problems
 
@@ -302,7 +335,7 @@ def check_inputs(recipe: Recipe, *, resume: bool = False, force: bool = False) -
     """Check everything a run needs before any work: the model, teacher and data files the recipe names,
     the machine, the output directory and (``resume``) the run being continued. All problems in one
     :class:`~gqakit.errors.GqakitError`."""
-    state = process_state()
+    state = process_state(recipe.speed.device)  # on the device the run will train on
     out = Path(expand(recipe.output_dir)).resolve()
     inputs = [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *recipe.data.files]
     problems = [

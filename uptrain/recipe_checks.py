@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from gqakit.cli_options import Problems
@@ -94,4 +95,6 @@ def recipe_problems(self: Recipe) -> list[str]:
         p.append(f"guard.max_rollbacks must be >= 0, got {self.guard.max_rollbacks}.")
     if self.log.every < 1:
         p.append(f"log.every must be at least 1, got {self.log.every}.")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.speed.device):
+        p.append(f"speed.device must be auto, cpu, cuda or cuda:N, got {self.speed.device!r}.")
     return p

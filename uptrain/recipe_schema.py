@@ -226,12 +226,16 @@ class SpeedConfig:
         kernels: ``liger`` (liger-kernel's fused RMSNorm, RoPE, SwiGLU; CUDA) or ``none``. ``auto``: none.
         attention: the scaled-dot-product attention backend: ``flash``, ``efficient``, ``cudnn``, ``math``,
             or ``auto`` (PyTorch chooses per call).
+        device: where a single-process run trains: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (where
+            accelerate puts it: CUDA when present). A distributed launch picks its processes' devices
+            itself (``accelerate launch --cpu``); ``auto`` only there. The pipelines pass ``--device``.
     """
 
     fused_loss: bool | Literal["auto"] = "auto"
     compile: bool | Literal["auto"] = "auto"
     kernels: Literal["auto", "liger", "none"] = "auto"
     attention: Literal["auto", "flash", "efficient", "cudnn", "math"] = "auto"
+    device: str = "auto"
 
 
 @dataclass

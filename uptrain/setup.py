@@ -13,7 +13,7 @@ from gqakit.models import load_causal_lm, load_tokenizer
 from gqakit.uptrain.data import build_blocks
 from gqakit.uptrain.fused_loss import LossSpec
 from gqakit.uptrain.metrics import METRICS, MetricsLog
-from gqakit.uptrain.preflight import environment_problems
+from gqakit.uptrain.preflight import environment_problems, process_state
 from gqakit.uptrain.schedule import Budget, lr_multiplier, resolve_budget, warmup_steps
 from gqakit.uptrain.speed import (
     apply_kernels,
@@ -66,6 +66,7 @@ class SetupMixin:
         # and one process may run several recipes (a notebook, the demo, tests): start it afresh. The
         # process group (PartialState) is kept.
         AcceleratorState._reset_state(reset_partial_state=False)
+        process_state(r.speed.device)  # a single process on the recipe's device (auto: accelerate's)
         tensorboard = r.log.tensorboard and (
             importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
         )

@@ -16,7 +16,7 @@ from gqakit.eval import EvalResults, write_report
 from gqakit.eval.api import environment
 from gqakit.eval.decode_rounds import DECODE_TOLERANCE, speedup
 from gqakit.pipelines.demo.options import KV_TOKENS
-from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
+from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure, wall_time
 
 if TYPE_CHECKING:
     from gqakit.eval import EvalOptions
@@ -179,11 +179,8 @@ def _ran(r: ModelEval) -> bool:
 
 def _wall_time(elapsed_s: float, settings: dict[str, Any]) -> str:
     """This run's wall time, and beside it the time the figures took when they came from an earlier run."""
-    text = f"{fmt_duration(elapsed_s)} ({settings['reused']} results reused from the working directory)"
-    compute_s = settings.get("compute_s")
-    if settings["reused"] and compute_s and compute_s > elapsed_s + 1:
-        text += f"; the runs that computed these figures took {fmt_duration(compute_s)}"
-    return text
+    compute_s = settings.get("compute_s") or 0.0
+    return wall_time(elapsed_s, settings["reused"], compute_s, settings.get("compute_unknown", 0))
 
 
 def _uptrain_line(slug: str, u: dict[str, Any]) -> str:

@@ -118,6 +118,8 @@ def _load_recipe(
         f"data.files={json.dumps([str(assets.train)])}",
         f"data.val_files={json.dumps([str(assets.validation)])}",
         f"output_dir={json.dumps(str(out))}",
+        # where every other step runs (auto: where accelerate puts it); not in the cache key (speed.*)
+        f"speed.device={json.dumps(options.device)}",
     ]
     if not options.progress:
         paths.append("log.progress=false")
@@ -153,7 +155,7 @@ def _uptrain(
     cached = store.get_output(name, key, out)  # only while the uptrained model is still the one recorded
     if cached is not None:
         steps.note(f"reusing {out} ({cached['steps']} steps, {cached['tokens']:,} tokens)")
-        return cached
+        return _with_time(cached, store.time_of(name))
 
     budget = {k: v for k, v in asdict(recipe.budget).items() if v is not None and k != "pretraining_tokens"}
     steps.note(f"recipe {recipe_name}, budget {budget}, objective {recipe.objective.kind}, -> {out}")
@@ -174,7 +176,14 @@ def _uptrain(
         "objective": recipe.objective.kind,
         "recipe": recipe_name,
     }
-    return store.put_output(name, key, out, summary)
+    return _with_time(store.put_output(name, key, out, summary), store.time_of(name))
+
+
+def _with_time(summary: dict[str, Any], compute_s: float | None) -> dict[str, Any]:
+    """``summary`` with the run's recorded compute time as its ``elapsed_s``: that time includes what an
+    attempt killed before it spent (the run's own ``elapsed_s`` starts at the resume); a summary stored
+    before results recorded their time keeps its own."""
+    return summary if compute_s is None else {**summary, "elapsed_s": round(compute_s, 1)}
 
 
 def run_demo(options: DemoOptions | None = None) -> DemoResult:
@@ -189,16 +198,15 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
     options = options or DemoOptions()
     options.validate()
     _check_recipes(options)
-    with working_directory(options.work_dir) as work:
-        return _run_demo(options, work)
+    with working_directory(options.work_dir) as work, ResultStore(work / "results", options.fresh) as store:
+        return _run_demo(options, work, store)
 
 
-def _run_demo(options: DemoOptions, work: Path) -> DemoResult:
+def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResult:
     """:func:`run_demo` once its options are valid and it holds the working directory ``work``."""
     quiet_transformers()
     start = time.perf_counter()
     models = work / "models"
-    store = ResultStore(work / "results", options.fresh)
     steps = Steps(STEPS, options.echo)
     s = resolve_settings(options)
     options.echo(
@@ -279,9 +287,10 @@ def _run_demo(options: DemoOptions, work: Path) -> DemoResult:
             "test": str(assets.test),
             "reused": store.reused,
         }
-        # the models' fingerprints are in the stored results' keys; the settings pick the run
-        key = {k: str(v) for k, v in settings.items() if k != "reused"}
-        settings["compute_s"] = round(store.compute_time(key, elapsed), 1)
+        # what the results shown took to compute, whichever run computed them (each records its own)
+        spent = store.compute_time()
+        settings["compute_s"] = round(spent.seconds, 1)
+        settings["compute_unknown"] = spent.unknown  # results stored without their time (older gqakit)
         report, results_json, plots = write_demo_report(
             Path(options.out).resolve(),
             original,

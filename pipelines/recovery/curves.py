@@ -125,8 +125,10 @@ class Curve:
         start: the start's name.
         lr: its peak learning rate.
         points: ``(tokens, perplexity)``, the first at 0 tokens (the converted model itself).
-        convert_s, train_s: wall time of its conversion and of its uptraining run (as first computed).
-        resumed: the run was resumed after a kill; ``train_s`` is then the time after the resume.
+        convert_s, train_s: wall time of its conversion and of its uptraining run (as first computed,
+            with what attempts killed before it spent).
+        resumed: ``train_s`` is only the time after a resume: the run was resumed after a kill and
+            stored before results recorded their own time, which counts the part before the kill.
         reach: threshold -> the tokens it needed (:class:`~gqakit.pipelines.recovery.curves.Reach`).
         swept: the start is uptrained at several rates, this curve being one of them.
     """

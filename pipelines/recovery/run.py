@@ -148,6 +148,7 @@ def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: f
         "objective": {"kind": o.objective},
         "eval": {"every": 0, "at_start": True, "at_steps": eval_steps(steps, o.evals_per_decade)},
         "checkpoint": {"every": o.checkpoint_every, "keep": 1},
+        "speed": {"device": o.device},  # where the conversions run (auto: where accelerate puts it)
         "log": {"every": 1, "progress": o.progress, "tensorboard": False},
         "output_dir": str(out),
         "seed": o.seed,
@@ -181,20 +182,21 @@ def _fingerprint(src: str) -> str:
 def convert_start(
     o: RecoveryOptions, store: ResultStore, inputs: Inputs, start: str, models: Path
 ) -> tuple[Path, float]:
-    """``src`` converted to ``start`` (cached); its directory and the conversion's wall time."""
+    """``src`` converted to ``start`` (cached); its directory and the conversion's wall time (the time it
+    recorded in the store, which includes what an attempt killed before it spent)."""
     opts = start_options(o, start, inputs.calibration)
     dst = models / f"start-{start}"
     key = {"source": _fingerprint(inputs.src), "options": conversion_key(opts)}
     if opts.calib_data is not None:  # only a start that reads the calibration text depends on it
         key["texts"] = inputs.texts("calibration")
-    cached = store.get_output("convert-" + start, key, dst)
-    if cached is not None:
-        return dst, float(cached["elapsed_s"])
-    t0 = time.perf_counter()
-    convert_checkpoint(inputs.src, dst, opts, progress=o.progress)
-    elapsed = time.perf_counter() - t0
-    store.put_output("convert-" + start, key, dst, {"elapsed_s": elapsed})
-    return dst, elapsed
+    name = "convert-" + start
+    cached = store.get_output(name, key, dst)
+    if cached is None:
+        t0 = time.perf_counter()
+        convert_checkpoint(inputs.src, dst, opts, progress=o.progress)
+        cached = store.put_output(name, key, dst, {"elapsed_s": time.perf_counter() - t0})
+    recorded = store.time_of(name)  # None: stored before results recorded their time
+    return dst, float(cached["elapsed_s"] if recorded is None else recorded)
 
 
 def _started_after(started: Path, inputs: list[Path]) -> bool:
@@ -216,7 +218,9 @@ def uptrain_start(
 ) -> tuple[list[tuple[int, float]], float, bool]:  # fmt: skip
     """One uptraining run of ``start`` at peak rate ``lr``, evaluated on the held-out text at log-spaced
     steps; cached, and resumed from its last checkpoint when it was killed. Returns the curve, the run's
-    wall time and whether it was resumed (its time is then the time after the resume)."""
+    wall time (the time it recorded in the store, which includes what an attempt killed before it
+    spent), and whether that time is only the part after a resume (a run stored before results recorded
+    their time, which was resumed)."""
     name = run_name(o, start, lr)
     out = runs / name
     recipe = recipe_from_dict(recipe_data(o, inputs, str(start_dir), out, lr, precision))
@@ -238,7 +242,10 @@ def uptrain_start(
         value = {"points": points, "elapsed_s": res.elapsed_s, "resumed": resume}
         cached = store.put_output("run-" + name, key, out, value)
     points = [(int(t), float(p)) for t, p in cached["points"]]
-    return points, float(cached["elapsed_s"]), bool(cached.get("resumed", False))
+    recorded = store.time_of("run-" + name)
+    if recorded is None:  # stored before results recorded their time: the run's own, after any resume
+        return points, float(cached["elapsed_s"]), bool(cached.get("resumed", False))
+    return points, recorded, False
 
 
 def run_recovery(options: RecoveryOptions) -> RecoveryResult:
@@ -255,15 +262,14 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
     o.validate()
     writable_dir(o.out, "--out")
     writable_dir(o.work_dir, "--work-dir")
-    with working_directory(o.work_dir) as work:
-        return _recover(o, work)
+    with working_directory(o.work_dir) as work, ResultStore(work / "results", o.fresh) as store:
+        return _recover(o, work, store)
 
 
-def _recover(o: RecoveryOptions, work: Path) -> RecoveryResult:
+def _recover(o: RecoveryOptions, work: Path, store: ResultStore) -> RecoveryResult:
     """:func:`run_recovery` once its options are valid and it holds the working directory ``work``."""
     quiet_transformers()
     t_start = time.perf_counter()
-    store = ResultStore(work / "results", o.fresh)
     steps = Steps(3 + len(o.starts), o.echo)
     precision = resolve_precision(o.precision, o.device)
     o.echo(

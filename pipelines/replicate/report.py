@@ -11,7 +11,8 @@ from typing import Any
 
 from gqakit import __version__
 from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
-from gqakit.pipelines.reporting import fmt_duration, pyplot, save_figure
+from gqakit.pipelines.reporting import pyplot, save_figure, wall_time
+from gqakit.pipelines.store import ComputeTime
 
 # Ainslie et al. 2023, Table 1 (T5, mean over the paper's summarization, translation and QA tasks; time
 # per sample on TPUv4): the paper's own figures, quoted beside ours.
@@ -82,9 +83,18 @@ def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> di
 
 
 def write_report(
-    o: ReplicateOptions, arms, decode, elapsed_s: float, reused: int
+    o: ReplicateOptions, arms, decode, elapsed_s: float, reused: int, spent: ComputeTime
 ) -> tuple[Path, Path, list[Path]]:
-    """Write ``report.md``, ``results.json`` and the figures into ``o.out``; return their paths."""
+    """Write ``report.md``, ``results.json`` and the figures into ``o.out``; return their paths.
+
+    Args:
+        o: the run's options.
+        arms: every model of the report.
+        decode: decode time per G.
+        elapsed_s: this run's wall time.
+        reused: results it reused from the working directory.
+        spent: what the results shown took to compute, whichever run computed them.
+    """
     out = Path(o.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     f = findings(o, arms, decode)
@@ -96,9 +106,12 @@ def write_report(
         "arms": [asdict(a) for a in arms],
         "findings": f,
         "elapsed_s": round(elapsed_s, 1),
+        "compute_s": round(spent.seconds, 1),
+        "compute_unknown": spent.unknown,  # results stored without their time (by an older gqakit)
     }
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (out / "report.md").write_text(_markdown(o, f, elapsed_s, reused, figures))
+    took = wall_time(elapsed_s, reused, spent.seconds, spent.unknown)
+    (out / "report.md").write_text(_markdown(o, f, took, figures))
     return out / "report.md", out / "results.json", figures
 
 
@@ -128,7 +141,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
-def _markdown(o: ReplicateOptions, f, elapsed_s: float, reused: int, figures: list[Path]) -> str:
+def _markdown(o: ReplicateOptions, f, took: str, figures: list[Path]) -> str:
     m, top, mid = o.model, max(o.alphas), o.middle_alpha
     f4, f5, f6 = f["fig4"], f["fig5"], f["fig6"]
     intro = (
@@ -138,7 +151,7 @@ def _markdown(o: ReplicateOptions, f, elapsed_s: float, reused: int, figures: li
         f"perplexity on the first {o.eval_tokens:,} test tokens in {m.seq_len}-token windows. MHA: "
         f"**{f['mha_ppl']:.2f}**; MHA trained on as many more tokens as the largest alpha: "
         f"**{f['mha_continued_ppl']:.2f}** (the reference of the uptrained arms). Took "
-        f"{fmt_duration(elapsed_s)} ({reused} results reused from the working directory)."
+        f"{took}."
     )
     lines = ["# gqakit replicate: the GQA paper's experiments on an MHA model trained here", "", intro, ""]
     lines += ["## Fig. 4: which start", "", f"Paper: {PAPER_CLAIMS['fig4']}", ""]

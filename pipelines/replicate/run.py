@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +58,6 @@ class ReplicateResult:
     elapsed_s: float
 
 
-# options that change no figure of the report
-_UNKEYED = ("out", "work_dir", "fresh", "progress", "echo", "cache_dir", "wheelhouse")
-
-
 def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
     if o.corpus is not None:
         return tuple(Path(p) for p in o.corpus)  # type: ignore[return-value]
@@ -70,12 +66,13 @@ def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
     return wiki["train"], wiki["validation"], wiki["test"]
 
 
-def _setup(o: ReplicateOptions, total_steps: int, work: Path) -> tuple[Context, Path, Arm, float]:
+def _setup(
+    o: ReplicateOptions, total_steps: int, work: Path, store: ResultStore
+) -> tuple[Context, Path, Arm, float]:
     """Steps 1-3: the corpus, the tokenizer and the pretrained MHA model (published as an asset), in the
-    working directory ``work`` (held: :func:`~gqakit.locks.working_directory`)."""
+    working directory ``work`` (held: :func:`~gqakit.locks.working_directory`) and its ``store``."""
     quiet_transformers()
     start = time.perf_counter()
-    store = ResultStore(work / "results", o.fresh)
     steps = Steps(total_steps, o.echo)
     m = o.model
     o.echo(
@@ -104,8 +101,8 @@ def pretrain_mha(options: ReplicateOptions | None = None) -> Path:
     the asset ``replicate-mha``; return the model's directory. ``gqakit replicate --pretrain-only``."""
     o = options or ReplicateOptions()
     o.validate()
-    with working_directory(o.work_dir) as work:
-        _, _, mha, _ = _setup(o, 3, work)
+    with working_directory(o.work_dir) as work, ResultStore(work / "results", o.fresh) as store:
+        _, _, mha, _ = _setup(o, 3, work, store)
     return Path(mha.path)
 
 
@@ -120,14 +117,14 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
     """
     o = options or ReplicateOptions()
     o.validate()
-    with working_directory(o.work_dir) as work:
-        return _replicate(o, work)
+    with working_directory(o.work_dir) as work, ResultStore(work / "results", o.fresh) as store:
+        return _replicate(o, work, store)
 
 
-def _replicate(o: ReplicateOptions, work: Path) -> ReplicateResult:
+def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> ReplicateResult:
     """:func:`run_replicate` once its options are valid and it holds the working directory ``work``."""
-    ctx, tok, mha_arm, start = _setup(o, STEPS, work)
-    steps, m, store = ctx.steps, o.model, ctx.store
+    ctx, tok, mha_arm, start = _setup(o, STEPS, work, store)
+    steps, m = ctx.steps, o.model
     mha = Path(mha_arm.path)
     arms: list[Arm] = [mha_arm]
 
@@ -169,10 +166,10 @@ def _replicate(o: ReplicateOptions, work: Path) -> ReplicateResult:
         decode = decode_times(ctx, by_g)
     with steps.step("Report"):
         elapsed = time.perf_counter() - start
-        # the settings pick the run: a cached re-run reports the time its figures took to compute
-        key = {f.name: str(getattr(o, f.name)) for f in fields(o) if f.name not in _UNKEYED}
-        compute_s = store.compute_time(key, elapsed)
-        report, results_json, figures = write_report(o, arms, decode, compute_s, store.reused)
+        # what the results shown took to compute, whichever run computed them (each records its own)
+        report, results_json, figures = write_report(
+            o, arms, decode, elapsed, store.reused, store.compute_time()
+        )
     o.echo(f"Report: {report}")
     return ReplicateResult(arms, decode, o.pretrain_tokens, report, results_json, figures, elapsed)
 

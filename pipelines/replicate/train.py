@@ -6,6 +6,8 @@ the checkpoints it reads), so a second run reuses it and a changed setting rerun
 from __future__ import annotations
 
 import json
+import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +59,34 @@ class Context:
     @property
     def device(self) -> str:
         """The device ``o.device`` means on this machine (``auto``: ``cuda`` or ``cpu``): part of the key
-        of every measurement, so a working directory moved to another machine measures again."""
+        of every perplexity, so a working directory moved between a CPU and a GPU measures again."""
         return str(resolve_device(self.o.device))
+
+    @property
+    def device_name(self) -> str:
+        """What that device is (:func:`device_name`): part of the key of the decode times, which another
+        GPU or CPU model gives otherwise, so a working directory moved to one times again."""
+        return device_name(resolve_device(self.o.device))
+
+
+def device_name(device: torch.device) -> str:
+    """A device by its model: ``cuda: NVIDIA H100 80GB HBM3``, or ``cpu: <model>, <n> CPUs`` (the CPUs this
+    process may run on: the threads a decode gets)."""
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{device.type}: {_cpu_model()}, {cpus} CPUs"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, where ``platform.processor()`` is often empty)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def train_tokenizer(ctx: Context) -> Path:
@@ -180,9 +208,19 @@ def recipe_data(
             f"log.progress={json.dumps(o.progress)}",
             f"output_dir={json.dumps(str(out))}",
             f"seed={seed}",
+            f"speed.device={json.dumps(o.device)}",  # where the conversions and measurements run too
         ],
     )
     return recipe.to_dict()
+
+
+def train_key(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The cache key of a training run's recipe: all of it but logging, and but ``speed.device``, which
+    changes the weights by rounding only (as the other speed levers, which this key predates) and came
+    after it: the runs cached before it stay valid."""
+    key = weights_key(recipe, ONLY_LOG)
+    key["speed"] = {k: v for k, v in key["speed"].items() if k != "device"}
+    return key
 
 
 def train_run(
@@ -191,7 +229,7 @@ def train_run(
     """Train ``start`` for ``steps`` steps into ``out`` with gqakit's loop; cached, resumed when killed."""
     recipe = recipe_from_dict(recipe_data(ctx, start, out, steps, lr, seed, pretraining))
     # The key is what changes the weights: logging and progress bars do not.
-    key = {"start": fingerprint(start), "recipe": weights_key(recipe.to_dict(), ONLY_LOG)}
+    key = {"start": fingerprint(start), "recipe": train_key(recipe.to_dict())}
     name = "train-" + out.name
     cached = ctx.store.get_output(name, key, out)
     if cached is not None:
@@ -227,7 +265,9 @@ def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
 
 
 def perplexity_of(ctx: Context, path: Path) -> float:
-    """Test perplexity of one checkpoint on the first ``eval_tokens`` test tokens (cached)."""
+    """Test perplexity of one checkpoint on the first ``eval_tokens`` test tokens (cached). Keyed by the
+    device's kind, not its model: float32 on two GPU models differs by rounding only (the report gives
+    two decimals), while a CPU and a GPU run other kernels."""
     key = {
         "model": fingerprint(path), "test": fingerprint(ctx.test), "tokens": ctx.o.eval_tokens,
         "device": ctx.device,
@@ -250,7 +290,8 @@ def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any
     """Decode time per token (batch 8, the model's full context, interleaved rounds) and KV bytes per
     token (float32) of one model per G."""
     key = {str(g): fingerprint(p) for g, p in by_g.items()}
-    key |= {"rounds": ctx.o.decode_rounds, "device": ctx.device}
+    # the device's model, not its kind: timings from one GPU (or CPU) are not another's
+    key |= {"rounds": ctx.o.decode_rounds, "device": ctx.device_name}
     cached = ctx.store.get("decode", key)
     if cached is None:
         points = decode_rounds(

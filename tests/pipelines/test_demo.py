@@ -121,6 +121,9 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_di
     # the re-run's report keeps the time the figures took beside its own seconds
     assert "the runs that computed these figures took" in res2.report.read_text()
     assert res2.settings["compute_s"] == pytest.approx(res.settings["compute_s"])
+    assert res2.settings["compute_unknown"] == 0
+    # every result stored with its time: no unfinished computation's time left behind
+    assert not list((work_dir / "results").glob(".*"))
 
 
 def test_without_vllm_the_demo_says_in_one_line_how_to_add_its_column(
@@ -276,3 +279,14 @@ def test_progress_bars_change_neither_the_uptraining_cache_nor_what_resumes(tmp_
     (tmp_path / "b" / "gqakit.json").unlink()
     uptrain(False, tmp_path / "b", ResultStore(tmp_path / "other-results"))
     assert calls == [False, False, True]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "auto"])
+def test_the_uptraining_recipes_name_the_device(tmp_path, device):
+    from gqakit.pipelines.demo import run
+
+    assets = DemoAssets(tmp_path / "m", tmp_path / "train.txt", tmp_path / "val.txt", tmp_path / "test.txt")
+    o = DemoOptions(device=device, recipe_overrides=TINY_RECIPE)
+    for recipe in ("smollm2-135m-mqa", "smollm2-135m-mqa-refined"):
+        loaded = run._load_recipe(o, assets, tmp_path / "s", tmp_path / "m", tmp_path / "out", recipe)
+        assert loaded.speed.device == device  # "auto": where accelerate puts it

@@ -253,14 +253,43 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             run_recovery(opts)
     assert calls == [3]
+    # the time the killed attempt spent, kept for the attempt that finishes the run
+    before_kill = json.loads((tmp_path / "work" / "results" / ".run-mean.pending.json").read_text())
     resumed = run_recovery(opts)
     history = (tmp_path / "work" / "runs" / "mean" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(h)["step"] for h in history if '"loss"' in h]
     assert steps == list(range(1, 9))  # steps 1-3 kept, 4-8 trained after the resume
+    # the run's time is the whole run's: the part before the kill counts too
+    mean = json.loads(resumed.results_json.read_text())["starts"]["mean"]
+    assert mean["train_s"] > before_kill["compute_s"] > 0 and not mean["resumed"]
+    assert "not counted" not in resumed.report.read_text()
     whole = run_recovery(options(tiny, tmp_path / "whole", [], starts=("mean",)))
     a = json.loads(resumed.results_json.read_text())["starts"]["mean"]["points"]
     b = json.loads(whole.results_json.read_text())["starts"]["mean"]["points"]
     assert [p["ppl"] for p in a] == pytest.approx([p["ppl"] for p in b], rel=1e-5)
+
+
+def test_device_cpu_on_a_gpu_machine_evaluates_and_uptrains_on_the_cpu(tiny, tmp_path, gpu_machine):
+    res = run_recovery(options(tiny, tmp_path, [], starts=("mean",), tokens=256, checkpoint_every=0))
+    assert res.curves[0].points[-1][1] > 1  # it ran: on CUDA (make-believe here) it would have failed
+    prov = json.loads((tmp_path / "work" / "runs" / "mean" / "gqakit.json").read_text())
+    assert prov["recipe"]["speed"]["device"] == "cpu"
+
+
+def test_the_uptraining_recipe_names_the_device_and_its_cache_key_does_not(tiny, tmp_path):
+    from gqakit.pipelines.recovery.options import Inputs
+    from gqakit.pipelines.recovery.run import recipe_data
+    from gqakit.pipelines.run_keys import weights_key
+    from gqakit.uptrain import recipe_from_dict
+
+    inputs = Inputs(str(tiny["src"]), tiny["data"], tiny["data"], tiny["data"])
+    keys = []
+    for device in ("cpu", "cuda", "auto"):
+        o = options(tiny, tmp_path, [], device=device)
+        recipe = recipe_from_dict(recipe_data(o, inputs, str(tiny["src"]), tmp_path / "out", 1e-2, "fp32"))
+        assert recipe.speed.device == device  # "auto": where accelerate puts it
+        keys.append(weights_key(recipe.to_dict()))
+    assert keys[0] == keys[1] == keys[2]  # runs cached before the device was passed stay valid
 
 
 # ------------------------------------------------------------------------------------ bad input

@@ -3,7 +3,11 @@ checkpoint only while its directory is unchanged."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +127,132 @@ def test_fingerprint_sees_names_sizes_and_times_of_top_level_files(tmp_path):
     first = fingerprint(single)
     single.write_bytes(b"GGUF v2")
     assert fingerprint(single) != first
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compute time: each result records its own; a report sums those of the results it shows
+# ---------------------------------------------------------------------------------------------------
+
+STEP_S = 0.2  # what each fake step takes
+
+
+def _step(store: ResultStore, name: str, seconds: float = STEP_S, setting: int = 0) -> None:
+    """A fake pipeline step: look the result up, compute it (sleep) when missing, store it."""
+    key = {"step": name, "setting": setting}
+    if store.get(name, key) is None:
+        time.sleep(seconds)
+        store.put(name, key, {"figure": 1.0})
+
+
+def _run(root: Path, names: list[str], **kw) -> ResultStore:
+    """One pipeline run over ``names``; its store, to ask what the figures took."""
+    with ResultStore(root) as store:
+        for name in names:
+            _step(store, name, **kw)
+    return store
+
+
+def test_each_result_records_its_compute_time_and_a_report_sums_the_results_it_shows(tmp_path):
+    root = tmp_path / "results"
+    first = _run(root, ["a", "b", "c"]).compute_time()
+    assert first.results == 3 and first.unknown == 0
+    assert 3 * STEP_S <= first.seconds < 3 * STEP_S + 0.5
+    stored = json.loads((root / "a.json").read_text())
+    assert set(stored) == {"key", "value", "compute_s"} and stored["compute_s"] >= STEP_S
+
+    # a cached re-run reports the same figure, not its own seconds
+    assert _run(root, ["a", "b", "c"]).compute_time() == first
+    # a re-run that recomputes one result counts it once, however often it happens
+    for _ in range(3):
+        (root / "b.json").unlink()
+        again = _run(root, ["a", "b", "c"]).compute_time()
+        assert again.results == 3 and 3 * STEP_S <= again.seconds < 3 * STEP_S + 0.5
+    # changed settings that reuse a and b and compute a new d: a's and b's times, and d's
+    changed = _run(root, ["a", "b", "d"]).compute_time()
+    assert changed.results == 3 and 3 * STEP_S <= changed.seconds < 3 * STEP_S + 0.5
+    # only the results named
+    store = _run(root, ["a", "b", "c"])
+    assert store.compute_time(["a"]).results == 1 and store.time_of("a") == stored["compute_s"]
+
+
+def test_a_run_killed_between_steps_keeps_the_time_of_the_results_it_stored(tmp_path):
+    root = tmp_path / "results"
+    with pytest.raises(KeyboardInterrupt), ResultStore(root) as store:
+        _step(store, "a")
+        _step(store, "b")
+        raise KeyboardInterrupt  # killed in step c
+    resumed = _run(root, ["a", "b", "c"]).compute_time()
+    assert resumed.results == 3 and 3 * STEP_S <= resumed.seconds < 3 * STEP_S + 0.5
+
+
+def test_a_result_killed_mid_computation_counts_the_time_before_the_kill(tmp_path):
+    root = tmp_path / "results"
+    # a run that is computing "run-x" when it is killed (SIGKILL: nothing of it runs after the kill)
+    child = subprocess.Popen([sys.executable, "-c", KILLED, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "computing"
+        time.sleep(1.0)
+    finally:
+        child.kill()
+        child.wait()
+    pending = json.loads((root / ".run-x.pending.json").read_text())
+    assert pending["key"] == {"run": "x"} and pending["compute_s"] >= 0.7  # the last heartbeat's
+
+    with ResultStore(root) as store:  # the next run resumes it and finishes in 0.2 s
+        _step(store, "other")  # its own steps before do not count towards it
+        assert store.get("run-x", {"run": "x"}) is None
+        time.sleep(STEP_S)
+        store.put("run-x", {"run": "x"}, {"figure": 1.0})
+    assert pending["compute_s"] + STEP_S <= store.time_of("run-x") < pending["compute_s"] + STEP_S + 0.3
+    assert not (root / ".run-x.pending.json").exists()
+
+    # an attempt under another key, or a --fresh run (which starts every computation over), counts none
+    for fresh, key in ((False, {"run": "y"}), (True, {"run": "x"})):
+        (root / ".run-x.pending.json").write_text(json.dumps({"key": {"run": "x"}, "compute_s": 100.0}))
+        with ResultStore(root, fresh=fresh) as store:
+            assert store.get("run-x", key) is None
+            store.put("run-x", key, {"figure": 2.0})
+        assert store.time_of("run-x") < 1
+
+
+KILLED = """
+import sys, time
+from gqakit.pipelines.store import ResultStore
+ResultStore.heartbeat_s = 0.05
+store = ResultStore(sys.argv[1])
+store.get("run-x", {"run": "x"})
+print("computing", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_step_that_raises_keeps_its_time_so_far_and_stops_timing(tmp_path, monkeypatch):
+    monkeypatch.setattr(ResultStore, "heartbeat_s", 0.05)
+    root = tmp_path / "results"
+    with pytest.raises(RuntimeError), ResultStore(root) as store:
+        store.get("run-x", {"run": "x"})
+        time.sleep(STEP_S)
+        raise RuntimeError("out of memory")
+    assert store._heartbeat is None  # closed: no more beats, as a notebook would go on after the error
+    saved = json.loads((root / ".run-x.pending.json").read_text())["compute_s"]
+    time.sleep(0.2)
+    assert json.loads((root / ".run-x.pending.json").read_text())["compute_s"] == saved >= STEP_S
+
+
+def test_results_stored_before_times_were_recorded_count_as_unknown(tmp_path):
+    from gqakit.pipelines.reporting import wall_time
+
+    root = tmp_path / "results"
+    root.mkdir()
+    key = {"step": "old", "setting": 0}
+    (root / "old.json").write_text(json.dumps({"key": key, "value": {"figure": 1.0}}))  # gqakit < this
+    store = _run(root, ["old", "new"])
+    spent = store.compute_time()
+    assert (spent.results, spent.unknown) == (2, 1) and store.time_of("old") is None
+    assert STEP_S <= spent.seconds < STEP_S + 0.3  # the new result's only: a lower bound
+    text = wall_time(0.3, store.reused, spent.seconds, spent.unknown)
+    assert text.startswith("0 s (1 results reused from the working directory); the runs that computed")
+    assert "at least 0 s (1 of the results were stored by an older gqakit without their compute time" in text
+    # a fresh run's report gives its own time only; a cached one the figures' beside it
+    assert wall_time(100.0, 0, 99.0) == "1.7 min (0 results reused from the working directory)"
+    assert wall_time(3.0, 5, 99.0).endswith("; the runs that computed these figures took 1.6 min")

@@ -1,0 +1,74 @@
+"""``speed.device``: where a single-process run trains, whatever accelerate would pick by itself. Checked
+on a machine without a GPU by making ``torch.cuda.is_available`` say there is one (accelerate then picks
+CUDA, as on a GPU machine); nothing here touches a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gqakit.uptrain import recipe_from_dict
+from gqakit.uptrain.loop import UptrainLoop, validation_perplexity
+from gqakit.uptrain.preflight import environment_problems, process_state
+from gqakit.uptrain.recipe_schema import RecipeError
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """accelerate's view of a machine with a CUDA GPU; its process state made afresh before and after,
+    so neither this test nor the next one sees a device another picked."""
+    # deferred: accelerate takes seconds to import
+    from accelerate import PartialState
+
+    PartialState._reset_state()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    yield
+    monkeypatch.undo()
+    PartialState._reset_state()
+
+
+def _recipe(device: str, tmp_path, model: str = "m", **sections) -> object:
+    return recipe_from_dict(
+        {"model": {"path": model}, "data": {"files": [str(tmp_path / "t.txt")], "seq_len": 32},
+         "budget": {"steps": 1}, "output_dir": str(tmp_path / "out"), "log": {"tensorboard": False},
+         "speed": {"device": device}, **sections}
+    )  # fmt: skip
+
+
+def test_a_single_process_trains_on_the_device_the_recipe_names(gpu_machine, tmp_path):
+    assert process_state().device.type == "cuda"  # what accelerate picks on this machine by itself
+    assert process_state("cpu").device == torch.device("cpu")
+    assert process_state().device == torch.device("cpu")  # None: the state as it is
+    assert process_state("auto").device.type == "cuda"  # back to accelerate's own choice
+    assert process_state("cuda").device == torch.device("cuda")
+
+    # the accelerator a run (and the recovery pipeline's reference evaluation) builds
+    for device, expected in (("cpu", "cpu"), ("auto", "cuda"), ("cpu", "cpu")):
+        loop = UptrainLoop(_recipe(device, tmp_path), tmp_path / device, "m")
+        loop._setup_accelerator()
+        assert loop.acc.device.type == expected, device
+
+
+def test_a_cpu_run_on_a_gpu_machine_trains_on_the_cpu(gpu_machine, tmp_path, assets):
+    """The reference evaluation of ``gqakit recovery --device cpu`` on a GPU machine: before
+    ``speed.device`` it went to CUDA (here: a machine whose CUDA is make-believe, so it failed)."""
+    recipe = _recipe("cpu", tmp_path, str(assets["mha"]), data={
+        "files": [str(assets["train"])], "val_files": [str(assets["val"])], "seq_len": 32,
+        "max_val_blocks": 2})  # fmt: skip
+    ppl, blocks = validation_perplexity(recipe, str(assets["mha"]))
+    assert ppl > 1 and blocks == 2
+
+
+def test_a_bad_device_is_a_recipe_problem(tmp_path):
+    for good in ("auto", "cpu", "cuda", "cuda:1"):
+        assert _recipe(good, tmp_path).speed.device == good
+    with pytest.raises(RecipeError, match="speed.device must be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        _recipe("gpu", tmp_path)
+
+
+def test_a_distributed_launch_takes_no_device(tmp_path):
+    problems = environment_problems(_recipe("cuda", tmp_path), "MULTI_GPU", "cuda")
+    assert len(problems) == 1 and "speed.device=cuda puts a single process on a device" in problems[0]
+    assert "set speed.device=auto" in problems[0]
+    assert environment_problems(_recipe("auto", tmp_path), "MULTI_GPU", "cuda") == []
+    assert environment_problems(_recipe("cpu", tmp_path), "NO", "cpu") == []
