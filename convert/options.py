@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.cli_options import Problems
+from gqakit.cli_options import Problems, device_problem
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
 from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS, target_loss
@@ -89,6 +89,7 @@ class ConvertOptions:
         f = p.flag
         if self.groups <= 0:
             p.add(f"{f('groups')} must be a positive number of K/V heads, got {self.groups}.")
+        p.add(device_problem(self.device, f("device")))
         p.add(METHODS.unknown(self.method, f("method")))
         p.add(GROUPINGS.unknown(self.grouping, f("grouping")))
         if self.dtype not in DTYPE_CHOICES:

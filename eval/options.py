@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from gqakit.cli_options import Problems
+from gqakit.cli_options import Problems, device_problem
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import parse_grid
 from gqakit.eval.engines import ENGINES, TASK_ENGINES
@@ -115,8 +115,11 @@ class EvalOptions:
             p.add(f"{f('warmup')} must be >= 0, got {self.warmup}.")
         if self.dtype not in DTYPES:
             p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}.")
+        device = device_problem(self.device, f("device"))
+        p.add(device)
         try:
-            resolve_device(self.device)
+            if device is None:  # a device named right may still be absent (cuda on a CPU machine)
+                resolve_device(self.device)
         except (GqakitError, RuntimeError) as e:
             p.add(e.message if isinstance(e, GqakitError) else f"{f('device')} {self.device!r}: {e}")
         try:

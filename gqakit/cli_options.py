@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -99,6 +100,17 @@ def device_option() -> Callable[[F], F]:
         show_default=True,
         help="Where to run: auto (CUDA when present), cpu, cuda:N.",
     )
+
+
+DEVICES = "auto, cpu, cuda or cuda:N"  # what --device (and a recipe's speed.device) takes
+
+
+def device_problem(device: str, flag: str = "--device") -> str | None:
+    """What is wrong with a ``--device`` value, or None when it is one of :data:`DEVICES` (checked before
+    any work: torch would only refuse ``gpu`` when the first tensor moves)."""
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        return None
+    return f"{flag} must be {DEVICES}, got {device!r}."
 
 
 def dtype_option(choices: tuple[str, ...] | list[str], default: str, help: str) -> Callable[[F], F]:

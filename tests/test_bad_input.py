@@ -90,6 +90,13 @@ CLI_CASES = [
     ("inspect-config-lies-about-heads",
      lambda t, u: ["inspect", str(_lying_config(t))],
      "the config implies"),
+    *[
+        (f"{argv[0]}-device-gpu", lambda t, u, argv=argv: [*argv, "--device", "gpu"],
+         "--device must be auto, cpu, cuda or cuda:N, got 'gpu'.")
+        for argv in (["convert", "SRC", "DST", "--groups", "1"], ["eval", "SRC", "--ppl-data", "x.txt"],
+                     ["probe", "SRC", "--groups", "1", "--eval-data", "x.txt"], ["demo"],
+                     ["recovery", "SRC", "--groups", "1"], ["replicate"])
+    ],
     ("assets-GQAKIT_CACHE-is-a-file",
      lambda t, u: (["assets", "fetch", "wiki-en"], {"GQAKIT_CACHE": str(_file(t))}),
      "is a file, not a directory: point --cache-dir or GQAKIT_CACHE at a directory"),

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
-from gqakit.cli_options import Problems
+from gqakit.cli_options import Problems, device_problem
 
 if TYPE_CHECKING:
     from gqakit.uptrain.recipe_schema import Recipe
@@ -95,6 +94,7 @@ def recipe_problems(self: Recipe) -> list[str]:
         p.append(f"guard.max_rollbacks must be >= 0, got {self.guard.max_rollbacks}.")
     if self.log.every < 1:
         p.append(f"log.every must be at least 1, got {self.log.every}.")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.speed.device):
-        p.append(f"speed.device must be auto, cpu, cuda or cuda:N, got {self.speed.device!r}.")
+    device = device_problem(self.speed.device, "speed.device")
+    if device:
+        p.append(device)
     return p

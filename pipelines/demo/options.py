@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from gqakit.cli_options import Problems
+from gqakit.cli_options import Problems, device_problem
 from gqakit.convert import ConvertOptions
 from gqakit.convert.methods import needs_calibration
 from gqakit.models import DTYPES
@@ -145,6 +145,7 @@ class DemoOptions:
     def validate(self) -> None:
         p = Problems("demo")
         f = p.flag
+        p.add(device_problem(self.device, f("device")))
         for name in ("seq_len", "decode_batch", "new_tokens", "decode_rounds"):
             if getattr(self, name) < 1:
                 p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")

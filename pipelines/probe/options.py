@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.cli_options import Problems
+from gqakit.cli_options import Problems, device_problem
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS
 
 
@@ -44,6 +44,7 @@ class ProbeOptions:
     def validate(self) -> None:
         p = Problems("probe")
         f = p.flag
+        p.add(device_problem(self.device, f("device")))
         if not self.groups:
             p.add(f"{f('groups')} needs at least one value, e.g. {f('groups')} 1,2.")
         if not self.methods:

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from gqakit.cli_options import Problems
+from gqakit.cli_options import Problems, device_problem
 from gqakit.convert.refine import REFINE_QK_LR
 from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
 from gqakit.files import fingerprint
@@ -137,6 +137,7 @@ class RecoveryOptions:
         """Every problem with the options at once, before any model is read."""
         p = Problems("recovery")
         f = p.flag
+        p.add(device_problem(self.device, f("device")))
         if self.groups < 1:
             p.add(f"{f('groups')} must be a positive number of K/V heads, got {self.groups}.")
         if not self.starts:
@@ -181,8 +182,8 @@ class RecoveryOptions:
         p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
         if self.refine_loss is not None:
             p.add(REFINE_LOSSES.unknown(self.refine_loss, f("refine_loss")))
-        if not self.refine_qk_lr > 0:
-            p.add(f"{f('refine_qk_lr')} must be a positive learning rate, got {self.refine_qk_lr}.")
+        if not _rate_ok(self.refine_qk_lr):
+            p.add(f"{f('refine_qk_lr')} must be a finite positive learning rate, got {self.refine_qk_lr}.")
         if self.precision not in PRECISIONS:
             p.add(f"{f('precision')} {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
         for name in (

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from gqakit.cli_options import Problems
+from gqakit.cli_options import Problems, device_problem
 from gqakit.convert.methods import PAPER_METHODS
 from gqakit.names import NameTable
 from gqakit.pipelines.starts import REFINED, STARTS
@@ -121,6 +121,7 @@ class ReplicateOptions:
     def validate(self) -> None:
         p = Problems("replicate")
         f = p.flag
+        p.add(device_problem(self.device, f("device")))
         if not self.scale > 0:
             p.add(f"{f('scale')} must be positive, got {self.scale}.")
         for name in ("lr", "uptrain_lr"):

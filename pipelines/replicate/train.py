@@ -6,8 +6,6 @@ the checkpoints it reads), so a second run reuses it and a changed setting rerun
 from __future__ import annotations
 
 import json
-import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from gqakit.eval.decode_rounds import decode_rounds, round_stats
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm, load_tokenizer, resolve_device
 from gqakit.outputs import atomic_output_dir
+from gqakit.pipelines.devices import device_name
 from gqakit.pipelines.replicate.options import ReplicateOptions
 from gqakit.pipelines.run_keys import same_run, weights_key
 from gqakit.pipelines.starts import conversion_key, start_convert_options
@@ -67,26 +66,6 @@ class Context:
         """What that device is (:func:`device_name`): part of the key of the decode times, which another
         GPU or CPU model gives otherwise, so a working directory moved to one times again."""
         return device_name(resolve_device(self.o.device))
-
-
-def device_name(device: torch.device) -> str:
-    """A device by its model: ``cuda: NVIDIA H100 80GB HBM3``, or ``cpu: <model>, <n> CPUs`` (the CPUs this
-    process may run on: the threads a decode gets)."""
-    if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{device.type}: {_cpu_model()}, {cpus} CPUs"
-
-
-def _cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, where ``platform.processor()`` is often empty)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def train_tokenizer(ctx: Context) -> Path:

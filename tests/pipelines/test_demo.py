@@ -290,3 +290,36 @@ def test_the_uptraining_recipes_name_the_device(tmp_path, device):
     for recipe in ("smollm2-135m-mqa", "smollm2-135m-mqa-refined"):
         loaded = run._load_recipe(o, assets, tmp_path / "s", tmp_path / "m", tmp_path / "out", recipe)
         assert loaded.speed.device == device  # "auto": where accelerate puts it
+
+
+def test_the_demo_times_decoding_again_on_another_cpu_model(tmp_path, monkeypatch):
+    """Decode timings are keyed by the device's model, not its kind: a working directory moved to another
+    machine measures them again, and the same machine reuses them."""
+    from types import SimpleNamespace
+
+    from gqakit.eval import DecodePoint
+    from gqakit.pipelines import devices
+    from gqakit.pipelines.demo import decode
+    from gqakit.pipelines.demo.measure import Settings
+    from gqakit.pipelines.steps import Steps
+    from gqakit.pipelines.store import ResultStore
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=4)
+    point = DecodePoint(batch=1, context=8, new_tokens=2, decode_ms=50.0, tokens_per_s=20.0)
+    runs: list[int] = []
+
+    def rounds(paths, **kwargs):
+        runs.append(1)
+        return [[point] for _ in paths]
+
+    monkeypatch.setattr(decode, "decode_rounds", rounds)
+    s = Settings("cpu", "float32", 16, None, 1, 8, 2, 1, ppl_batch=1)
+    evals = [SimpleNamespace(label="m", result=SimpleNamespace(path=str(model)))]
+    store = ResultStore(tmp_path / "results")
+    monkeypatch.setattr(devices, "_cpu_model", lambda: "AMD EPYC 7B13")
+    for _ in range(2):
+        decode.decode_side_by_side(evals, s, store, Steps(1, lambda *a, **k: None))
+    assert len(runs) == 1  # the same machine reuses its timings
+    monkeypatch.setattr(devices, "_cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8480+")
+    decode.decode_side_by_side(evals, s, store, Steps(1, lambda *a, **k: None))
+    assert len(runs) == 2

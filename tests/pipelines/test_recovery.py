@@ -363,7 +363,9 @@ def test_options_from_python_name_the_flags():
         RecoveryOptions(src="x", groups=1, **bad).validate()
     assert "--refine-loss 'l2' is unknown; choose one of relative, per-token" in e.value.message
     assert "--refine-schedule 'step' is unknown; choose one of constant, cosine" in e.value.message
-    assert "--refine-qk-lr must be a positive learning rate, got 0" in e.value.message
+    assert "--refine-qk-lr must be a finite positive learning rate, got 0" in e.value.message
+    with pytest.raises(GqakitError, match="--refine-qk-lr must be a finite positive learning rate, got inf"):
+        RecoveryOptions(src="x", groups=1, refine_qk_lr=float("inf")).validate()
     assert RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).rates_of("refined") == (1e-4,)
     sweep = RecoveryOptions(src="x", groups=1, lr=2e-4, start_lr=("refined=1e-4,4e-4", "refined=8e-4"))
     assert sweep.rates_of("refined") == (1e-4, 4e-4, 8e-4) and sweep.rates_of("mean") == (2e-4,)
