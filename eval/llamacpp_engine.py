@@ -41,6 +41,7 @@ from gqakit.eval.results import ModelResult
 from gqakit.files import cache_root, fingerprint, writable_cache
 from gqakit.geometry import AttentionGeometry
 from gqakit.gguf import export_gguf, read_gguf_header
+from gqakit.gguf.export import EXPORT_VERSION
 from gqakit.models import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,11 @@ def require_llama_cpp(_options: Any = None):
 
 
 def gguf_for(path: str, out_type: str) -> Path:
-    """``path`` exported to GGUF with ``out_type`` weights, once: cached by the checkpoint's files."""
+    """``path`` exported to GGUF with ``out_type`` weights, once: cached by the checkpoint's files and the
+    exporter's version (another gqakit's export of the same checkpoint may differ)."""
     src = Path(path).expanduser()
     cache = writable_cache(cache_root() / "gguf")
-    dst = cache / f"{src.resolve().name}-{fingerprint(src)}-{out_type}.gguf"
+    dst = cache / f"{src.resolve().name}-{fingerprint(src)}-{out_type}-e{EXPORT_VERSION}.gguf"
     if not dst.is_file():
         logging.getLogger("gguf").setLevel(logging.ERROR)
         res = export_gguf(src, dst, out_type=out_type)

@@ -108,7 +108,8 @@ DEVICES = "auto, cpu, cuda or cuda:N"  # what --device (and a recipe's speed.dev
 def device_problem(device: str, flag: str = "--device") -> str | None:
     """What is wrong with a ``--device`` value, or None when it is one of :data:`DEVICES` (checked before
     any work: torch would only refuse ``gpu`` when the first tensor moves)."""
-    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+    # an index as torch reads it: no leading zeros (torch refuses "cuda:01"), at most 4 digits
+    if re.fullmatch(r"auto|cpu|cuda(:(0|[1-9]\d{0,3}))?", device):
         return None
     return f"{flag} must be {DEVICES}, got {device!r}."
 

@@ -63,7 +63,6 @@ class _Attempt:
     key: dict[str, Any]
     t0: float
     earlier_s: float  # what killed attempts under the same key spent on it before this run
-    nested_at_start: float  # ResultStore._own_s when it began: results computed inside it are theirs
 
 
 class ResultStore:
@@ -91,7 +90,7 @@ class ResultStore:
         self._written: set[str] = set()  # results this run stored: reading them back is not a reuse
         self._used: dict[str, float | None] = {}  # results this run returned or stored: their times
         self._open: dict[str, _Attempt] = {}  # results missed and not stored yet
-        self._own_s = 0.0  # this run's own compute time of the results it stored so far
+        self._stored: list[tuple[float, float]] = []  # (start, own seconds) of the results this run stored
         self._lock = threading.Lock()  # _open and the pending files, shared with the heartbeat
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()  # the running heartbeat's
@@ -130,15 +129,9 @@ class ResultStore:
         with self._lock:
             if name in self._open and self._open[name].key == key:
                 return
-            earlier = 0.0
-            if not self.fresh:  # a fresh run starts every computation over: earlier attempts are not its
-                try:
-                    pending = json.loads(self._pending(name).read_text())
-                    if pending["key"] == key:
-                        earlier = float(pending[TIME])
-                except (OSError, ValueError, KeyError, TypeError):
-                    pass  # none, another key's, or cut short by the kill
-            self._open[name] = _Attempt(key, time.perf_counter(), earlier, self._own_s)
+            # a fresh run starts every computation over: earlier attempts are not its
+            earlier = 0.0 if self.fresh else (self._pending_time(name, key) or 0.0)
+            self._open[name] = _Attempt(key, time.perf_counter(), earlier)
             self._save_pending(name)
             if self._heartbeat is None:
                 self._stop = threading.Event()
@@ -147,10 +140,21 @@ class ResultStore:
                 )
                 self._heartbeat.start()
 
+    def _pending_time(self, name: str, key: dict[str, Any]) -> float | None:
+        """The time earlier attempts under ``key`` saved for ``name`` before they stopped, or None."""
+        try:
+            pending = json.loads(self._pending(name).read_text())
+            return float(pending[TIME]) if pending["key"] == key else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # none, another key's, or cut short by the kill
+
     def _spent(self, a: _Attempt) -> tuple[float, float]:
         """(this run's time on ``a``, its total with the earlier attempts), less the results computed
         inside it (a step that stores other results on its way must not count their time twice)."""
-        own = max(0.0, time.perf_counter() - a.t0 - (self._own_s - a.nested_at_start))
+        now = time.perf_counter()
+        inside = sum(own for t0, own in self._stored if t0 >= a.t0)  # stored since it began
+        inside += sum(now - b.t0 for b in self._open.values() if b is not a and b.t0 > a.t0)  # still open
+        own = max(0.0, now - a.t0 - inside)
         return own, a.earlier_s + own
 
     def _save_pending(self, name: str) -> None:
@@ -220,7 +224,12 @@ class ResultStore:
             attempt = self._open.pop(name, None)
             if attempt is not None and attempt.key == key:
                 own, record[TIME] = self._spent(attempt)
-                self._own_s += own
+                self._stored.append((attempt.t0, own))
+            elif attempt is None and not self.fresh:
+                # no attempt open (the store was closed while computing it): the time saved so far
+                earlier = self._pending_time(name, key)
+                if earlier is not None:
+                    record[TIME] = earlier
             tmp = self.root / f".{path.name}.tmp"
             tmp.write_text(json.dumps(record, indent=2) + "\n")
             tmp.replace(path)

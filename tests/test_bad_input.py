@@ -90,6 +90,9 @@ CLI_CASES = [
     ("inspect-config-lies-about-heads",
      lambda t, u: ["inspect", str(_lying_config(t))],
      "the config implies"),
+    ("convert-device-cuda-01",
+     lambda t, u: ["convert", "SRC", "DST", "--groups", "1", "--device", "cuda:01"],
+     "--device must be auto, cpu, cuda or cuda:N, got 'cuda:01'."),
     *[
         (f"{argv[0]}-device-gpu", lambda t, u, argv=argv: [*argv, "--device", "gpu"],
          "--device must be auto, cpu, cuda or cuda:N, got 'gpu'.")

@@ -7,6 +7,7 @@ Called in every process of an ``accelerate launch``; only the main process write
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -127,11 +128,10 @@ def _convert_first(recipe: Recipe, out: Path) -> tuple[str, dict[str, Any]]:
     state = process_state()
     if state.is_main_process and not (dst / PROVENANCE).is_file():
         log.info("converting %s to %d K/V head(s) (%s) into %s", recipe.model.path, c.groups, c.method, dst)
-        convert_checkpoint(
-            recipe.model.path,
-            dst,
-            c.options(expand, force=True),
-        )
+        options = c.options(expand, force=True)
+        if recipe.speed.device != "auto":  # where the run trains, its conversion calibrates
+            options = dataclasses.replace(options, device=recipe.speed.device)
+        convert_checkpoint(recipe.model.path, dst, options)
     state.wait_for_everyone()
     return str(dst), {"convert": json.loads((dst / PROVENANCE).read_text())}
 

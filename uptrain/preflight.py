@@ -58,7 +58,21 @@ _SAFE_TEXT = (
 )
 
 
-_pinned: list[torch.device] = []  # the device process_state() last put this single process on, if any
+# The device process_state() last put this single process on, if any, and the CUDA device that was
+# current before it (restored when the process is put elsewhere: "cuda" means the current device).
+_pinned: list[tuple[torch.device, int | None]] = []
+
+
+def device_unavailable(device: str) -> str | None:
+    """Why this machine cannot run on ``speed.device`` (a CUDA device it does not have), or None."""
+    if not device.startswith("cuda"):
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index < count:
+        return None
+    has = f"{count} CUDA device(s)" if count else "no CUDA device"
+    return f"speed.device={device}, but this machine has {has}: set speed.device=cpu or auto."
 
 
 def process_state(device: str | None = None):
@@ -88,13 +102,17 @@ def process_state(device: str | None = None):
     # One process holds no process group, so its state can be made again: accelerate picks the device
     # once per process, and a pipeline (or a notebook) may run one recipe on the CPU, the next on CUDA.
     PartialState._reset_state()
+    if _pinned and _pinned[0][1] is not None:
+        torch.cuda.set_device(_pinned[0][1])  # the current device before the last pin
     _pinned.clear()
     state = PartialState(cpu=cpu if want is None else want.type == "cpu")
     if want is not None:
         state.device = want
-        _pinned.append(want)
+        before = None
         if want.type == "cuda" and want.index is not None:
+            before = torch.cuda.current_device()
             torch.cuda.set_device(want)  # what runs on "the current device" (autocast, compile) too
+        _pinned.append((want, before))
     return state
 
 
@@ -335,10 +353,13 @@ def check_inputs(recipe: Recipe, *, resume: bool = False, force: bool = False) -
     """Check everything a run needs before any work: the model, teacher and data files the recipe names,
     the machine, the output directory and (``resume``) the run being continued. All problems in one
     :class:`~gqakit.errors.GqakitError`."""
-    state = process_state(recipe.speed.device)  # on the device the run will train on
+    missing = device_unavailable(recipe.speed.device)
+    # on the device the run will train on (one this machine lacks: reported with the other problems)
+    state = process_state(None if missing else recipe.speed.device)
     out = Path(expand(recipe.output_dir)).resolve()
     inputs = [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *recipe.data.files]
     problems = [
+        *([missing] if missing else []),
         *input_problems(recipe),
         *environment_problems(recipe, state.distributed_type.value, state.device.type),
         *output_problems(out, resume, force, [*inputs, *recipe.data.val_files]),
@@ -360,6 +381,7 @@ __all__ = [
     "RESUME_SAFE",
     "check_inputs",
     "deepspeed_problems",
+    "device_unavailable",
     "environment_problems",
     "input_problems",
     "output_problems",

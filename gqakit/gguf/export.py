@@ -28,6 +28,10 @@ from gqakit.gguf.readback import RECORDED_CONFIG, recorded_config
 from gqakit.gguf.tensors import OUT_TYPES, GgufTensor, check_out_type, plan_tensors, rope_freqs_tensor
 from gqakit.gguf.vocab import Vocab, load_vocab
 
+# Raised whenever the file written for the same checkpoint changes, so caches of exports (the llama.cpp
+# engine's) do not serve an older gqakit's file (2: the recorded config, Gemma 3's legacy configs).
+EXPORT_VERSION = 2
+
 
 @dataclass(frozen=True)
 class ExportResult:

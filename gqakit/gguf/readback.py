@@ -78,6 +78,7 @@ def gguf_config(path: str | Path) -> tuple[PretrainedConfig, list[str]]:
     fields = config.to_dict()
     record, warnings = _record(header)
     if record is not None:
+        record = _current_names(record, config.__class__)
         # only the fields transformers' class for this file has (a mistral record read as llama keeps
         # llama's fields): anything else would be carried along as a stray attribute
         updates = {k: v for k, v in record.items() if k in fields and k not in _FILE_DECIDES}
@@ -85,6 +86,19 @@ def gguf_config(path: str | Path) -> tuple[PretrainedConfig, list[str]]:
         updates, ignored = _derived(header, fields, config.__class__.__name__)
         warnings += ignored
     return config.__class__.from_dict({**fields, **updates}), warnings
+
+
+def _current_names(record: Config, cls: type[PretrainedConfig]) -> Config:
+    """``record`` with transformers 4's names read as the class reads them today: a Hub config.json often
+    still states ``rope_theta``, ``rope_scaling`` or ``partial_rotary_factor`` at the top level, which
+    transformers 5 keeps inside ``rope_parameters``. The class's own reading converts them; the fields it
+    fills from its defaults (those the record does not state) are left to the file."""
+    try:
+        read = cls.from_dict(dict(record)).to_dict()
+        default = cls().to_dict()
+    except Exception:  # a record this class cannot read (another family's): as recorded
+        return record
+    return {k: v for k, v in read.items() if k in record or default.get(k) != v}
 
 
 def _record(header: GgufHeader) -> tuple[Config | None, list[str]]:

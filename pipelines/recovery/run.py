@@ -22,7 +22,7 @@ from gqakit.outputs import atomic_output_dir, writable_dir
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, eval_steps, tokens_to_reach
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 from gqakit.pipelines.recovery.report import write_report
-from gqakit.pipelines.run_keys import weights_key
+from gqakit.pipelines.run_keys import same_run, weights_key
 from gqakit.pipelines.starts import REFINED, conversion_key, start_convert_options
 from gqakit.pipelines.steps import Steps, quiet_transformers
 from gqakit.pipelines.store import ResultStore, fingerprint
@@ -231,7 +231,9 @@ def uptrain_start(
     }
     cached = store.get_output("run-" + name, key, out)
     if cached is None:
-        same = (out / "recipe.yaml").is_file() and (out / "recipe.yaml").read_text() == recipe.to_yaml()
+        # up to what changes how it goes, not what it trains (progress bars, speed levers and --device,
+        # the checkpoint cadence): a run killed under another --device still resumes
+        same = same_run(out, recipe)
         # the same recipe names the same paths, which a rebuilt split or conversion reuses: resume only a
         # run started after the start and the texts it reads were written
         same = same and _started_after(out / "recipe.yaml", [start_dir, inputs.train, inputs.heldout])

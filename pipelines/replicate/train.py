@@ -31,6 +31,7 @@ from gqakit.uptrain import load_recipe, recipe_from_dict, uptrain
 SPECIAL = ["<unk>", "<s>", "</s>"]
 # a run is keyed and resumed on its whole recipe but logging (this cache key predates run_keys.NOT_WEIGHTS)
 ONLY_LOG = ("log",)
+RESUMES_OVER = ("log", "speed")  # what a killed training run may differ in and still be resumed
 
 
 @dataclass
@@ -214,7 +215,9 @@ def train_run(
     if cached is not None:
         ctx.steps.note(f"reusing {out.name} ({cached['steps']} steps)")
         return cached
-    resume = same_run(out, recipe, ONLY_LOG) and not (out / "gqakit.json").is_file() and not ctx.o.fresh
+    # speed (the device, the levers) changes how the run goes, not what it trains: a run killed on one
+    # --device, or before recipes held speed.device, resumes on another
+    resume = same_run(out, recipe, RESUMES_OVER) and not (out / "gqakit.json").is_file() and not ctx.o.fresh
     res = uptrain(recipe, resume=resume, force=not resume)
     summary = {
         "steps": res.steps,

@@ -45,7 +45,8 @@ def test_a_missing_binding_names_the_install_command(tmp_path, text, monkeypatch
     assert 'pip install -e ".[llamacpp]"' in res.output and "Traceback" not in res.output
 
 
-def test_the_gguf_export_is_cached_by_the_checkpoints_files(tmp_path, cache):
+def test_the_gguf_export_is_cached_by_the_checkpoints_files(tmp_path, cache, monkeypatch):
+    import gqakit.eval.llamacpp_engine as engine
     from gqakit.eval.llamacpp_engine import gguf_for
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
@@ -56,6 +57,10 @@ def test_the_gguf_export_is_cached_by_the_checkpoints_files(tmp_path, cache):
     save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2, seed=1)  # the checkpoint changes
     assert gguf_for(str(model), "f32") != first
     assert all(p.parent == cache / "gguf" for p in (first,))
+    # a gqakit whose export writes another file for the same checkpoint does not reuse an older one's
+    latest = gguf_for(str(model), "f32")
+    monkeypatch.setattr(engine, "EXPORT_VERSION", engine.EXPORT_VERSION + 1)
+    assert gguf_for(str(model), "f32") != latest
 
 
 def test_a_gguf_model_is_evaluated_like_its_checkpoint(tmp_path, text, cache):

@@ -59,6 +59,25 @@ def test_the_model_read_back_is_the_model_exported(tmp_path: Path, case: str) ->
     torch.testing.assert_close(_logits(back), _logits(src), rtol=0, atol=0)
 
 
+LEGACY = [
+    ("phi3", {"partial_rotary_factor": 0.5}),
+    ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
+]
+
+
+@pytest.mark.parametrize("family,legacy", LEGACY)
+def test_a_config_in_transformers_4s_names_reads_back_whole(tmp_path: Path, family: str, legacy: dict):
+    """Hub configs still state rope_theta / rope_scaling / partial_rotary_factor at the top level, which
+    transformers 5 keeps in rope_parameters: the record is read the way the class reads it."""
+    src = make_checkpoint(tmp_path, family, 2)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    (src / "config.json").write_text(json.dumps({**cfg, **legacy}))
+    r = export_gguf(src, tmp_path / "m.gguf", "f32", progress=False)
+    back, _ = _read_back(r.path, tmp_path / "back")
+    torch.testing.assert_close(_logits(back), _logits(src), rtol=0, atol=0)
+
+
 @pytest.fixture
 def unrecorded(monkeypatch):
     """Exports write no config record, as llama.cpp's converter and earlier gqakit exports do not."""

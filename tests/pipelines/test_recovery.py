@@ -396,3 +396,43 @@ def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversio
     ), result.output
     assert "--refine-loss" not in result.output  # the target's own loss is the target's problem, said once
     assert not (tmp_path / "w" / "models").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("written", [None, "cpu"])  # before recipes held speed.device; another --device
+def test_a_killed_run_resumes_under_another_device_or_from_an_older_recipe(tmp_path, monkeypatch, written):
+    """speed (the levers, the device) changes how a run goes, not what it trains: a killed run resumes,
+    its checkpoints kept, rather than starting over (uptrain(force=True) deletes them)."""
+    import time
+
+    import gqakit.pipelines.recovery.run as rec
+    from gqakit.pipelines.recovery.options import Inputs
+    from gqakit.pipelines.store import ResultStore
+    from gqakit.uptrain import recipe_from_dict
+
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4)
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join([TINY_TEXT] * 20))
+    inputs = Inputs(str(src), text, text, text)
+    o = RecoveryOptions(src=str(src), groups=2, tokens=2048, seq_len=32, batch_size=4, device="auto")
+    runs = tmp_path / "runs"
+    out = runs / rec.run_name(o, "mean", o.lr)
+    (out / "checkpoints" / "step-00000010").mkdir(parents=True)
+    data = rec.recipe_data(o, inputs, str(src), out, o.lr, "fp32")
+    data["speed"]["device"] = written or "auto"
+    saved = recipe_from_dict(data).to_yaml()
+    if written is None:  # as a gqakit before speed.device wrote it
+        assert "  device: auto\n" in saved
+        saved = saved.replace("  device: auto\n", "")
+    (out / "recipe.yaml").write_text(saved)
+    later = time.time() + 5
+    os.utime(out / "recipe.yaml", (later, later))  # the run started after its inputs were written
+    calls: list[tuple[bool, bool]] = []
+
+    def uptrain(recipe, resume, force):
+        calls.append((resume, force))
+        raise KeyboardInterrupt  # enough: how it was called
+
+    monkeypatch.setattr(rec, "uptrain", uptrain)
+    with ResultStore(tmp_path / "results") as store, pytest.raises(KeyboardInterrupt):
+        rec.uptrain_start(o, store, inputs, "mean", src, runs, "fp32", o.lr)
+    assert calls == [(True, False)]

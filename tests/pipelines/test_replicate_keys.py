@@ -87,16 +87,20 @@ def test_a_run_killed_under_progress_bars_resumes_without_them(tmp_path):
     from gqakit.pipelines.run_keys import same_run
     from gqakit.uptrain import recipe_from_dict
 
-    def recipe(progress: bool, lr: float = 1e-3):
-        o = ReplicateOptions(progress=progress)
+    def recipe(progress: bool, lr: float = 1e-3, device: str = "auto"):
+        o = ReplicateOptions(progress=progress, device=device)
         ctx = train.Context(o, None, None, tmp_path, (tmp_path / "t.txt",) * 3)  # type: ignore[arg-type]
         return recipe_from_dict(train.recipe_data(ctx, tmp_path / "start", tmp_path / "out", 10, lr, 0, 100))
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "recipe.yaml").write_text(recipe(True).to_yaml())
-    assert same_run(out, recipe(False), train.ONLY_LOG)
-    assert not same_run(out, recipe(False, lr=2e-3), train.ONLY_LOG)
+    assert same_run(out, recipe(False), train.RESUMES_OVER)
+    assert not same_run(out, recipe(False, lr=2e-3), train.RESUMES_OVER)
+    # killed under another --device, or written before recipes held speed.device: resumed, not restarted
+    assert same_run(out, recipe(False, device="cpu"), train.RESUMES_OVER)
+    (out / "recipe.yaml").write_text(recipe(True).to_yaml().replace("  device: auto\n", ""))
+    assert same_run(out, recipe(False), train.RESUMES_OVER)
 
 
 def test_the_training_recipe_names_the_device_and_its_cache_key_does_not(tmp_path):

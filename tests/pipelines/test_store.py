@@ -256,3 +256,44 @@ def test_results_stored_before_times_were_recorded_count_as_unknown(tmp_path):
     # a fresh run's report gives its own time only; a cached one the figures' beside it
     assert wall_time(100.0, 0, 99.0) == "1.7 min (0 results reused from the working directory)"
     assert wall_time(3.0, 5, 99.0).endswith("; the runs that computed these figures took 1.6 min")
+
+
+def test_results_computed_inside_or_across_another_are_counted_once(tmp_path):
+    """The time of a result computed while another is (nested, or overlapping) is that result's, not
+    both: the report's sum is the wall time, also after a kill of both (their pending times)."""
+    store = ResultStore(tmp_path / "overlap")
+    store.get("a", {"k": 1})
+    time.sleep(STEP_S)
+    store.get("b", {"k": 1})  # b starts while a is computing, and outlasts it
+    time.sleep(STEP_S)
+    store.put("a", {"k": 1}, {"v": 1})
+    time.sleep(STEP_S)
+    store.put("b", {"k": 1}, {"v": 1})
+    store.close()
+    assert 3 * STEP_S <= store.compute_time().seconds < 3 * STEP_S + 0.3  # not 4 (b's overlap twice)
+
+    root = tmp_path / "nested"
+    killed = ResultStore(root)
+    killed.get("outer", {"k": 1})
+    time.sleep(STEP_S)
+    killed.get("inner", {"k": 1})
+    time.sleep(2 * STEP_S)
+    killed.close()  # both pending, as a kill after the heartbeat leaves them
+    again = ResultStore(root)
+    for name in ("outer", "inner"):
+        again.get(name, {"k": 1})
+    again.put("inner", {"k": 1}, {"v": 1})
+    again.put("outer", {"k": 1}, {"v": 1})
+    again.close()
+    spent = again.compute_time().seconds
+    assert 3 * STEP_S <= spent < 3 * STEP_S + 0.3, spent  # not 5 (the inner's twice)
+
+
+def test_a_result_stored_after_the_store_was_closed_keeps_the_time_saved(tmp_path):
+    store = ResultStore(tmp_path / "results")
+    store.get("a", {"k": 1})
+    time.sleep(STEP_S)
+    store.close()  # a notebook: a step raised, the with block closed the store; then the step is rerun
+    store.put("a", {"k": 1}, {"v": 1})
+    assert store.time_of("a") is not None and store.time_of("a") >= STEP_S
+    assert store.compute_time().unknown == 0

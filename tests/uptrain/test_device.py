@@ -20,11 +20,14 @@ def gpu_machine(monkeypatch):
     # deferred: accelerate takes seconds to import
     from accelerate import PartialState
 
+    from gqakit.uptrain import preflight
+
     PartialState._reset_state()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     yield
     monkeypatch.undo()
     PartialState._reset_state()
+    preflight._pinned.clear()
 
 
 def _recipe(device: str, tmp_path, model: str = "m", **sections) -> object:
@@ -72,3 +75,48 @@ def test_a_distributed_launch_takes_no_device(tmp_path):
     assert "set speed.device=auto" in problems[0]
     assert environment_problems(_recipe("auto", tmp_path), "MULTI_GPU", "cuda") == []
     assert environment_problems(_recipe("cpu", tmp_path), "NO", "cpu") == []
+
+
+def test_a_run_on_another_gpu_gives_the_current_device_back(gpu_machine, monkeypatch):
+    """``cuda:1`` makes GPU 1 the current device (autocast and compile follow it); the next recipe's
+    ``auto`` or ``cuda`` must not inherit it, as a fresh process would not."""
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    def set_device(d) -> None:
+        current[0] = d if isinstance(d, int) else torch.device(d).index
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    assert process_state("cuda:1").device == torch.device("cuda:1") and current == [1]
+    assert process_state("auto").device.type == "cuda" and current == [0]
+    assert process_state("cuda:1").device == torch.device("cuda:1") and current == [1]
+    assert process_state("cpu").device == torch.device("cpu") and current == [0]
+
+
+def test_a_device_this_machine_lacks_is_one_of_the_recipes_problems(tmp_path):
+    """Reported with the others, in the recipe's terms (``gqakit uptrain`` has no --device)."""
+    from gqakit.errors import GqakitError
+    from gqakit.uptrain.preflight import check_inputs
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(GqakitError) as e:
+        check_inputs(_recipe("cuda", tmp_path))
+    assert "speed.device=cuda, but this machine has no CUDA device: set speed.device=cpu or auto." in str(
+        e.value
+    )
+    assert "t.txt does not exist" in str(e.value)  # and the other problems, together
+
+
+def test_a_recipes_conversion_runs_where_the_recipe_trains(gpu_machine, recipe, assets):
+    """``model.convert`` with ``speed.device=cpu`` on a GPU machine calibrates on the CPU too (on this
+    make-believe CUDA, a conversion sent there fails)."""
+    from gqakit.uptrain import uptrain
+
+    r = recipe(
+        "model.convert.method=calibrated", f"model.convert.calib_data={assets['train']}",
+        "model.convert.calib_tokens=256", "speed.device=cpu", "budget.steps=2", "eval.at_start=false",
+    )  # fmt: skip
+    res = uptrain(r)
+    assert res.steps == 2
