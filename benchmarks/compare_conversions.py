@@ -135,6 +135,12 @@ def main() -> None:
     p.add_argument("--eval-tokens", type=int, default=16384)
     args = p.parse_args()
     a, b = (json.loads(path.read_text()) for path in (args.a, args.b))
+    for path, record in ((args.a, a), (args.b, b)):
+        if not (record.get("refine") and record.get("layerwise") and record.get("reconstruction_error")):
+            raise SystemExit(
+                f"{path} is not the record of a layer-wise calibrated + refined conversion (gqakit convert "
+                "--method calibrated --refine-steps N): it has no per-layer errors to compare."
+            )
     problems = settings_problems(a, b)
     if problems:
         raise SystemExit("the records are not the same conversion: " + "; ".join(problems))

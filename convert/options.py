@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.cli_options import Problems, device_problem
+from gqakit.cli_options import Problems, device_problem, finite_positive
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
 from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS, target_loss
@@ -154,7 +154,7 @@ def _rate_problem(flag: str, lr: float, default: float) -> str | None:
     ``> 0`` check; then every refinement step diverges, each layer silently keeps its unrefined merge, and
     ``gqakit.json`` records ``"lr": Infinity``, which is not even JSON. So a rate must also be finite.
     """
-    if math.isfinite(lr) and lr > 0:
+    if finite_positive(lr):
         return None
     what = "a positive" if math.isfinite(lr) else "a finite positive"
     return (

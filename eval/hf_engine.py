@@ -65,9 +65,8 @@ def measure_hf_model(
         label, path, config_geometry(config), parameters=sum(p.numel() for p in model.parameters()),
         dtype=str(dtype).removeprefix("torch."), kv_dtype_bytes=dtype_bytes(dtype),
         weight_bytes=weight_bytes_per_step(model), load_s=load_s,
+        cached=cache_geometry(config),  # the heads transformers caches (Falcon's new layout: H)
     )  # fmt: skip
-    # The weights' K/V heads above, the bytes of the heads transformers caches (Falcon's new layout: H).
-    res.kv_bytes_per_token = cache_geometry(config).kv_bytes_per_token(dtype_bytes=dtype_bytes(dtype))
     if texts is not None:
         res.perplexity = perplexity(
             model,

@@ -59,10 +59,11 @@ class ModelResult:
     @classmethod
     def of(
         cls, label: str, path: str, geom: AttentionGeometry, *, parameters: int, dtype: str,
-        kv_dtype_bytes: int, weight_bytes: int, load_s: float,
+        kv_dtype_bytes: int, weight_bytes: int, load_s: float, cached: AttentionGeometry | None = None,
     ) -> ModelResult:  # fmt: skip
         """A result for a model of attention geometry ``geom``, before anything is measured on it (every
-        engine starts from this)."""
+        engine starts from this); its KV bytes per token are those of ``cached``, the heads the engine's
+        cache holds, where they differ from the weights' (transformers' Falcon-40B layout)."""
         return cls(
             label=label,
             path=str(path),
@@ -73,7 +74,7 @@ class ModelResult:
             head_dim=geom.head_dim,
             parameters=parameters,
             dtype=dtype,
-            kv_bytes_per_token=geom.kv_bytes_per_token(dtype_bytes=kv_dtype_bytes),
+            kv_bytes_per_token=(cached or geom).kv_bytes_per_token(dtype_bytes=kv_dtype_bytes),
             weight_bytes=weight_bytes,
             load_s=load_s,
         )

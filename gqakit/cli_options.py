@@ -102,6 +102,13 @@ def device_option() -> Callable[[F], F]:
     )
 
 
+def finite_positive(x: float) -> bool:
+    """A usable rate or scale: finite and above 0. click's ``float`` and YAML (``.inf``) both read ``inf``
+    and ``nan``, and ``inf`` passes a ``> 0`` check; such a learning rate only fails, or trains to nan,
+    once the work has started."""
+    return math.isfinite(x) and x > 0
+
+
 DEVICES = "auto, cpu, cuda or cuda:N"  # what --device (and a recipe's speed.device) takes
 
 

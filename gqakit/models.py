@@ -3,6 +3,8 @@ can act on."""
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,38 @@ def resolve_device(device: str = "auto") -> torch.device:
             f"--device {device} was asked for but no CUDA device is available; use --device cpu."
         )
     return dev
+
+
+def device_name(device: torch.device) -> str:
+    """A device by its model: ``cuda: NVIDIA H100 80GB HBM3``, or ``cpu: <model>, <n> CPUs`` (the CPUs this
+    process may run on: the threads a decode gets)."""
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{device.type}: {_cpu_model()}, {cpus} CPUs"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, where ``platform.processor()`` is often empty)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_unavailable(device: str) -> str | None:
+    """Why this machine cannot run on ``speed.device`` (a CUDA device it does not have), or None."""
+    if not device.startswith("cuda"):
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index < count:
+        return None
+    has = f"{count} CUDA device(s)" if count else "no CUDA device"
+    return f"speed.device={device}, but this machine has {has}: set speed.device=cpu or auto."
 
 
 def max_positions(config) -> int | None:

@@ -24,7 +24,7 @@ from gqakit.convert.api import check_groups
 from gqakit.convert.retarget import RETARGETS, retarget_groups_problem
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
-from gqakit.models import check_causal_lm, max_positions, resolve_device
+from gqakit.models import check_causal_lm, device_unavailable, max_positions, resolve_device
 from gqakit.outputs import writable_dir
 from gqakit.text import load_texts
 from gqakit.uptrain.data import BUILDERS, resolve_files
@@ -61,18 +61,6 @@ _SAFE_TEXT = (
 # The device process_state() last put this single process on, if any, and the CUDA device that was
 # current before it (restored when the process is put elsewhere: "cuda" means the current device).
 _pinned: list[tuple[torch.device, int | None]] = []
-
-
-def device_unavailable(device: str) -> str | None:
-    """Why this machine cannot run on ``speed.device`` (a CUDA device it does not have), or None."""
-    if not device.startswith("cuda"):
-        return None
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = int(device.partition(":")[2] or 0)
-    if index < count:
-        return None
-    has = f"{count} CUDA device(s)" if count else "no CUDA device"
-    return f"speed.device={device}, but this machine has {has}: set speed.device=cpu or auto."
 
 
 def process_state(device: str | None = None):
@@ -381,7 +369,6 @@ __all__ = [
     "RESUME_SAFE",
     "check_inputs",
     "deepspeed_problems",
-    "device_unavailable",
     "environment_problems",
     "input_problems",
     "output_problems",

@@ -14,7 +14,7 @@ from gqakit.eval import DecodePoint
 from gqakit.eval.decode_rounds import decode_rounds, llamacpp_decode_rounds, round_stats
 from gqakit.eval.llamacpp_engine import INSTALL, require_llama_cpp
 from gqakit.eval.vllm_engine import require_vllm, vllm_decode_rounds
-from gqakit.pipelines.devices import device_name, timing_device
+from gqakit.models import device_name, resolve_device
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
 
@@ -32,7 +32,7 @@ def decode_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore,
         ],
         "pick": "median of interleaved rounds",
         **asdict(s),
-        "machine": timing_device(s.device),  # another GPU or CPU model times again
+        "machine": device_name(resolve_device(s.device)),  # another GPU or CPU model times again
     }
     cached = store.get("decode-side-by-side", key)
     if cached is None:
@@ -109,7 +109,7 @@ def vllm_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, s
             if k in ("dtype", "decode_batch", "decode_context", "new_tokens")
         },
         "rounds": s.decode_rounds,
-        "machine": timing_device("auto"),  # vLLM takes the GPU when there is one
+        "machine": device_name(resolve_device("auto")),  # vLLM takes the GPU when there is one
     }
     cached = store.get("decode-vllm", key)
     if cached is None:

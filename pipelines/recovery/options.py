@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import click
 
-from gqakit.cli_options import Problems, device_problem
+from gqakit.cli_options import Problems, device_problem, finite_positive
 from gqakit.convert.refine import REFINE_QK_LR
 from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
 from gqakit.files import fingerprint
@@ -163,7 +162,7 @@ class RecoveryOptions:
                 )
                 continue
             p.add(STARTS.unknown(start, f"{f('start_lr')} start", among=self.starts))
-            if not all(_rate_ok(lr) for lr in rates):
+            if not all(finite_positive(lr) for lr in rates):
                 p.add(f"{f('start_lr')} {item!r}: every learning rate must be finite and positive.")
             given.setdefault(start, []).extend(rates)
         for start, rates in given.items():
@@ -174,7 +173,7 @@ class RecoveryOptions:
                     f"{f('start_lr')} gives {start} the rate {', '.join(f'{lr:g}' for lr in twice)} more "
                     "than once; list each rate once."
                 )
-        if not _rate_ok(self.lr):
+        if not finite_positive(self.lr):
             p.add(f"{f('lr')} must be a finite positive learning rate, got {self.lr}.")
         if self.objective not in OBJECTIVES:
             p.add(f"{f('objective')} {self.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}.")
@@ -182,7 +181,7 @@ class RecoveryOptions:
         p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
         if self.refine_loss is not None:
             p.add(REFINE_LOSSES.unknown(self.refine_loss, f("refine_loss")))
-        if not _rate_ok(self.refine_qk_lr):
+        if not finite_positive(self.refine_qk_lr):
             p.add(f"{f('refine_qk_lr')} must be a finite positive learning rate, got {self.refine_qk_lr}.")
         if self.precision not in PRECISIONS:
             p.add(f"{f('precision')} {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
@@ -215,12 +214,6 @@ class Inputs:
         the cache key of a step that reads them: the split of ``--data`` is always written to the same
         paths, so a key holding only the paths would serve one file's results for another's."""
         return {name: fingerprint(getattr(self, name)) for name in names}
-
-
-def _rate_ok(lr: float) -> bool:
-    """A usable learning rate: finite and positive (click and float() both accept ``inf`` and ``nan``,
-    and an infinite rate would only fail, or train to nan, after the conversions)."""
-    return math.isfinite(lr) and lr > 0
 
 
 def _rates(item: str) -> tuple[str, tuple[float, ...]]:

@@ -17,9 +17,8 @@ from gqakit.convert import convert_checkpoint
 from gqakit.eval import perplexity
 from gqakit.eval.decode_rounds import decode_rounds, round_stats
 from gqakit.geometry import AttentionGeometry
-from gqakit.models import load_causal_lm, load_tokenizer, resolve_device
+from gqakit.models import device_name, load_causal_lm, load_tokenizer, resolve_device
 from gqakit.outputs import atomic_output_dir
-from gqakit.pipelines.devices import device_name
 from gqakit.pipelines.replicate.options import ReplicateOptions
 from gqakit.pipelines.run_keys import same_run, weights_key
 from gqakit.pipelines.starts import conversion_key, start_convert_options

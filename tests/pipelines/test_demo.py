@@ -297,8 +297,8 @@ def test_the_demo_times_decoding_again_on_another_cpu_model(tmp_path, monkeypatc
     machine measures them again, and the same machine reuses them."""
     from types import SimpleNamespace
 
+    import gqakit.models as devices
     from gqakit.eval import DecodePoint
-    from gqakit.pipelines import devices
     from gqakit.pipelines.demo import decode
     from gqakit.pipelines.demo.measure import Settings
     from gqakit.pipelines.steps import Steps

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gqakit.pipelines import devices
+import gqakit.models as devices
 from gqakit.pipelines.replicate import train
 from gqakit.pipelines.replicate.options import ReplicateOptions
 from gqakit.testing import TINY_TEXT
