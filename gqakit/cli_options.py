@@ -109,6 +109,13 @@ def finite_positive(x: float) -> bool:
     return math.isfinite(x) and x > 0
 
 
+def positive_problem(flag: str, x: float) -> str | None:
+    """What is wrong with ``x`` as a rate given as ``flag`` (:func:`finite_positive`), or None."""
+    if finite_positive(x):
+        return None
+    return f"{flag} must be {'positive' if math.isfinite(x) else 'a finite positive number'}, got {x}."
+
+
 DEVICES = "auto, cpu, cuda or cuda:N"  # what --device (and a recipe's speed.device) takes
 
 

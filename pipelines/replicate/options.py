@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from gqakit.cli_options import Problems, device_problem
+from gqakit.cli_options import Problems, device_problem, positive_problem
 from gqakit.convert.methods import PAPER_METHODS
 from gqakit.names import NameTable
 from gqakit.pipelines.starts import REFINED, STARTS
@@ -124,9 +124,8 @@ class ReplicateOptions:
         p.add(device_problem(self.device, f("device")))
         if not self.scale > 0:
             p.add(f"{f('scale')} must be positive, got {self.scale}.")
-        for name in ("lr", "uptrain_lr"):
-            if not getattr(self, name) > 0:
-                p.add(f"{f(name)} must be positive, got {getattr(self, name)}.")
+        for name in ("lr", "uptrain_lr"):  # click reads inf and nan: they would fail after pretraining
+            p.add(positive_problem(f(name), getattr(self, name)))
         if not self.seeds:
             p.add(f"{f('seeds')} needs at least one seed.")
         self._check_alphas(p)

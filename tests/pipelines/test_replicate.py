@@ -169,6 +169,8 @@ def test_bad_options_are_reported_together(tmp_path, corpus):
         "--uptrain-lr must be positive, got 0",
     ):
         assert fragment in e.value.message
+    with pytest.raises(GqakitError, match="lr must be a finite positive number, got inf."):
+        ReplicateOptions(lr=float("inf")).validate()
 
 
 def test_scale_widens_and_deepens_the_model():

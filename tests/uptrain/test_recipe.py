@@ -94,6 +94,15 @@ def test_cross_field_rules():
     assert "train.lr must be positive" in msg
 
 
+@pytest.mark.parametrize("lr", [".inf", ".nan"])
+def test_a_learning_rate_that_is_not_finite_is_refused(tmp_path, lr):
+    """YAML reads .inf and .nan; such a run only failed after its first steps (3 non-finite in a row)."""
+    f = tmp_path / "r.yaml"
+    f.write_text("model: {path: m}\nbudget: {steps: 1}\ndata: {files: [t.txt]}\noutput_dir: out\n")
+    with pytest.raises(RecipeError, match=r"train.lr must be a finite positive number, got (inf|nan)\."):
+        load_recipe(f, [f"train.lr={lr}"])
+
+
 def test_missing_required_section(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("model: {path: m}\nbudget: {steps: 1}\n")
