@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -139,10 +138,12 @@ def main() -> None:
 
     import llama_cpp
 
+    from gqakit.models import cpu_model
+
     args.workdir.mkdir(parents=True, exist_ok=True)
     forms = build_forms(args.model, args.workdir)
     res: dict = {"command": "python " + shlex.join(sys.argv), "llama_cpp_python": llama_cpp.__version__,
-                 "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
+                 "cpu": cpu_model(), "threads": os.cpu_count(),
                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
     if not args.skip_correctness:
         res["correctness"] = correctness(forms, args.workdir, args.test, args.eval_tokens, args.seq_len)

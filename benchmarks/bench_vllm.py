@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -37,6 +36,7 @@ from gqakit.eval import EvalOptions, evaluate_models
 from gqakit.eval.decode_rounds import interleaved, round_stats, speedup
 from gqakit.eval.vllm_client import VllmWorker, vllm_python
 from gqakit.files import cache_root
+from gqakit.models import cpu_model
 
 
 def build_forms(model: Path, work: Path) -> dict[str, str]:
@@ -163,7 +163,7 @@ def main() -> None:
         "command": command,
         "vllm": base.serving.engine,
         "environment": vl.environment,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "dtype": "float32",
         "kv_budget_gib": args.kv_budget,

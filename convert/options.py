@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.cli_options import Problems, device_problem, finite_positive
+from gqakit.cli_options import Problems, device_problem, rate_problem
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
 from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS, target_loss
@@ -98,13 +97,13 @@ class ConvertOptions:
             p.add(f"{f('calib_tokens')} must be a positive number of tokens, got {self.calib_tokens}.")
         if self.refine_steps < 0:
             p.add(f"{f('refine_steps')} must be 0 (off) or a positive step count, got {self.refine_steps}.")
-        p.add(_rate_problem(f("refine_lr"), self.refine_lr, REFINE_LR))
+        p.add(rate_problem(f("refine_lr"), self.refine_lr, REFINE_LR))
         p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
         p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
         if self.refine_loss is not None:
             p.add(REFINE_LOSSES.unknown(self.refine_loss, f("refine_loss")))
         if self.refine_qk_lr is not None:
-            p.add(_rate_problem(f("refine_qk_lr"), self.refine_qk_lr, REFINE_QK_LR))
+            p.add(rate_problem(f("refine_qk_lr"), self.refine_qk_lr, REFINE_QK_LR))
         method = METHODS.get(self.method)
         grouping = GROUPINGS.get(self.grouping)
         needs = [
@@ -145,22 +144,6 @@ class ConvertOptions:
                 f"{f('grouping')} {self.grouping} cannot be combined with {f('method')} {self.method}; use "
                 f"one of {', '.join(MERGE_METHODS)}."
             )
-
-
-def _rate_problem(flag: str, lr: float, default: float) -> str | None:
-    """What is wrong with the learning rate ``lr`` given as ``flag``, or None when it is usable.
-
-    click's ``float`` reads ``inf`` and ``nan`` (a recipe's YAML: ``.inf``, ``.nan``), and ``inf`` passes a
-    ``> 0`` check; then every refinement step diverges, each layer silently keeps its unrefined merge, and
-    ``gqakit.json`` records ``"lr": Infinity``, which is not even JSON. So a rate must also be finite.
-    """
-    if finite_positive(lr):
-        return None
-    what = "a positive" if math.isfinite(lr) else "a finite positive"
-    return (
-        f"{flag} must be {what} learning rate, got {lr}; give a number above 0, e.g. {default:g} "
-        "(the default)."
-    )
 
 
 def check_groups(geom: AttentionGeometry, groups: int) -> None:

@@ -7,8 +7,17 @@ after ``k`` tokens can keep part of a character::
     "ab日c"  ->  a  b  <E6> <97> <A5>  c        k = 3 keeps 3 bytes: a, b and E6
 
 Character offsets give every byte token of 日 the whole character (5 bytes for k = 3), and ``decode``
-spells the kept E6 as U+FFFD, itself 3 bytes: neither is what was scored. So the bytes of a cut
-character are counted from the kept tokens themselves.
+spells the kept E6 as U+FFFD, itself 3 bytes: neither is what was scored. So the kept bytes are read
+from the tokens' pieces: a byte-level piece is one byte a character, a ``<0xNN>`` piece one byte, any
+other SentencePiece piece its text with ``▁`` a space, an added token its text. When the pieces read
+so spell the text, the tokenizer's own space in front of it (SentencePiece's ``add_dummy_prefix``,
+ByteLevel's ``add_prefix_space``) aside, the first ``k`` of them spell exactly what was kept. Offsets
+trimmed of their spaces (a ByteLevel post-processor's ``trim_offsets``) and decoders that drop a
+leading space never come into it.
+
+Where the pieces do not spell the text (a normalizer that changes it, an added token that takes in
+the spaces beside it, ``<unk>``), the offsets or ``decode`` give the text the kept tokens cover, and
+the byte pieces the cut keeps of a character it splits count one byte each.
 """
 
 from __future__ import annotations
@@ -17,15 +26,30 @@ import functools
 import re
 from collections.abc import Sequence
 
-_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte fallback: one byte
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: one byte
 
 
 @functools.cache
-def _byte_level_alphabet() -> frozenset[str]:
-    """The 256 characters byte-level BPE writes bytes as (GPT-2's ``bytes_to_unicode``): printable Latin-1
-    stands for itself, the other 68 bytes for U+0100 onwards; a token of them is one byte per character."""
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character byte-level BPE writes each of the 256 bytes as (GPT-2's ``bytes_to_unicode``),
+    mapped to that byte: printable Latin-1 stands for itself, the other 68 bytes for U+0100 onwards."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    return frozenset(map(chr, printable + list(range(0x100, 0x100 + 256 - len(printable)))))
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
+
+
+def _byte_level(piece: str) -> bytes | None:
+    """The bytes a byte-level BPE piece stands for, or None for a piece with a character outside its
+    alphabet."""
+    alphabet = _byte_level_alphabet()
+    return bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece) else None
+
+
+def _sentencepiece(piece: str) -> bytes:
+    """The bytes a SentencePiece piece stands for: ``<0xNN>`` that byte, any other its text, ``▁`` a
+    space."""
+    byte = _BYTE_PIECE.fullmatch(piece)
+    return bytes([int(byte[1], 16)]) if byte else piece.replace("▁", " ").encode("utf-8")
 
 
 def piece_bytes(piece: str) -> int | None:
@@ -36,14 +60,53 @@ def piece_bytes(piece: str) -> int | None:
     """
     if _BYTE_PIECE.fullmatch(piece):
         return 1
-    alphabet = _byte_level_alphabet()
-    return len(piece) if piece and all(c in alphabet for c in piece) else None
+    spelled = _byte_level(piece)
+    return len(spelled) if piece and spelled is not None else None
+
+
+def spelled_bytes(tokenizer, text: str, ids: Sequence[int]) -> list[int] | None:
+    """The UTF-8 bytes of ``text`` each of its tokens ``ids`` stands for, read from the tokens' pieces.
+
+    The pieces are read as byte-level BPE's, else as SentencePiece's (an added token as its text either
+    way); the first reading whose bytes are the text's is taken. A space the tokenizer put in front of
+    the text is not in it: the first token is counted without it.
+
+    Args:
+        tokenizer: the tokenizer that made ``ids`` from ``text``.
+        text: the whole text.
+        ids: its tokens (no special tokens added).
+
+    Returns:
+        One count a token, summing to the text's bytes; None when neither reading spells the text.
+    """
+    added = {i: t.content.encode("utf-8") for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    pieces = tokenizer.convert_ids_to_tokens(list(ids))
+    data = text.encode("utf-8")
+    for read in (_byte_level, _sentencepiece):
+        spelled = [added[i] if i in added else read(p) for i, p in zip(ids, pieces, strict=True)]
+        if not spelled or None in spelled:
+            continue
+        whole = b"".join(spelled)
+        if whole in (data, b" " + data):
+            counts = [len(s) for s in spelled]
+            counts[0] -= len(whole) - len(data)
+            return counts
+    return None
+
+
+def _leading_spaces(piece: str) -> int:
+    """The characters a ByteLevel post-processor with ``trim_offsets`` moves a token's start past."""
+    return next((i for i, c in enumerate(piece) if c != "Ġ" and not c.isspace()), len(piece))
 
 
 def kept_bytes(
     tokenizer, text: str, ids: Sequence[int], k: int, offsets: Sequence[tuple[int, int]] | None = None
 ) -> int:
     """UTF-8 bytes of ``text`` that its first ``k`` tokens ``ids[:k]`` spell (``0 < k <= len(ids)``).
+
+    The bytes the pieces stand for (:func:`spelled_bytes`) where they spell the text; else the offsets or
+    ``decode`` give the text the kept tokens cover, up to a character the cut splits, whose kept byte
+    tokens are counted one byte each.
 
     Args:
         tokenizer: the tokenizer that made ``ids`` from ``text``.
@@ -54,17 +117,27 @@ def kept_bytes(
             the kept text is found with ``tokenizer.decode`` instead.
 
     Returns:
-        The bytes of the whole characters the kept tokens cover, plus the bytes they keep of a character
-        the cut splits. Should a token inside a split character be no byte token (never seen), the split
+        The bytes the kept tokens stand for: the whole characters they cover, plus the bytes they keep
+        of a character the cut splits. Where the pieces do not spell the text, should a token inside a
+        split character be no byte token (a SentencePiece ``▁`` put in front of the text), the split
         character counts whole.
     """
+    spelled = spelled_bytes(tokenizer, text, ids)
+    if spelled is not None:
+        return sum(spelled[:k])
     if offsets is not None:
 
         def splits(j: int) -> bool:  # token j starts inside the character token j - 1 ends in
             return offsets[j][0] < offsets[j - 1][1]
 
         def before(j: int) -> int:
-            return len(text[: offsets[j - 1][1]].encode("utf-8"))
+            # Trimmed offsets (trim_offsets) end token j - 1 before its trailing spaces and start token j
+            # after its leading ones: the boundary is the later of that end and token j's start less them.
+            end = offsets[j - 1][1]
+            if j < len(ids):
+                lead = _leading_spaces(tokenizer.convert_ids_to_tokens([ids[j]])[0])
+                end = max(end, offsets[j][0] - lead)
+            return len(text[:end].encode("utf-8"))
 
     else:
 

@@ -110,7 +110,10 @@ def render_markdown(results: EvalResults, plots: list[str]) -> str:
         c = comps.get(m.label, {})
         is_base = base is not None and m.label == base.label
         name = f"**{m.label}** (baseline)" if is_base else m.label
-        row = [name, f"{m.num_kv_heads}/{m.num_heads}", _kib(m.kv_bytes_per_token)]
+        heads = f"{m.num_kv_heads}/{m.num_heads}" + (
+            f" (cache: {m.cached_kv_heads})" if m.cached_kv_heads else ""
+        )
+        row = [name, heads, _kib(m.kv_bytes_per_token)]
         if opts.ppl_data:
             p = m.perplexity
             row += [
@@ -161,6 +164,13 @@ def render_markdown(results: EvalResults, plots: list[str]) -> str:
         toks = {m.perplexity.tokens for m in results.models.values() if m.perplexity}
         if len(toks) > 1:
             notes.append("The models tokenize the text differently: compare bits per byte, not perplexity.")
+    if any(m.cached_kv_heads for m in results.models.values()):
+        notes.append(
+            "KV heads: the weights' K/V heads / query heads; \"cache: N\" where this engine's KV cache "
+            "holds N heads per layer instead (transformers broadcasts Falcon-40B/180B's K/V heads to every "
+            "query head before caching them; vLLM and llama.cpp cache the weights' heads). KV cache / token "
+            "counts the heads the cache holds."
+        )
     if point:
         notes.append(
             "Speedup: decode tokens/s over the baseline's. Bound: the baseline's bytes moved per decode step "

@@ -18,6 +18,7 @@ from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import PerplexityResult
 from gqakit.eval.serving import ServingResult
 from gqakit.geometry import AttentionGeometry
+from gqakit.models import cpu_model
 
 
 @dataclass
@@ -37,6 +38,9 @@ class ModelResult:
         decode: the decode grid, when ``bench`` was set.
         lm_eval: lm-eval's output, when tasks were given.
         serving: KV capacity and greedy agreement, from a serving engine (vLLM).
+        cached_kv_heads: the K/V heads per layer the engine's cache holds, where they differ from
+            ``num_kv_heads`` (transformers' Falcon-40B layout caches all H); ``kv_bytes_per_token`` counts
+            these. None where the cache holds the weights' heads.
     """
 
     label: str
@@ -55,6 +59,7 @@ class ModelResult:
     decode: list[DecodePoint] = field(default_factory=list)
     lm_eval: dict[str, Any] | None = None
     serving: ServingResult | None = None
+    cached_kv_heads: int | None = None
 
     @classmethod
     def of(
@@ -77,6 +82,9 @@ class ModelResult:
             kv_bytes_per_token=(cached or geom).kv_bytes_per_token(dtype_bytes=kv_dtype_bytes),
             weight_bytes=weight_bytes,
             load_s=load_s,
+            cached_kv_heads=cached.num_kv_heads
+            if cached and cached.num_kv_heads != geom.num_kv_heads
+            else None,
         )
 
     def point(self, batch: int, context: int) -> DecodePoint | None:
@@ -169,10 +177,7 @@ def environment(device: torch.device, command_line: str | None) -> dict[str, Any
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
-        device_name = (
-            f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"{torch.get_num_threads()} torch threads"
-        )
+        device_name = f"{cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
     return {
         "command_line": command_line if command_line is not None else " ".join(sys.argv),
         "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -109,11 +109,16 @@ def finite_positive(x: float) -> bool:
     return math.isfinite(x) and x > 0
 
 
-def positive_problem(flag: str, x: float) -> str | None:
-    """What is wrong with ``x`` as a rate given as ``flag`` (:func:`finite_positive`), or None."""
-    if finite_positive(x):
+def rate_problem(flag: str, lr: float, default: float | None = None) -> str | None:
+    """What is wrong with the learning rate ``lr`` given as ``flag`` (:func:`finite_positive`), or None.
+
+    One wording for every rate gqakit takes (convert's, a recipe's, recovery's and replicate's), naming
+    the default where the option has one.
+    """
+    if finite_positive(lr):
         return None
-    return f"{flag} must be {'positive' if math.isfinite(x) else 'a finite positive number'}, got {x}."
+    example = f"; e.g. {default:g} (the default)" if default is not None else ""
+    return f"{flag} must be a finite learning rate above 0, got {lr}{example}."
 
 
 DEVICES = "auto, cpu, cuda or cuda:N"  # what --device (and a recipe's speed.device) takes

@@ -40,10 +40,10 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{device.type}: {_cpu_model()}, {cpus} CPUs"
+    return f"{device.type}: {cpu_model()}, {cpus} CPUs"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux, where ``platform.processor()`` is often empty)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

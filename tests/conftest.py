@@ -1,8 +1,10 @@
-"""Shared test setup: offline hubs, tiny checkpoints, and the gpu skip."""
+"""Shared test setup: offline hubs, a cache of the session's own, tiny checkpoints, and the gpu skip."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,40 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+REAL_CACHE = "real_cache"  # the marker of a test that reads the user's cached assets
+_USER_CACHE = os.environ.get("GQAKIT_CACHE")  # before the session's own replaces it
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{REAL_CACHE}: reads the user's asset cache ($GQAKIT_CACHE or ~/.cache/gqakit) instead of the "
+        "session's own",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """$GQAKIT_CACHE, for the whole session, an empty folder of the session's own: no test, fixture or
+    subprocess writes into the user's cache (each .gguf a test builds would leave its dequantized copy
+    there, each checkpoint evaluated with llama.cpp its export). A test may point it elsewhere itself."""
+    cache = tmp_path_factory.mktemp("gqakit-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GQAKIT_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(autouse=True)
+def _real_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``real_cache`` sees the user's cache, as the session found $GQAKIT_CACHE."""
+    if request.node.get_closest_marker(REAL_CACHE) is None:
+        return
+    if _USER_CACHE is None:
+        monkeypatch.delenv("GQAKIT_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("GQAKIT_CACHE", _USER_CACHE)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,7 +65,6 @@ def standin_python(tmp_path, monkeypatch):
     tests/vllm_standin.py (the worker's protocol, answered by transformers) instead of the real worker."""
     import stat
     import sys
-    from pathlib import Path
 
     from gqakit.eval.vllm_client import ENV_VAR
 

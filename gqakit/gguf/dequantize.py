@@ -7,18 +7,28 @@ checkpoint with its tokenizer, under ``$GQAKIT_CACHE/gguf-dequantized/<stem>-<fi
 that reads a GGUF pays for the dequantization and every later one (``convert``, ``expand``, ``export``,
 ``probe``, ``eval``) opens the cached directory at once. Changing the file changes its fingerprint, so a
 stale copy is never used.
+
+Each copy records the file it was dequantized from (``.gqakit/source.json``: its absolute path,
+fingerprint and the reader's version; in a subfolder, which neither a checkpoint's fingerprint nor a
+conversion's copy of the small files takes in). Once a new copy is complete, the copies it supersedes
+are removed: those of the same file (by that record) from before it changed or from an older reader,
+and copies an older gqakit wrote without a record (see :func:`superseded`). A copy that another process
+is dequantizing into holds its lock and is kept.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gqakit.errors import GqakitError
-from gqakit.files import cache_root, fingerprint, writable_cache
+from gqakit.files import cache_root, fingerprint, writable_cache, write_json
 from gqakit.gguf.readback import gguf_config
-from gqakit.locks import one_at_a_time
+from gqakit.locks import exclusive, one_at_a_time
 from gqakit.outputs import atomic_output_dir
 
 if TYPE_CHECKING:
@@ -26,8 +36,12 @@ if TYPE_CHECKING:
 
 CACHE = "gguf-dequantized"  # the folder under the cache root
 # Part of every cached copy's name: raised whenever a copy's contents change for the same file, so an
-# older gqakit's copy is not reused (2: configs restored by gqakit.gguf.readback).
-READER_VERSION = 2
+# older gqakit's copy is not reused (2: configs restored by gqakit.gguf.readback; 3: each copy records
+# its source, SOURCE_RECORD, so that a copy without one is always an older reader's).
+READER_VERSION = 3
+# In each copy, the file it was dequantized from. In a subfolder: a checkpoint's fingerprint counts only
+# its top-level files, and a conversion copies only those (a record in a converted model would be wrong).
+SOURCE_RECORD = Path(".gqakit") / "source.json"
 log = logging.getLogger(__name__)
 
 
@@ -74,14 +88,28 @@ def dequantize_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None = 
 
 def cache_name(path: Path) -> str:
     """The cached copy's folder name: the file's stem and fingerprint, and the reader's version."""
-    return f"{path.stem}-{fingerprint(path)}-r{READER_VERSION}"
+    return _name(path, fingerprint(path))
+
+
+def _name(path: Path, fp: str) -> str:
+    return f"{path.stem}-{fp}-r{READER_VERSION}"
 
 
 def dequantized_gguf(gguf_path: str | Path) -> Path:
-    """A ``.gguf`` model as a checkpoint directory, dequantized once and cached (see the module
-    docstring); later calls return the cached directory at once."""
+    """A ``.gguf`` model as a checkpoint directory, dequantized once and cached.
+
+    Later calls return the cached directory at once. A call that writes a new copy then removes the
+    copies it supersedes (:func:`superseded`); failing to remove one only logs a warning.
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+
+    Returns:
+        The cached checkpoint directory.
+    """
     path = Path(gguf_path).expanduser().resolve()
-    out = writable_cache(cache_root() / CACHE) / cache_name(path)
+    fp = fingerprint(path)
+    out = writable_cache(cache_root() / CACHE) / _name(path, fp)
     if (out / "config.json").is_file():
         return out
 
@@ -90,10 +118,110 @@ def dequantized_gguf(gguf_path: str | Path) -> Path:
 
     # a second command on the same .gguf waits for the first's copy instead of writing its own over it
     with one_at_a_time(out.parent / f".{out.name}.lock", waiting):
-        if not (out / "config.json").is_file():
-            with atomic_output_dir(out, force=True) as tmp:
-                dequantize_gguf(path, tmp)
+        if (out / "config.json").is_file():
+            return out
+        with atomic_output_dir(out, force=True) as tmp:
+            dequantize_gguf(path, tmp)
+            (tmp / SOURCE_RECORD).parent.mkdir()
+            write_json(
+                tmp / SOURCE_RECORD, {"source": str(path), "fingerprint": fp, "reader": READER_VERSION}
+            )
+    remove_superseded(path, out)
     return out
+
+
+def superseded(path: Path, fp: str, copy: Path) -> bool:
+    """Whether ``copy``, a folder in the cache, is superseded by the current copy of ``path``.
+
+    A copy with a record is superseded when it records ``path`` (resolved) and either another fingerprint
+    (the file has changed since) or an older reader. A copy that a newer gqakit wrote (a later reader) is
+    left to that gqakit.
+
+    A copy without a record cannot be matched to its file, only to the file's stem: it is superseded
+    when its name is exactly ``<stem>-<16 hex digits>`` (before reader 2) or ``<stem>-<16 hex>-r<N>``
+    with N older than this reader. Every copy this reader (3 and up) writes has a record, so a copy
+    without one is an older gqakit's, which this gqakit never opens: removing it costs no later command
+    a dequantization, even where it belonged to another file with the same stem in another directory
+    (that file's current copy, with its record, is never touched). A copy without a record named with
+    this reader's version or a newer one is kept. An unreadable record keeps its copy.
+
+    Args:
+        path: the ``.gguf`` file, resolved.
+        fp: its fingerprint now.
+        copy: a folder of the cache other than the current copy.
+    """
+    try:
+        record = json.loads((copy / SOURCE_RECORD).read_text())
+    except FileNotFoundError:
+        legacy = re.fullmatch(re.escape(path.stem) + r"-[0-9a-f]{16}(?:-r(\d+))?", copy.name)
+        return legacy is not None and int(legacy.group(1) or 1) < READER_VERSION
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("source") != str(path):
+        return False
+    reader = record.get("reader")
+    if not isinstance(reader, int) or reader > READER_VERSION:
+        return False
+    return record.get("fingerprint") != fp or reader < READER_VERSION
+
+
+def remove_superseded(path: Path, current: Path) -> list[Path]:
+    """Remove the copies in ``current``'s cache folder that its copy of ``path`` supersedes.
+
+    Nothing is removed when ``path`` has changed again since ``current`` was dequantized (the copy of
+    its new contents removes the others). A copy whose lock another process holds (it is dequantizing
+    into that folder) is kept. Each removal is logged with its size; a failure is logged as a warning.
+
+    Args:
+        path: the ``.gguf`` file, resolved.
+        current: its cached copy, just written.
+
+    Returns:
+        The copies removed.
+    """
+    cache = current.parent
+    try:
+        fp = fingerprint(path)
+        if _name(path, fp) != current.name:
+            return []
+        copies = sorted(
+            p
+            for p in cache.iterdir()
+            if p != current and not p.name.startswith(".") and p.is_dir() and not p.is_symlink()
+        )
+    except OSError as e:
+        log.warning("could not look for superseded copies of %s in %s: %s", path.name, cache, e)
+        return []
+    removed = []
+    for copy in copies:
+        if not superseded(path, fp, copy):
+            continue
+        busy = f"kept {copy}, a superseded copy of {path.name}: {{owner}} is writing it"
+        try:
+            with exclusive(cache / f".{copy.name}.lock", busy):
+                if not copy.is_dir():  # another process removed it first
+                    continue
+                size = sum(f.stat().st_size for f in copy.rglob("*") if f.is_file() and not f.is_symlink())
+                # first the file every reader looks for: a removal cut short leaves no copy that opens
+                (copy / "config.json").unlink(missing_ok=True)
+                shutil.rmtree(copy)
+        except GqakitError as e:  # its lock is held
+            log.info("%s", e.message)
+            continue
+        except OSError as e:
+            log.warning(
+                "could not remove %s, a superseded copy of %s: %s; remove it: rm -rf %s",
+                copy,
+                path.name,
+                e,
+                copy,
+            )
+            continue
+        removed.append(copy)
+        log.info(
+            "removed %s (%.1f MiB), a dequantized copy superseded by %s", copy, size / 2**20, current.name
+        )
+    return removed
 
 
 def local_model(src: str) -> str:
@@ -102,4 +230,14 @@ def local_model(src: str) -> str:
     return str(dequantized_gguf(src)) if is_gguf(src) else src
 
 
-__all__ = ["CACHE", "cache_name", "dequantize_gguf", "dequantized_gguf", "is_gguf", "local_model"]
+__all__ = [
+    "CACHE",
+    "SOURCE_RECORD",
+    "cache_name",
+    "dequantize_gguf",
+    "dequantized_gguf",
+    "is_gguf",
+    "local_model",
+    "remove_superseded",
+    "superseded",
+]

@@ -9,12 +9,14 @@ from typing import Any
 
 import click
 
-from gqakit.cli_options import Problems, device_problem, finite_positive
+from gqakit.cli_options import Problems, device_problem, finite_positive, rate_problem
 from gqakit.convert.refine import REFINE_QK_LR
 from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
 from gqakit.files import fingerprint
 from gqakit.pipelines.starts import REFINED, STARTS
 from gqakit.uptrain.schedule import warmup_steps
+
+LR = 2e-4  # the uptraining rate every start shares unless --start-lr gives it its own
 
 DEFAULT_STARTS = ("mean", "calibrated", REFINED)
 OBJECTIVES = ("distill", "lm")
@@ -62,7 +64,7 @@ class RecoveryOptions:
     data: Path | None = None
     tokens: int = 200_000
     starts: tuple[str, ...] = DEFAULT_STARTS
-    lr: float = 2e-4
+    lr: float = LR
     start_lr: tuple[str, ...] = ()
     objective: str = "distill"
     precision: str = "auto"
@@ -163,7 +165,7 @@ class RecoveryOptions:
                 continue
             p.add(STARTS.unknown(start, f"{f('start_lr')} start", among=self.starts))
             if not all(finite_positive(lr) for lr in rates):
-                p.add(f"{f('start_lr')} {item!r}: every learning rate must be finite and positive.")
+                p.add(f"{f('start_lr')} {item!r}: every learning rate must be finite and above 0.")
             given.setdefault(start, []).extend(rates)
         for start, rates in given.items():
             twice = sorted({lr for lr in rates if rates.count(lr) > 1})
@@ -173,16 +175,14 @@ class RecoveryOptions:
                     f"{f('start_lr')} gives {start} the rate {', '.join(f'{lr:g}' for lr in twice)} more "
                     "than once; list each rate once."
                 )
-        if not finite_positive(self.lr):
-            p.add(f"{f('lr')} must be a finite positive learning rate, got {self.lr}.")
+        p.add(rate_problem(f("lr"), self.lr, LR))
         if self.objective not in OBJECTIVES:
             p.add(f"{f('objective')} {self.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}.")
         p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
         p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
         if self.refine_loss is not None:
             p.add(REFINE_LOSSES.unknown(self.refine_loss, f("refine_loss")))
-        if not finite_positive(self.refine_qk_lr):
-            p.add(f"{f('refine_qk_lr')} must be a finite positive learning rate, got {self.refine_qk_lr}.")
+        p.add(rate_problem(f("refine_qk_lr"), self.refine_qk_lr, REFINE_QK_LR))
         if self.precision not in PRECISIONS:
             p.add(f"{f('precision')} {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
         for name in (

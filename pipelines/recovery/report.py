@@ -15,6 +15,7 @@ import transformers
 
 from gqakit import __version__
 from gqakit.convert import ConvertOptions
+from gqakit.models import cpu_model
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, best_rates, savings
 from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
@@ -97,7 +98,7 @@ def write_report(
     swept = any(c.swept for c in curves)
     ref = curves[0].start
     command = "gqakit recovery " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else ""
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    machine = f"{cpu_model()}, {os.cpu_count()} CPUs"
     # the rates the refined start is converted with: those of the options that convert it
     refined = start_convert_options(
         REFINED, o.groups, calib_data=None, calib_tokens=o.calib_tokens, refine_steps=o.refine_steps,

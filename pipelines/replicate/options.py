@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from gqakit.cli_options import Problems, device_problem, positive_problem
+from gqakit.cli_options import Problems, device_problem, rate_problem
 from gqakit.convert.methods import PAPER_METHODS
 from gqakit.names import NameTable
 from gqakit.pipelines.starts import REFINED, STARTS
@@ -125,7 +125,7 @@ class ReplicateOptions:
         if not self.scale > 0:
             p.add(f"{f('scale')} must be positive, got {self.scale}.")
         for name in ("lr", "uptrain_lr"):  # click reads inf and nan: they would fail after pretraining
-            p.add(positive_problem(f(name), getattr(self, name)))
+            p.add(rate_problem(f(name), getattr(self, name)))
         if not self.seeds:
             p.add(f"{f('seeds')} needs at least one seed.")
         self._check_alphas(p)

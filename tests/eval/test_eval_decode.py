@@ -128,6 +128,15 @@ def test_falcon_eval_result_reports_the_weights_heads_and_the_cached_bytes(tmp_p
     assert res.num_kv_heads == 2  # GQA-2 in its weights, and its cache holds all 4 query heads' copies
     assert res.kv_bytes_per_token == 2 * 2 * 4 * 8 * 4
     assert p.kv_bytes == res.kv_bytes_per_token * p.batch * p.kv_tokens
+    # the report says which heads its bytes count: the weights' 2 and the cache's 4, with a note why
+    assert res.cached_kv_heads == 4
+    from gqakit.eval.report import render_markdown
+    from gqakit.eval.results import EvalResults, environment
+
+    env = environment(torch.device("cpu"), "gqakit eval falcon")
+    report = render_markdown(EvalResults({"falcon": res}, None, opts, env), plots=[])
+    assert "| falcon | 2/4 (cache: 4) |" in report
+    assert "transformers broadcasts Falcon-40B/180B's K/V heads to every query head" in report
 
 
 def test_bytes_moved_and_bound(tiny_models):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import platform
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +145,16 @@ def test_default_contexts_are_clipped_to_the_models_positions(tiny_models):
     )
     # 256 positions: none of 256, 1024, 4096 leaves room for 3 new tokens, so the longest that does.
     assert [p.context for p in res.models["mqa"].decode] == [253]
+
+
+def test_results_name_the_cpu_by_its_model():
+    """``platform.processor()`` is empty on Linux, so results.json read ``x86_64``; /proc/cpuinfo names it."""
+    import torch
+
+    from gqakit.eval.results import environment
+    from gqakit.models import cpu_model
+
+    name = environment(torch.device("cpu"), "gqakit eval m")["device_name"]
+    assert name.startswith(f"{cpu_model()}, ") and "CPUs" in name
+    if Path("/proc/cpuinfo").is_file() and "model name" in Path("/proc/cpuinfo").read_text():
+        assert not name.startswith(f"{platform.machine()},")

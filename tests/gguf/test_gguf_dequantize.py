@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ def test_a_second_conversion_of_a_gguf_reuses_its_dequantized_copy(exported, tmp
     cached = list((tmp_path / "cache" / deq.CACHE).iterdir())
     assert len(cached) == 1 and (cached[0] / "config.json").is_file()
     assert first.to_kv_heads == 2 and second.to_kv_heads == 1
+    assert not (first.dst / ".gqakit").exists()  # the copy's record of its source is not the model's
     # the other commands that read a .gguf open the same copy
     assert deq.local_model(str(mha.path)) == str(cached[0])
     export_gguf(mha.path, tmp_path / "again.gguf", "f32")
@@ -50,17 +52,120 @@ def test_a_second_conversion_of_a_gguf_reuses_its_dequantized_copy(exported, tmp
     assert counted == [mha.path]
 
 
+def _copy_of(src: Path, dst: Path, later_s: int = 0) -> Path:
+    """``src`` copied to ``dst``, its modification time ``later_s`` seconds after the copy's."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(src.read_bytes())
+    _touch(dst, later_s)
+    return dst
+
+
+def _touch(path: Path, later_s: int = 1) -> None:
+    """``path`` rewritten, as far as its fingerprint tells: the same bytes, a later modification time."""
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + later_s * 10**9))
+
+
+def _copies() -> list[str]:
+    """The names of the copies in the cache (not the hidden lock files and temporary folders)."""
+    return sorted(p.name for p in (deq.cache_root() / deq.CACHE).iterdir() if not p.name.startswith("."))
+
+
 def test_a_changed_gguf_is_dequantized_again(exported, tmp_path, counted):
     _, mha = exported("llama", "mha", "f32")
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(mha.path.read_bytes())
+    gguf = _copy_of(mha.path, tmp_path / "model.gguf")
     a = deq.dequantized_gguf(gguf)
-    stat = gguf.stat()
-    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten: a new fingerprint
+    wa = load_file(a / "model.safetensors")
+    _touch(gguf)  # rewritten: a new fingerprint
     b = deq.dequantized_gguf(gguf)
     assert a != b and len(counted) == 2
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    wb = load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def test_the_copy_of_a_gguf_before_it_changed_is_removed(exported, tmp_path, counted, caplog, monkeypatch):
+    _, mha = exported("llama", "mha", "f32")
+    gguf = _copy_of(mha.path, tmp_path / "model.gguf")
+    old = deq.dequantized_gguf(gguf)
+    _touch(gguf)
+    caplog.set_level(logging.INFO, logger="gqakit.gguf.dequantize")
+    new = deq.dequantized_gguf(gguf)
+    assert _copies() == [new.name] and not old.exists()  # one copy for the file: the new one
+    assert f"removed {old} (" in caplog.text and " MiB)" in caplog.text
+    record = json.loads((new / deq.SOURCE_RECORD).read_text())
+    assert record == {"source": str(gguf.resolve()), "fingerprint": deq.fingerprint(gguf), "reader": 3}
+    # a later reader's copy of the same file replaces this reader's
+    monkeypatch.setattr(deq, "READER_VERSION", deq.READER_VERSION + 1)
+    newer = deq.dequantized_gguf(gguf)
+    assert newer.name.endswith("-r4") and _copies() == [newer.name] and len(counted) == 3
+    assert not list((deq.cache_root() / deq.CACHE).glob(".*"))  # no lock or temporary folder left
+
+
+def test_the_copy_of_another_gguf_with_the_same_name_is_kept(exported, tmp_path, counted):
+    _, mha = exported("llama", "mha", "f32")
+    here = _copy_of(mha.path, tmp_path / "a" / "model.gguf")
+    there = _copy_of(mha.path, tmp_path / "b" / "model.gguf", later_s=5)
+    theirs = deq.dequantized_gguf(there)
+    first = deq.dequantized_gguf(here)
+    _touch(here)
+    mine = deq.dequantized_gguf(here)
+    assert _copies() == sorted([theirs.name, mine.name]) and not first.exists()
+    assert deq.dequantized_gguf(there) == theirs and len(counted) == 3  # still cached
+
+
+def test_copies_an_older_gqakit_wrote_are_removed_by_the_files_name(exported, tmp_path, counted):
+    """Copies without a record are older readers' (every copy since has one): those named for the file's
+    stem go once the file has a current copy, even another directory's file of that name (no command of
+    this gqakit would open them). Another stem's, or one named for this reader, are kept."""
+    _, mha = exported("llama", "mha", "f32")
+    gguf = _copy_of(mha.path, tmp_path / "model.gguf")
+    cache = deq.cache_root() / deq.CACHE
+    fp = deq.fingerprint(gguf)
+    legacy = ["model-0123456789abcdef", f"model-{fp}", f"model-{fp}-r2"]  # before reader 2, reader 2
+    kept = ["model-q4-0123456789abcdef-r2", "other-0123456789abcdef", f"model-{fp}-r9", "model-notacopy"]
+    for name in legacy + kept:
+        (cache / name).mkdir(parents=True)
+        (cache / name / "config.json").write_text("{}")
+    new = deq.dequantized_gguf(gguf)
+    assert _copies() == sorted([*kept, new.name])
+
+
+def test_a_superseded_copy_another_process_is_writing_is_kept(exported, tmp_path, counted, caplog):
+    _, mha = exported("llama", "mha", "f32")
+    gguf = _copy_of(mha.path, tmp_path / "model.gguf")
+    old = deq.dequantized_gguf(gguf)
+    _touch(gguf)
+    caplog.set_level(logging.INFO, logger="gqakit.gguf.dequantize")
+    with one_at_a_time(old.parent / f".{old.name}.lock", lambda owner: None):  # another process's
+        new = deq.dequantized_gguf(gguf)
+    assert _copies() == sorted([old.name, new.name]) and (old / "config.json").is_file()
+    assert f"kept {old}" in caplog.text and "removed" not in caplog.text
+    _touch(gguf)  # the next copy removes both
+    newest = deq.dequantized_gguf(gguf)
+    assert _copies() == [newest.name]
+
+
+def test_a_copy_that_cannot_be_removed_is_reported_and_the_command_goes_on(
+    exported, tmp_path, counted, caplog, monkeypatch
+):
+    _, mha = exported("llama", "mha", "f32")
+    gguf = _copy_of(mha.path, tmp_path / "model.gguf")
+    old = deq.dequantized_gguf(gguf)
+    _touch(gguf)
+
+    real = deq.shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        if Path(path) != old:
+            return real(path, *args, **kwargs)
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(deq.shutil, "rmtree", refuse)
+    caplog.set_level(logging.WARNING, logger="gqakit.gguf.dequantize")
+    new = deq.dequantized_gguf(gguf)
+    assert (new / "config.json").is_file()
+    assert f"could not remove {old}" in caplog.text and f"rm -rf {old}" in caplog.text
+    assert not (old / "config.json").exists()  # what is left of it is never opened as a copy
 
 
 def test_a_command_while_another_dequantizes_the_same_gguf_waits_and_reuses_its_copy(
@@ -96,3 +201,13 @@ def test_an_output_containing_the_gguf_is_refused_before_force_could_delete_it(e
     with pytest.raises(GqakitError, match=r"Output .*models contains the source .*model\.gguf"):
         convert_checkpoint(gguf, models, ConvertOptions(groups=2, force=True))
     assert [p.name for p in models.iterdir()] == ["model.gguf"]
+
+
+def test_the_suite_dequantizes_into_a_cache_of_its_own(session_cache):
+    """tests/conftest.py: no test leaves a dequantized copy in the user's cache."""
+    assert deq.cache_root() == session_cache.resolve() != (Path.home() / ".cache" / "gqakit").resolve()
+
+
+@pytest.mark.real_cache
+def test_a_test_marked_real_cache_sees_the_users_cache(session_cache):
+    assert deq.cache_root() != session_cache.resolve()

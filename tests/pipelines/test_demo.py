@@ -316,10 +316,10 @@ def test_the_demo_times_decoding_again_on_another_cpu_model(tmp_path, monkeypatc
     s = Settings("cpu", "float32", 16, None, 1, 8, 2, 1, ppl_batch=1)
     evals = [SimpleNamespace(label="m", result=SimpleNamespace(path=str(model)))]
     store = ResultStore(tmp_path / "results")
-    monkeypatch.setattr(devices, "_cpu_model", lambda: "AMD EPYC 7B13")
+    monkeypatch.setattr(devices, "cpu_model", lambda: "AMD EPYC 7B13")
     for _ in range(2):
         decode.decode_side_by_side(evals, s, store, Steps(1, lambda *a, **k: None))
     assert len(runs) == 1  # the same machine reuses its timings
-    monkeypatch.setattr(devices, "_cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8480+")
+    monkeypatch.setattr(devices, "cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8480+")
     decode.decode_side_by_side(evals, s, store, Steps(1, lambda *a, **k: None))
     assert len(runs) == 2

@@ -308,15 +308,21 @@ def _cli(tiny, tmp_path, *args: str):
         (["--groups", "3"], "--groups 3 does not divide the 4 K/V heads of this checkpoint. Valid --groups"),
         (["--groups", "1", "--start-lr", "mean"], "--start-lr 'mean' must be START=LR"),
         (["--groups", "1", "--start-lr", "first=1e-3"], "--start-lr start 'first' is unknown"),
-        (["--groups", "1", "--lr", "inf"], "--lr must be a finite positive learning rate, got inf."),
-        (["--groups", "1", "--lr", "nan"], "--lr must be a finite positive learning rate, got nan."),
+        (
+            ["--groups", "1", "--lr", "inf"],
+            "--lr must be a finite learning rate above 0, got inf; e.g. 0.0002 (the default).",
+        ),
+        (
+            ["--groups", "1", "--lr", "nan"],
+            "--lr must be a finite learning rate above 0, got nan; e.g. 0.0002 (the default).",
+        ),
         (
             ["--groups", "1", "--start-lr", "mean=inf"],
-            "--start-lr 'mean=inf': every learning rate must be finite and positive.",
+            "--start-lr 'mean=inf': every learning rate must be finite and above 0.",
         ),
         (
             ["--groups", "1", "--start-lr", "refined=1e-4,nan"],
-            "--start-lr 'refined=1e-4,nan': every learning rate must be finite and positive.",
+            "--start-lr 'refined=1e-4,nan': every learning rate must be finite and above 0.",
         ),
     ],
 )
@@ -363,8 +369,8 @@ def test_options_from_python_name_the_flags():
         RecoveryOptions(src="x", groups=1, **bad).validate()
     assert "--refine-loss 'l2' is unknown; choose one of relative, per-token" in e.value.message
     assert "--refine-schedule 'step' is unknown; choose one of constant, cosine" in e.value.message
-    assert "--refine-qk-lr must be a finite positive learning rate, got 0" in e.value.message
-    with pytest.raises(GqakitError, match="--refine-qk-lr must be a finite positive learning rate, got inf"):
+    assert "--refine-qk-lr must be a finite learning rate above 0, got 0" in e.value.message
+    with pytest.raises(GqakitError, match="--refine-qk-lr must be a finite learning rate above 0, got inf"):
         RecoveryOptions(src="x", groups=1, refine_qk_lr=float("inf")).validate()
     assert RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).rates_of("refined") == (1e-4,)
     sweep = RecoveryOptions(src="x", groups=1, lr=2e-4, start_lr=("refined=1e-4,4e-4", "refined=8e-4"))
@@ -375,12 +381,14 @@ def test_options_from_python_name_the_flags():
             src="x", groups=1, start_lr=("refined=1e-4,4e-4", "refined=1e-4", "mean=1e-3,-1")
         ).validate()
     assert "--start-lr gives refined the rate 0.0001 more than once; list each rate once." in e.value.message
-    assert "--start-lr 'mean=1e-3,-1': every learning rate must be finite and positive." in e.value.message
+    assert "--start-lr 'mean=1e-3,-1': every learning rate must be finite and above 0." in e.value.message
     with pytest.raises(GqakitError) as e:  # every non-finite rate at once, each by its flag
         inf = float("inf")
         RecoveryOptions(src="x", groups=1, lr=inf, start_lr=("mean=inf",)).validate()
-    assert "--lr must be a finite positive learning rate, got inf." in e.value.message
-    assert "--start-lr 'mean=inf': every learning rate must be finite and positive." in e.value.message
+    assert (
+        "--lr must be a finite learning rate above 0, got inf; e.g. 0.0002 (the default)." in e.value.message
+    )
+    assert "--start-lr 'mean=inf': every learning rate must be finite and above 0." in e.value.message
 
 
 def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversion(tiny, tmp_path):

@@ -166,10 +166,10 @@ def test_bad_options_are_reported_together(tmp_path, corpus):
         "--groups 3,4",
         "--alphas must be increasing, >= 0 and finite, got 0.5,0.1",
         "--methods median",
-        "--uptrain-lr must be positive, got 0",
+        "--uptrain-lr must be a finite learning rate above 0, got 0.",
     ):
         assert fragment in e.value.message
-    with pytest.raises(GqakitError, match="lr must be a finite positive number, got inf."):
+    with pytest.raises(GqakitError, match="lr must be a finite learning rate above 0, got inf."):
         ReplicateOptions(lr=float("inf")).validate()
 
 

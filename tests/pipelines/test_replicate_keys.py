@@ -69,16 +69,16 @@ def test_decode_times_are_measured_again_on_another_gpu_or_cpu_model(measure, mo
 
     # on a CPU, then on another CPU model
     monkeypatch.setattr(train, "resolve_device", lambda device: torch.device("cpu"))
-    monkeypatch.setattr(devices, "_cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8480+")
+    monkeypatch.setattr(devices, "cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8480+")
     assert measure() == ["decode", "ppl"]
-    monkeypatch.setattr(devices, "_cpu_model", lambda: "AMD EPYC 9654")
+    monkeypatch.setattr(devices, "cpu_model", lambda: "AMD EPYC 9654")
     assert measure() == ["decode"]
 
 
 def test_a_device_name_says_the_model_and_for_a_cpu_the_cpus_it_may_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert devices.device_name(torch.device("cuda")) == "cuda: NVIDIA H100 80GB HBM3"
-    monkeypatch.setattr(devices, "_cpu_model", lambda: "AMD EPYC 9654")
+    monkeypatch.setattr(devices, "cpu_model", lambda: "AMD EPYC 9654")
     monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     assert devices.device_name(torch.device("cpu")) == "cpu: AMD EPYC 9654, 3 CPUs"
 

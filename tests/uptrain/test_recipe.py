@@ -91,7 +91,7 @@ def test_cross_field_rules():
     assert "give exactly one of steps, tokens or alpha (got steps, tokens, alpha)" in msg
     assert "budget.alpha needs budget.pretraining_tokens" in msg
     assert "objective.kind 'distill' needs a teacher" in msg
-    assert "train.lr must be positive" in msg
+    assert "train.lr must be a finite learning rate above 0, got" in msg
 
 
 @pytest.mark.parametrize("lr", [".inf", ".nan"])
@@ -99,7 +99,9 @@ def test_a_learning_rate_that_is_not_finite_is_refused(tmp_path, lr):
     """YAML reads .inf and .nan; such a run only failed after its first steps (3 non-finite in a row)."""
     f = tmp_path / "r.yaml"
     f.write_text("model: {path: m}\nbudget: {steps: 1}\ndata: {files: [t.txt]}\noutput_dir: out\n")
-    with pytest.raises(RecipeError, match=r"train.lr must be a finite positive number, got (inf|nan)\."):
+    with pytest.raises(
+        RecipeError, match=r"train.lr must be a finite learning rate above 0, got (inf|nan)\."
+    ):
         load_recipe(f, [f"train.lr={lr}"])
 
 
@@ -234,9 +236,9 @@ def test_convert_block_takes_refinement_and_checks_it():
     msg = str(e.value)
     assert "model.convert.refine_target 'mlp' is unknown; choose one of attention, layer" in msg
     assert "model.convert.refine_schedule 'linear' is unknown; choose one of constant, cosine" in msg
-    assert "model.convert.refine_lr must be a positive learning rate, got 0" in msg
+    assert "model.convert.refine_lr must be a finite learning rate above 0, got 0" in msg
     assert "model.convert.refine_loss 'l1' is unknown; choose one of relative, per-token" in msg
-    assert "model.convert.refine_qk_lr must be a positive learning rate, got -1" in msg
+    assert "model.convert.refine_qk_lr must be a finite learning rate above 0, got -1" in msg
     assert "model.convert.refine_steps must be 0 (off) or a positive step count, got -5" in msg
     random = "model.convert.refine_steps cannot start from model.convert.method random"
     with pytest.raises(RecipeError, match=random):
