@@ -69,7 +69,9 @@ def spelled_bytes(tokenizer, text: str, ids: Sequence[int]) -> list[int] | None:
 
     The pieces are read as byte-level BPE's, else as SentencePiece's (an added token as its text either
     way); the first reading whose bytes are the text's is taken. A space the tokenizer put in front of
-    the text is not in it: the first token is counted without it.
+    the text is not in it: the first token is counted without it. Not read so: tokens among ``ids`` that
+    take in the spaces beside them (added tokens with ``lstrip``/``rstrip``, or of spaces only), whose
+    pieces can spell the text with a space in the wrong token.
 
     Args:
         tokenizer: the tokenizer that made ``ids`` from ``text``.
@@ -79,15 +81,24 @@ def spelled_bytes(tokenizer, text: str, ids: Sequence[int]) -> list[int] | None:
     Returns:
         One count a token, summing to the text's bytes; None when neither reading spells the text.
     """
-    added = {i: t.content.encode("utf-8") for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    tokens = getattr(tokenizer, "added_tokens_decoder", {})
+    if any(
+        i in tokens and (tokens[i].lstrip or tokens[i].rstrip or tokens[i].content.isspace()) for i in ids
+    ):
+        # such a token takes in the spaces beside it, and the pre-tokenizer may put one back in front of
+        # the next piece: the pieces still spell the text with a space counted in the wrong token
+        return None
+    added = {i: t.content.encode("utf-8") for i, t in tokens.items()}
     pieces = tokenizer.convert_ids_to_tokens(list(ids))
     data = text.encode("utf-8")
+    # the tokenizer's own space goes in front of a piece of the text, never of an added token
+    fronts = (data,) if ids and ids[0] in added else (data, b" " + data)
     for read in (_byte_level, _sentencepiece):
         spelled = [added[i] if i in added else read(p) for i, p in zip(ids, pieces, strict=True)]
         if not spelled or None in spelled:
             continue
         whole = b"".join(spelled)
-        if whole in (data, b" " + data):
+        if whole in fronts:
             counts = [len(s) for s in spelled]
             counts[0] -= len(whole) - len(data)
             return counts

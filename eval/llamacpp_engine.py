@@ -4,7 +4,8 @@ real.
 transformers repeats each shared K/V head for every query head (``repeat_kv``), so its attention reads
 as many bytes as MHA; llama.cpp's kernels read a shared head once. This engine exports the checkpoint
 to GGUF once (:func:`gqakit.gguf.export_gguf`, cached under ``$GQAKIT_CACHE/gguf`` by the checkpoint's
-files and the weight type), loads it with llama.cpp's Python binding, and fills the same
+files, the weight type and the exporter's version; a new export replaces the checkpoint's earlier ones
+of that type, see :func:`gguf_for`), loads it with llama.cpp's Python binding, and fills the same
 :class:`~gqakit.eval.results.ModelResult` as the transformers engine:
 
 * perplexity over exactly the transformers engine's windows: the stream is tokenized by the checkpoint's
@@ -33,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from gqakit import cache_copies
+from gqakit.cache_copies import CopyKind, superseded_by_record, write_record
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.options import EvalOptions
@@ -42,6 +45,7 @@ from gqakit.files import cache_root, fingerprint, writable_cache
 from gqakit.geometry import AttentionGeometry
 from gqakit.gguf import export_gguf, read_gguf_header
 from gqakit.gguf.export import EXPORT_VERSION
+from gqakit.locks import one_at_a_time
 from gqakit.models import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,10 @@ GGML_TYPE_F32 = 0  # ggml_type of a float32 KV cache
 # llama.cpp logs the cache it allocates: "llama_kv_cache: size =   90.00 MiB (  4096 cells, ...". It
 # rounds the cells up (to a multiple of 256), so the cells come from the line, not from n_ctx.
 _KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells")
+CACHE = "gguf"  # the exports' folder under the cache root
+# Beside each export, the checkpoint it was exported from: ``<export>.gguf`` + this. Not a ``.gguf`` name,
+# so that a listing of the exports leaves it out.
+RECORD_SUFFIX = ".source.json"
 
 
 def require_llama_cpp(_options: Any = None):
@@ -69,17 +77,159 @@ def require_llama_cpp(_options: Any = None):
 
 
 def gguf_for(path: str, out_type: str) -> Path:
-    """``path`` exported to GGUF with ``out_type`` weights, once: cached by the checkpoint's files and the
-    exporter's version (another gqakit's export of the same checkpoint may differ)."""
-    src = Path(path).expanduser()
-    cache = writable_cache(cache_root() / "gguf")
-    dst = cache / f"{src.resolve().name}-{fingerprint(src)}-{out_type}-e{EXPORT_VERSION}.gguf"
-    if not dst.is_file():
-        logging.getLogger("gguf").setLevel(logging.ERROR)
-        res = export_gguf(src, dst, out_type=out_type)
+    """``path`` exported to GGUF with ``out_type`` weights, once, into the cache.
+
+    The export is named by the checkpoint directory's name and fingerprint, the weight type and the
+    exporter's version (another gqakit's export of the same checkpoint may differ), and records its source
+    beside it (``<export>.source.json``, written before the export appears). A second process that asks
+    for the same export while the first writes it waits for it and reuses it. A call that writes a new
+    export then removes the exports it supersedes (:func:`superseded_export`) that no other process holds;
+    failing to remove one only logs a warning. This process holds the export it gets until it exits
+    (:func:`gqakit.cache_copies.in_use`).
+
+    Args:
+        path: a checkpoint directory (or a ``.gguf`` file) gqakit reads.
+        out_type: the weight type, ``f32``, ``f16`` or ``q8_0``.
+
+    Returns:
+        The cached ``.gguf`` file.
+    """
+    return cache_copies.in_use(lambda: _export(path, out_type), Path.is_file)
+
+
+def _export(path: str, out_type: str) -> Path:
+    src = Path(path).expanduser().resolve()
+    fp = fingerprint(src)
+    dst = writable_cache(cache_root() / CACHE) / _export_name(src, fp, out_type, EXPORT_VERSION)
+    if dst.is_file():
+        if not _record_path(dst).is_file():
+            # an export of this version from before records: its name says it is this checkpoint's (its
+            # fingerprint), so record it, and the export that replaces it once the checkpoint changes
+            # removes it (unrecorded, it would be kept forever: see superseded_export)
+            write_record(_record_path(dst), _record(src, fp, out_type))
+        return dst
+
+    def waiting(owner: str) -> None:
+        log.warning("waiting for %s, which is exporting %s to %s", owner, src, dst)
+
+    # export_gguf writes a temporary file and renames it, so a reader never opens half an export; the lock
+    # spares a second process the same minutes of work (it reuses the first one's file)
+    with one_at_a_time(dst.parent / f".{dst.name}.lock", waiting):
+        if dst.is_file():
+            return dst
+        # the record first: an export on disk always has one, so one without is an older gqakit's
+        write_record(_record_path(dst), _record(src, fp, out_type))
+        try:
+            logging.getLogger("gguf").setLevel(logging.ERROR)
+            res = export_gguf(src, dst, out_type=out_type, force=True)
+        except BaseException:
+            _record_path(dst).unlink(missing_ok=True)
+            raise
         for warning in res.warnings:
             log.warning("%s: %s", src, warning)
+    remove_superseded_exports(src, out_type, dst)
     return dst
+
+
+def _export_name(src: Path, fp: str, out_type: str, version: int) -> str:
+    return f"{src.name}-{fp}-{out_type}-e{version}.gguf"
+
+
+def _record_path(export: Path) -> Path:
+    return export.with_name(export.name + RECORD_SUFFIX)
+
+
+def _record(src: Path, fp: str, out_type: str) -> dict[str, Any]:
+    """The record of the export of ``src`` (resolved) at fingerprint ``fp`` with ``out_type`` weights."""
+    return {"source": str(src), "fingerprint": fp, "out_type": out_type, "export": EXPORT_VERSION}
+
+
+def superseded_export(src: Path, fp: str, out_type: str, export: Path) -> bool:
+    """Whether ``export``, a ``.gguf`` in the cache, is superseded by the current export of ``src``.
+
+    An export with a record is superseded when it records ``src`` (resolved) and ``out_type``, and either
+    another fingerprint (the checkpoint has changed since) or an older exporter. An export of the same
+    checkpoint with another weight type is another export, and one that a newer gqakit wrote (a later
+    exporter) is left to that gqakit. An unreadable record keeps its export.
+
+    An export without a record (from a gqakit before records) can be matched to its checkpoint only by
+    the directory's name: it is superseded when its name is exactly ``<name>-<16 hex>-<out_type>.gguf``
+    (before the exporter's version was in the name) or ``<name>-<16 hex>-<out_type>-e<N>.gguf`` with N
+    older than this exporter. This gqakit never opens such a file, so removing it costs no later
+    command an export, even where it came from another directory of the same name (``final``, ``model``).
+    One without a record named with this exporter's version or a newer one is kept, whatever its
+    fingerprint: this gqakit reuses it when a checkpoint's name and fingerprint match (and records it
+    then, :func:`gguf_for`), and it cannot tell an earlier state of ``src`` from another directory of the
+    same name.
+
+    Args:
+        src: the checkpoint, resolved.
+        fp: its fingerprint now.
+        out_type: the weight type of the current export.
+        export: a ``.gguf`` in the cache other than the current export.
+    """
+
+    def legacy() -> bool:
+        pattern = rf"{re.escape(src.name)}-[0-9a-f]{{16}}-{re.escape(out_type)}(?:-e(\d+))?\.gguf"
+        match = re.fullmatch(pattern, export.name)
+        return match is not None and int(match.group(1) or 1) < EXPORT_VERSION
+
+    return superseded_by_record(_record_path(export), _record(src, fp, out_type), "export", legacy)
+
+
+def remove_superseded_exports(src: Path, out_type: str, current: Path) -> list[Path]:
+    """Remove the exports in ``current``'s cache folder that it supersedes (:func:`superseded_export`).
+
+    Nothing is removed when ``src`` has changed again since ``current`` was exported (the export of its
+    new contents removes the others). An export that another process is writing (its lock), or holds in
+    use, is kept. Each removal is logged with its size; a failure is logged as a warning.
+
+    Args:
+        src: the checkpoint, resolved.
+        out_type: ``current``'s weight type.
+        current: its export, just written.
+
+    Returns:
+        The exports removed.
+    """
+
+    def candidates() -> list[Path]:
+        fp = fingerprint(src)
+        if _export_name(src, fp, out_type, EXPORT_VERSION) != current.name:
+            return []
+        return [
+            p
+            for p in current.parent.glob("*.gguf")
+            if p != current
+            and not p.name.startswith(".")
+            and p.is_file()
+            and not p.is_symlink()
+            and superseded_export(src, fp, out_type, p)
+        ]
+
+    return cache_copies.remove_superseded(_EXPORTS, src.name, current, candidates)
+
+
+def _remove_export(export: Path) -> int | None:
+    """Remove one cached export and its record; the bytes they held, or None when already gone."""
+    if not export.is_file():  # another process removed it first
+        return None
+    record = _record_path(export)
+    size = export.stat().st_size + (record.stat().st_size if record.is_file() else 0)
+    # the export first: a removal cut short leaves a record without a file, which nothing opens
+    export.unlink()
+    record.unlink(missing_ok=True)
+    return size
+
+
+# how cache_copies.remove_superseded names the exports in messages and removes one (and its record)
+_EXPORTS = CopyKind(
+    ("export", "exports"),
+    "a GGUF export for llama.cpp",
+    log,
+    _remove_export,
+    lambda e: f"rm -f {e} {_record_path(e)}",
+)
 
 
 @contextmanager
@@ -236,10 +386,14 @@ def measure_llamacpp_model(
 
 
 __all__ = [
+    "CACHE",
     "INSTALL",
+    "RECORD_SUFFIX",
     "gguf_for",
     "llamacpp_decode",
     "llamacpp_perplexity",
     "measure_llamacpp_model",
+    "remove_superseded_exports",
     "require_llama_cpp",
+    "superseded_export",
 ]

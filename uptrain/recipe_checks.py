@@ -52,7 +52,8 @@ def recipe_problems(self: Recipe) -> list[str]:
         p.append(f"data.val_fraction must be between 0 and 1 (exclusive), got {d.val_fraction}.")
     if d.max_val_blocks is not None and d.max_val_blocks < 1:
         p.append(f"data.max_val_blocks must be at least 1 (or null), got {d.max_val_blocks}.")
-    lr = rate_problem("train.lr", t.lr)  # YAML reads .inf and .nan: such a run fails steps into it
+    # YAML reads .inf and .nan: such a run fails steps into it (type(t).lr: the field's default)
+    lr = rate_problem("train.lr", t.lr, type(t).lr)
     if lr:
         p.append(lr)
     if len(t.betas) != 2 or not all(0 <= x < 1 for x in t.betas):

@@ -13,22 +13,24 @@ fingerprint and the reader's version; in a subfolder, which neither a checkpoint
 conversion's copy of the small files takes in). Once a new copy is complete, the copies it supersedes
 are removed: those of the same file (by that record) from before it changed or from an older reader,
 and copies an older gqakit wrote without a record (see :func:`superseded`). A copy that another process
-is dequantizing into holds its lock and is kept.
+is dequantizing into holds its lock and is kept, and so is one that another process was handed and may
+still open: each process holds the copies it gets in use until it exits (:func:`gqakit.cache_copies.in_use`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from gqakit import cache_copies
+from gqakit.cache_copies import CopyKind, superseded_by_record, write_record
 from gqakit.errors import GqakitError
-from gqakit.files import cache_root, fingerprint, writable_cache, write_json
+from gqakit.files import cache_root, fingerprint, writable_cache
 from gqakit.gguf.readback import gguf_config
-from gqakit.locks import exclusive, one_at_a_time
+from gqakit.locks import one_at_a_time
 from gqakit.outputs import atomic_output_dir
 
 if TYPE_CHECKING:
@@ -95,11 +97,18 @@ def _name(path: Path, fp: str) -> str:
     return f"{path.stem}-{fp}-r{READER_VERSION}"
 
 
+def _record(path: Path, fp: str) -> dict[str, Any]:
+    """The :data:`SOURCE_RECORD` of the copy of ``path`` (resolved) at fingerprint ``fp``."""
+    return {"source": str(path), "fingerprint": fp, "reader": READER_VERSION}
+
+
 def dequantized_gguf(gguf_path: str | Path) -> Path:
     """A ``.gguf`` model as a checkpoint directory, dequantized once and cached.
 
     Later calls return the cached directory at once. A call that writes a new copy then removes the
-    copies it supersedes (:func:`superseded`); failing to remove one only logs a warning.
+    copies it supersedes (:func:`superseded`) that no other process holds; failing to remove one only logs
+    a warning. The copy returned is held in use until this process exits, so that no other process removes
+    it (:func:`gqakit.cache_copies.in_use`).
 
     Args:
         gguf_path: the ``.gguf`` file.
@@ -107,6 +116,15 @@ def dequantized_gguf(gguf_path: str | Path) -> Path:
     Returns:
         The cached checkpoint directory.
     """
+    return cache_copies.in_use(lambda: _dequantized(gguf_path), _complete)
+
+
+def _complete(copy: Path) -> bool:
+    return (copy / "config.json").is_file()
+
+
+def _dequantized(gguf_path: str | Path) -> Path:
+    """:func:`dequantized_gguf`'s copy, found or written, before it is held in use."""
     path = Path(gguf_path).expanduser().resolve()
     fp = fingerprint(path)
     out = writable_cache(cache_root() / CACHE) / _name(path, fp)
@@ -122,10 +140,7 @@ def dequantized_gguf(gguf_path: str | Path) -> Path:
             return out
         with atomic_output_dir(out, force=True) as tmp:
             dequantize_gguf(path, tmp)
-            (tmp / SOURCE_RECORD).parent.mkdir()
-            write_json(
-                tmp / SOURCE_RECORD, {"source": str(path), "fingerprint": fp, "reader": READER_VERSION}
-            )
+            write_record(tmp / SOURCE_RECORD, _record(path, fp))
     remove_superseded(path, out)
     return out
 
@@ -150,19 +165,12 @@ def superseded(path: Path, fp: str, copy: Path) -> bool:
         fp: its fingerprint now.
         copy: a folder of the cache other than the current copy.
     """
-    try:
-        record = json.loads((copy / SOURCE_RECORD).read_text())
-    except FileNotFoundError:
-        legacy = re.fullmatch(re.escape(path.stem) + r"-[0-9a-f]{16}(?:-r(\d+))?", copy.name)
-        return legacy is not None and int(legacy.group(1) or 1) < READER_VERSION
-    except (OSError, ValueError):
-        return False
-    if not isinstance(record, dict) or record.get("source") != str(path):
-        return False
-    reader = record.get("reader")
-    if not isinstance(reader, int) or reader > READER_VERSION:
-        return False
-    return record.get("fingerprint") != fp or reader < READER_VERSION
+
+    def legacy() -> bool:
+        match = re.fullmatch(re.escape(path.stem) + r"-[0-9a-f]{16}(?:-r(\d+))?", copy.name)
+        return match is not None and int(match.group(1) or 1) < READER_VERSION
+
+    return superseded_by_record(copy / SOURCE_RECORD, _record(path, fp), "reader", legacy)
 
 
 def remove_superseded(path: Path, current: Path) -> list[Path]:
@@ -170,7 +178,8 @@ def remove_superseded(path: Path, current: Path) -> list[Path]:
 
     Nothing is removed when ``path`` has changed again since ``current`` was dequantized (the copy of
     its new contents removes the others). A copy whose lock another process holds (it is dequantizing
-    into that folder) is kept. Each removal is logged with its size; a failure is logged as a warning.
+    into that folder), or that another process holds in use, is kept. Each removal is logged with its
+    size; a failure is logged as a warning.
 
     Args:
         path: the ``.gguf`` file, resolved.
@@ -179,49 +188,37 @@ def remove_superseded(path: Path, current: Path) -> list[Path]:
     Returns:
         The copies removed.
     """
-    cache = current.parent
-    try:
+
+    def candidates() -> list[Path]:
         fp = fingerprint(path)
         if _name(path, fp) != current.name:
             return []
-        copies = sorted(
+        return [
             p
-            for p in cache.iterdir()
-            if p != current and not p.name.startswith(".") and p.is_dir() and not p.is_symlink()
-        )
-    except OSError as e:
-        log.warning("could not look for superseded copies of %s in %s: %s", path.name, cache, e)
-        return []
-    removed = []
-    for copy in copies:
-        if not superseded(path, fp, copy):
-            continue
-        busy = f"kept {copy}, a superseded copy of {path.name}: {{owner}} is writing it"
-        try:
-            with exclusive(cache / f".{copy.name}.lock", busy):
-                if not copy.is_dir():  # another process removed it first
-                    continue
-                size = sum(f.stat().st_size for f in copy.rglob("*") if f.is_file() and not f.is_symlink())
-                # first the file every reader looks for: a removal cut short leaves no copy that opens
-                (copy / "config.json").unlink(missing_ok=True)
-                shutil.rmtree(copy)
-        except GqakitError as e:  # its lock is held
-            log.info("%s", e.message)
-            continue
-        except OSError as e:
-            log.warning(
-                "could not remove %s, a superseded copy of %s: %s; remove it: rm -rf %s",
-                copy,
-                path.name,
-                e,
-                copy,
-            )
-            continue
-        removed.append(copy)
-        log.info(
-            "removed %s (%.1f MiB), a dequantized copy superseded by %s", copy, size / 2**20, current.name
-        )
-    return removed
+            for p in current.parent.iterdir()
+            if p != current
+            and not p.name.startswith(".")
+            and p.is_dir()
+            and not p.is_symlink()
+            and superseded(path, fp, p)
+        ]
+
+    return cache_copies.remove_superseded(_COPIES, path.name, current, candidates)
+
+
+def _remove_copy(copy: Path) -> int | None:
+    """Remove one cached copy; the bytes it held, or None when another process removed it first."""
+    if not copy.is_dir():
+        return None
+    size = sum(f.stat().st_size for f in copy.rglob("*") if f.is_file() and not f.is_symlink())
+    # first the file every reader looks for: a removal cut short leaves no copy that opens
+    (copy / "config.json").unlink(missing_ok=True)
+    shutil.rmtree(copy)
+    return size
+
+
+# how cache_copies.remove_superseded names the copies in messages and removes one
+_COPIES = CopyKind(("copy", "copies"), "a dequantized copy", log, _remove_copy, lambda copy: f"rm -rf {copy}")
 
 
 def local_model(src: str) -> str:

@@ -164,8 +164,9 @@ class RecoveryOptions:
                 )
                 continue
             p.add(STARTS.unknown(start, f"{f('start_lr')} start", among=self.starts))
-            if not all(finite_positive(lr) for lr in rates):
-                p.add(f"{f('start_lr')} {item!r}: every learning rate must be finite and above 0.")
+            bad = next((lr for lr in rates if not finite_positive(lr)), None)
+            if bad is not None:
+                p.add(rate_problem(f"{f('start_lr')} {item!r}", bad, LR))
             given.setdefault(start, []).extend(rates)
         for start, rates in given.items():
             twice = sorted({lr for lr in rates if rates.count(lr) > 1})

@@ -125,7 +125,7 @@ class ReplicateOptions:
         if not self.scale > 0:
             p.add(f"{f('scale')} must be positive, got {self.scale}.")
         for name in ("lr", "uptrain_lr"):  # click reads inf and nan: they would fail after pretraining
-            p.add(rate_problem(f(name), getattr(self, name)))
+            p.add(rate_problem(f(name), getattr(self, name), getattr(type(self), name)))
         if not self.seeds:
             p.add(f"{f('seeds')} needs at least one seed.")
         self._check_alphas(p)

@@ -4,7 +4,12 @@ model, and (marked slow: it needs the built binding) llama.cpp's perplexity agai
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -75,7 +80,8 @@ def test_a_gguf_model_is_evaluated_like_its_checkpoint(tmp_path, text, cache):
     ppl = [json.loads((tmp_path / d / "results.json").read_text()) for d in ("a", "b")]
     ppl = [next(iter(r["models"].values()))["perplexity"]["ppl"] for r in ppl]
     assert ppl[1] == pytest.approx(ppl[0], rel=1e-5)
-    assert len(list((cache / "gguf-dequantized").iterdir())) == 1  # dequantized once, cached
+    copies = [p for p in (cache / "gguf-dequantized").iterdir() if not p.name.startswith(".")]
+    assert len(copies) == 1  # dequantized once, cached (beside it, the hidden file that holds it in use)
 
 
 @pytest.mark.slow
@@ -103,3 +109,214 @@ def test_llamacpp_perplexity_equals_transformers(tmp_path, text, cache, kv_heads
     hf, lc = out["hf"]["perplexity"], out["llamacpp"]["perplexity"]
     assert lc["tokens"] == hf["tokens"]  # the same windows
     assert lc["ppl"] == pytest.approx(hf["ppl"], rel=1e-4)  # f32 weights and KV cache: the same function
+
+
+def _exports(cache) -> list[str]:
+    """The names of the exports in the cache (not their records, hidden lock files or temporary files)."""
+    return sorted(p.name for p in (cache / "gguf").glob("*.gguf") if not p.name.startswith("."))
+
+
+def _record(export):
+    return json.loads(export.with_name(export.name + ".source.json").read_text())
+
+
+def test_the_export_of_a_checkpoint_before_it_changed_is_removed(tmp_path, cache, caplog):
+    from gqakit.eval import llamacpp_engine as engine
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    old = engine.gguf_for(str(model), "f32")
+    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)  # re-saved: a new fingerprint
+    caplog.set_level(logging.INFO, logger=engine.__name__)
+    new = engine.gguf_for(str(model), "f32")
+    assert new != old and _exports(cache) == [new.name]  # one export for the checkpoint: the new one
+    assert not old.with_name(old.name + ".source.json").exists()  # nor its record
+    assert f"removed {old} (" in caplog.text and " MiB)" in caplog.text
+    assert _record(new) == {
+        "source": str(model.resolve()),
+        "fingerprint": engine.fingerprint(model),
+        "out_type": "f32",
+        "export": engine.EXPORT_VERSION,
+    }
+    # no lock or temporary file left: only the file that holds the export in use while this process runs
+    assert [p.name for p in (cache / "gguf").glob(".*")] == [f".{new.name}.use"]
+
+
+def test_a_reused_export_from_before_records_is_recorded_and_replaced_once_the_checkpoint_changes(
+    tmp_path, cache
+):
+    # an older gqakit's export of this version has no record: reused as it is, then replaced, not kept forever
+    from gqakit.eval import llamacpp_engine as engine
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    old = engine.gguf_for(str(model), "f32")
+    old.with_name(old.name + ".source.json").unlink()  # as an older gqakit left it
+    stamp = old.stat().st_mtime_ns
+    assert engine.gguf_for(str(model), "f32") == old and old.stat().st_mtime_ns == stamp  # reused
+    assert _record(old)["source"] == str(model.resolve())
+    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
+    new = engine.gguf_for(str(model), "f32")
+    assert _exports(cache) == [new.name]
+
+
+def test_the_export_of_a_checkpoint_with_another_weight_type_is_kept(tmp_path, cache):
+    from gqakit.eval.llamacpp_engine import gguf_for
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    f16 = gguf_for(str(model), "f16")
+    gguf_for(str(model), "f32")
+    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
+    f32 = gguf_for(str(model), "f32")
+    assert _exports(cache) == sorted([f16.name, f32.name])
+
+
+def test_the_export_of_another_checkpoint_with_the_same_name_is_kept(tmp_path, cache):
+    from gqakit.eval.llamacpp_engine import gguf_for
+
+    here = save_tiny_model(tmp_path / "a" / "m", "llama", heads=4, kv_heads=2)
+    there = save_tiny_model(tmp_path / "b" / "m", "llama", heads=4, kv_heads=2, seed=2)
+    theirs = gguf_for(str(there), "f32")
+    gguf_for(str(here), "f32")
+    save_tiny_model(here, "llama", heads=4, kv_heads=2, seed=1)
+    mine = gguf_for(str(here), "f32")
+    assert _exports(cache) == sorted([theirs.name, mine.name])
+
+
+def test_a_superseded_export_another_process_is_writing_is_kept(tmp_path, cache, caplog):
+    from gqakit.eval.llamacpp_engine import gguf_for
+    from gqakit.locks import one_at_a_time
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    old = gguf_for(str(model), "f32")
+    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
+    caplog.set_level(logging.INFO, logger="gqakit.eval.llamacpp_engine")
+    with one_at_a_time(old.parent / f".{old.name}.lock", lambda owner: None):  # another process's
+        new = gguf_for(str(model), "f32")
+    assert _exports(cache) == sorted([old.name, new.name])
+    assert f"kept {old}" in caplog.text and "removed" not in caplog.text
+    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=2)  # the next export removes both
+    newest = gguf_for(str(model), "f32")
+    assert _exports(cache) == [newest.name]
+
+
+def test_a_newer_exporter_replaces_the_older_ones_export(tmp_path, cache, monkeypatch):
+    from gqakit.eval import llamacpp_engine as engine
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    engine.gguf_for(str(model), "f32")
+    monkeypatch.setattr(engine, "EXPORT_VERSION", engine.EXPORT_VERSION + 1)
+    newer = engine.gguf_for(str(model), "f32")
+    assert newer.name.endswith(f"-e{engine.EXPORT_VERSION}.gguf") and _exports(cache) == [newer.name]
+    assert _record(newer)["export"] == engine.EXPORT_VERSION
+
+
+def test_exports_an_older_gqakit_wrote_are_removed_by_the_checkpoints_name(tmp_path, cache):
+    """Exports without a record named for an older exporter go, even another directory's of that name
+    (no command of this gqakit would open them); one named for this exporter may be this checkpoint's
+    from before it changed or another directory's, which this gqakit reuses: kept, as are another type's
+    and another name's."""
+    from gqakit.eval import llamacpp_engine as engine
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    fp, now, before = engine.fingerprint(model), engine.EXPORT_VERSION, engine.EXPORT_VERSION - 1
+    legacy = ["m-0123456789abcdef-f32.gguf", f"m-{fp}-f32.gguf", f"m-0123456789abcdef-f32-e{before}.gguf"]
+    kept = [
+        f"m-0123456789abcdef-f32-e{now}.gguf",
+        f"m-{fp}-f16-e{before}.gguf",
+        f"other-0123456789abcdef-f32-e{before}.gguf",
+        f"m-{fp}-f32-e{now + 7}.gguf",
+        "m-notanexport.gguf",
+    ]
+    (cache / "gguf").mkdir(parents=True)
+    for name in legacy + kept:
+        (cache / "gguf" / name).write_bytes(b"GGUF")
+    new = engine.gguf_for(str(model), "f32")
+    assert _exports(cache) == sorted([*kept, new.name])
+
+
+def test_an_export_that_cannot_be_removed_is_reported_and_the_command_goes_on(
+    tmp_path, cache, caplog, monkeypatch
+):
+    from gqakit.eval.llamacpp_engine import gguf_for
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    old = gguf_for(str(model), "f32")
+    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
+    real = Path.unlink
+
+    def refuse(path, *args, **kwargs):
+        if path == old:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    caplog.set_level(logging.WARNING, logger="gqakit.eval.llamacpp_engine")
+    new = gguf_for(str(model), "f32")
+    assert new.is_file() and old.is_file() and f"could not remove {old}" in caplog.text
+    assert f"rm -f {old} {old}.source.json" in caplog.text
+
+
+def test_a_command_while_another_exports_the_same_checkpoint_waits_and_reuses_its_export(
+    tmp_path, cache, caplog, monkeypatch
+):
+    from gqakit.eval import llamacpp_engine as engine
+    from gqakit.gguf import export_gguf
+    from gqakit.locks import one_at_a_time
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    dst = cache / "gguf" / f"m-{engine.fingerprint(model)}-f32-e{engine.EXPORT_VERSION}.gguf"
+    dst.parent.mkdir(parents=True)
+    exported: list[Path] = []
+    monkeypatch.setattr(engine, "export_gguf", lambda *a, **k: exported.append(a[1]) or export_gguf(*a, **k))
+    caplog.set_level(logging.WARNING, logger=engine.__name__)
+    got: list[Path] = []
+    waiter = threading.Thread(target=lambda: got.append(engine.gguf_for(str(model), "f32")))
+    with one_at_a_time(dst.parent / f".{dst.name}.lock", lambda owner: None):  # a first command's export
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while "waiting for pid" not in caplog.text:  # the second command says it waits, and for whom
+            assert time.monotonic() < deadline, "the second command did not wait for the export under way"
+            time.sleep(0.1)
+        export_gguf(model, dst, out_type="f32")
+    waiter.join(timeout=60)
+    assert got == [dst] and exported == []  # exported once, by the first
+
+
+def test_a_failed_export_leaves_no_record_and_the_next_one_writes_it(tmp_path, cache, monkeypatch):
+    from gqakit.eval import llamacpp_engine as engine
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "export_gguf", lambda *a, **k: (_ for _ in ()).throw(GqakitError("no")))
+        with pytest.raises(GqakitError):
+            engine.gguf_for(str(model), "f32")
+    assert [p.name for p in (cache / "gguf").iterdir()] == []
+    export = engine.gguf_for(str(model), "f32")
+    assert _record(export)["fingerprint"] == engine.fingerprint(model)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
+def test_a_superseded_export_another_process_still_uses_is_kept_until_it_exits(tmp_path, cache, caplog):
+    from gqakit.eval import llamacpp_engine as engine
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    old = engine.gguf_for(str(model), "f32")
+    # another command got the same export and opens it in llama.cpp later, while the checkpoint is re-saved
+    code = f"from gqakit.eval.llamacpp_engine import gguf_for\nprint(gguf_for({str(model)!r}, 'f32'))\n"
+    script = code + "import time\ntime.sleep(600)\n"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == str(old)
+        save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
+        caplog.set_level(logging.INFO, logger=engine.__name__)
+        new = engine.gguf_for(str(model), "f32")
+        assert _exports(cache) == sorted([old.name, new.name]) and _record(old)["source"] == str(
+            model.resolve()
+        )
+        assert f"kept {old}, a superseded export of m: it is in use by another process" in caplog.text
+        assert "removed" not in caplog.text
+    finally:
+        proc.kill()
+        proc.wait()
+    # once it has exited, nothing holds the old export
+    assert engine.remove_superseded_exports(model.resolve(), "f32", new) == [old]
+    assert _exports(cache) == [new.name] and not engine.cache_copies.use_file(old).exists()

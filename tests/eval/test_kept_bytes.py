@@ -250,3 +250,26 @@ def test_pieces_that_do_not_spell_the_text_go_by_offsets():
     for text, spells in [("The Cache  日本", False), ("the cache  日本", True)]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert (spelled_bytes(tok, text, ids) is not None) == spells
+
+
+@pytest.mark.parametrize(
+    "added, text, kept",
+    [
+        # RoBERTa's <mask> takes in the space after it, then the pre-tokenizer puts one back in front of
+        # "The": the pieces spell the text, but the space counts in the wrong token
+        ({"content": "<mask>", "rstrip": True, "special": True}, "<mask> The cache", 7),
+        # a whitespace added token beside the space the pre-tokenizer adds in front of the text
+        ({"content": "  ", "normalized": False}, "  x", 2),
+    ],
+    ids=["rstrip-token", "whitespace-token"],
+)
+def test_added_tokens_that_move_spaces_are_counted_by_offsets(added, text, kept):
+    from tokenizers import AddedToken
+
+    tok = _byte_level.__wrapped__(False, prefix_space=True)  # a fresh one: tokens are added to it
+    tok.add_tokens([AddedToken(**added)])
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    assert spelled_bytes(tok, text, ids) is None
+    assert kept_bytes(tok, text, ids, 1, enc["offset_mapping"]) == kept
+    assert kept_bytes(tok, text, ids, len(ids), enc["offset_mapping"]) == len(text.encode())

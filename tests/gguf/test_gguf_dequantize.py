@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -41,8 +44,11 @@ def test_a_second_conversion_of_a_gguf_reuses_its_dequantized_copy(exported, tmp
     assert counted == [mha.path]
     second = convert_checkpoint(mha.path, tmp_path / "two", ConvertOptions(groups=1))
     assert counted == [mha.path]  # the second conversion dequantized nothing
-    cached = list((tmp_path / "cache" / deq.CACHE).iterdir())
-    assert len(cached) == 1 and (cached[0] / "config.json").is_file()
+    cached = sorted((tmp_path / "cache" / deq.CACHE).iterdir())
+    # one copy, and beside it the file whose lock holds it in use while this process runs
+    assert [p.name for p in cached] == [f".{cached[1].name}.use", cached[1].name]
+    cached = cached[1:]
+    assert (cached[0] / "config.json").is_file()
     assert first.to_kv_heads == 2 and second.to_kv_heads == 1
     assert not (first.dst / ".gqakit").exists()  # the copy's record of its source is not the model's
     # the other commands that read a .gguf open the same copy
@@ -98,7 +104,8 @@ def test_the_copy_of_a_gguf_before_it_changed_is_removed(exported, tmp_path, cou
     monkeypatch.setattr(deq, "READER_VERSION", deq.READER_VERSION + 1)
     newer = deq.dequantized_gguf(gguf)
     assert newer.name.endswith("-r4") and _copies() == [newer.name] and len(counted) == 3
-    assert not list((deq.cache_root() / deq.CACHE).glob(".*"))  # no lock or temporary folder left
+    # no lock or temporary folder left: only the file that holds the copy in use while this process runs
+    assert [p.name for p in (deq.cache_root() / deq.CACHE).glob(".*")] == [f".{newer.name}.use"]
 
 
 def test_the_copy_of_another_gguf_with_the_same_name_is_kept(exported, tmp_path, counted):
@@ -211,3 +218,40 @@ def test_the_suite_dequantizes_into_a_cache_of_its_own(session_cache):
 @pytest.mark.real_cache
 def test_a_test_marked_real_cache_sees_the_users_cache(session_cache):
     assert deq.cache_root() != session_cache.resolve()
+
+
+def _reader(code: str) -> subprocess.Popen:
+    """Another process that runs ``code`` (which prints the copy it got) and then keeps running, holding
+    that copy in use as a command that opens it later would; returns once it holds it."""
+    script = f"{textwrap.dedent(code)}\nimport time\ntime.sleep(600)\n"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    if not proc.stdout.readline().strip():
+        proc.kill()
+        pytest.fail("the reader process did not get its copy")
+    return proc
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
+def test_a_superseded_copy_another_process_still_uses_is_kept_until_it_exits(
+    exported, tmp_path, counted, caplog
+):
+    _, mha = exported("llama", "mha", "f32")
+    gguf = _copy_of(mha.path, tmp_path / "model.gguf")
+    old = deq.dequantized_gguf(gguf)
+    # eval dequantizes each model first and opens it later; meanwhile the .gguf is downloaded again
+    proc = _reader(
+        f"from gqakit.gguf.dequantize import dequantized_gguf\nprint(dequantized_gguf({str(gguf)!r}))"
+    )
+    try:
+        _touch(gguf)
+        caplog.set_level(logging.INFO, logger="gqakit.gguf.dequantize")
+        new = deq.dequantized_gguf(gguf)
+        assert _copies() == sorted([old.name, new.name]) and (old / "config.json").is_file()
+        assert f"kept {old}, a superseded copy of model.gguf: it is in use by another process" in caplog.text
+        assert "removed" not in caplog.text
+    finally:
+        proc.kill()
+        proc.wait()
+    # once it has exited, nothing holds the old copy
+    assert deq.remove_superseded(gguf.resolve(), new) == [old]
+    assert _copies() == [new.name] and not deq.cache_copies.use_file(old).exists()

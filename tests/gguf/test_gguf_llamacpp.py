@@ -21,6 +21,7 @@ import pytest
 import torch
 from gguf_helpers import FAMILIES, FORMS
 
+from gqakit.files import cache_root
 from gqakit.gguf import export_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 IDS = list(range(3, 60, 4))  # 15 tokens inside every tiny vocabulary
 F32 = 0  # GGML_TYPE_F32, for the KV cache
 TOLERANCE = {"gemma": 5e-5, "gemma2": 1e-3, "gemma3_text": 1e-3}  # others: 1e-5
-SMOLLM = Path.home() / ".cache/gqakit/smollm2-135m/model"
+SMOLLM = cache_root() / "smollm2-135m" / "model"  # read at collection: the user's cache
 
 
 def llama_cpp_logits(path: Path, ids: list[int], f32_cache: bool = True) -> np.ndarray:
@@ -132,7 +133,7 @@ def test_tokenization_equals_transformers(exported, family: str, tokenizer: str)
         model.close()
 
 
-@pytest.mark.skipif(not SMOLLM.is_dir(), reason="SmolLM2-135M is not cached in ~/.cache/gqakit")
+@pytest.mark.skipif(not SMOLLM.is_dir(), reason=f"SmolLM2-135M is not cached in {SMOLLM.parent.parent}")
 def test_smollm2_f32_matches_transformers(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -318,11 +318,13 @@ def _cli(tiny, tmp_path, *args: str):
         ),
         (
             ["--groups", "1", "--start-lr", "mean=inf"],
-            "--start-lr 'mean=inf': every learning rate must be finite and above 0.",
+            "--start-lr 'mean=inf' must be a finite learning rate above 0, got inf; e.g. 0.0002 "
+            "(the default).",
         ),
         (
             ["--groups", "1", "--start-lr", "refined=1e-4,nan"],
-            "--start-lr 'refined=1e-4,nan': every learning rate must be finite and above 0.",
+            "--start-lr 'refined=1e-4,nan' must be a finite learning rate above 0, got nan; e.g. 0.0002 "
+            "(the default).",
         ),
     ],
 )
@@ -381,14 +383,17 @@ def test_options_from_python_name_the_flags():
             src="x", groups=1, start_lr=("refined=1e-4,4e-4", "refined=1e-4", "mean=1e-3,-1")
         ).validate()
     assert "--start-lr gives refined the rate 0.0001 more than once; list each rate once." in e.value.message
-    assert "--start-lr 'mean=1e-3,-1': every learning rate must be finite and above 0." in e.value.message
+    bad = "--start-lr 'mean=1e-3,-1' must be a finite learning rate above 0, got -1.0; e.g. 0.0002 (the "
+    bad += "default)."
+    assert bad in e.value.message
     with pytest.raises(GqakitError) as e:  # every non-finite rate at once, each by its flag
         inf = float("inf")
         RecoveryOptions(src="x", groups=1, lr=inf, start_lr=("mean=inf",)).validate()
     assert (
         "--lr must be a finite learning rate above 0, got inf; e.g. 0.0002 (the default)." in e.value.message
     )
-    assert "--start-lr 'mean=inf': every learning rate must be finite and above 0." in e.value.message
+    bad = "--start-lr 'mean=inf' must be a finite learning rate above 0, got inf; e.g. 0.0002 (the default)."
+    assert bad in e.value.message
 
 
 def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversion(tiny, tmp_path):

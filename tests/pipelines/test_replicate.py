@@ -166,10 +166,11 @@ def test_bad_options_are_reported_together(tmp_path, corpus):
         "--groups 3,4",
         "--alphas must be increasing, >= 0 and finite, got 0.5,0.1",
         "--methods median",
-        "--uptrain-lr must be a finite learning rate above 0, got 0.",
+        "--uptrain-lr must be a finite learning rate above 0, got 0; e.g. 0.0005 (the default).",
     ):
         assert fragment in e.value.message
-    with pytest.raises(GqakitError, match="lr must be a finite learning rate above 0, got inf."):
+    bad = r"lr must be a finite learning rate above 0, got inf; e\.g\. 0\.002 \(the default\)\."
+    with pytest.raises(GqakitError, match=bad):
         ReplicateOptions(lr=float("inf")).validate()
 
 

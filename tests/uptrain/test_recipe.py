@@ -100,7 +100,9 @@ def test_a_learning_rate_that_is_not_finite_is_refused(tmp_path, lr):
     f = tmp_path / "r.yaml"
     f.write_text("model: {path: m}\nbudget: {steps: 1}\ndata: {files: [t.txt]}\noutput_dir: out\n")
     with pytest.raises(
-        RecipeError, match=r"train.lr must be a finite learning rate above 0, got (inf|nan)\."
+        RecipeError,
+        match=r"train.lr must be a finite learning rate above 0, got (inf|nan); e\.g\. 0\.0001 \(the "
+        r"default\)\.",
     ):
         load_recipe(f, [f"train.lr={lr}"])
 
