@@ -82,9 +82,9 @@ def gguf_for(path: str, out_type: str) -> Path:
     The export is named by the checkpoint directory's name and fingerprint, the weight type and the
     exporter's version (another gqakit's export of the same checkpoint may differ), and records its source
     beside it (``<export>.source.json``, written before the export appears). A second process that asks
-    for the same export while the first writes it waits for it and reuses it. A call that writes a new
-    export then removes the exports it supersedes (:func:`superseded_export`) that no other process holds;
-    failing to remove one only logs a warning. This process holds the export it gets until it exits
+    for the same export while the first writes it waits for it and reuses it. Each call, writing the export
+    or reusing it, then removes the exports it supersedes (:func:`superseded_export`) that no other process
+    holds; failing to remove one only logs a warning. This process holds the export it gets until it exits
     (:func:`gqakit.cache_copies.in_use`).
 
     Args:
@@ -101,33 +101,29 @@ def _export(path: str, out_type: str) -> Path:
     src = Path(path).expanduser().resolve()
     fp = fingerprint(src)
     dst = writable_cache(cache_root() / CACHE) / _export_name(src, fp, out_type, EXPORT_VERSION)
-    if dst.is_file():
-        if not _record_path(dst).is_file():
-            # an export of this version from before records: its name says it is this checkpoint's (its
-            # fingerprint), so record it, and the export that replaces it once the checkpoint changes
-            # removes it (unrecorded, it would be kept forever: see superseded_export)
-            write_record(_record_path(dst), _record(src, fp, out_type))
-        return dst
+    if not (dst.is_file() and _record_path(dst).is_file()):
 
-    def waiting(owner: str) -> None:
-        log.warning("waiting for %s, which is exporting %s to %s", owner, src, dst)
+        def waiting(owner: str) -> None:
+            log.warning("waiting for %s, which is exporting %s to %s", owner, src, dst)
 
-    # export_gguf writes a temporary file and renames it, so a reader never opens half an export; the lock
-    # spares a second process the same minutes of work (it reuses the first one's file)
-    with one_at_a_time(dst.parent / f".{dst.name}.lock", waiting):
-        if dst.is_file():
-            return dst
-        # the record first: an export on disk always has one, so one without is an older gqakit's
-        write_record(_record_path(dst), _record(src, fp, out_type))
-        try:
-            logging.getLogger("gguf").setLevel(logging.ERROR)
-            res = export_gguf(src, dst, out_type=out_type, force=True)
-        except BaseException:
-            _record_path(dst).unlink(missing_ok=True)
-            raise
-        for warning in res.warnings:
-            log.warning("%s: %s", src, warning)
-    remove_superseded_exports(src, out_type, dst)
+        # export_gguf writes a temporary file and renames it, so a reader never opens half an export; the
+        # lock spares a second process the same minutes of work (it reuses the first one's file)
+        with one_at_a_time(dst.parent / f".{dst.name}.lock", waiting):
+            # the record first: an export on disk always has one, so one without is an older gqakit's. One
+            # of this version is this checkpoint's (its name's fingerprint): recorded under its lock (no
+            # removal meanwhile), the export that replaces it removes it (see superseded_export)
+            if not (dst.is_file() and _record_path(dst).is_file()):
+                write_record(_record_path(dst), _record(src, fp, out_type))
+            if not dst.is_file():
+                try:
+                    logging.getLogger("gguf").setLevel(logging.ERROR)
+                    res = export_gguf(src, dst, out_type=out_type, force=True)
+                except BaseException:
+                    _record_path(dst).unlink(missing_ok=True)
+                    raise
+                for warning in res.warnings:
+                    log.warning("%s: %s", src, warning)
+    remove_superseded_exports(src, out_type, dst)  # on reuse too: one kept while held goes once free
     return dst
 
 
@@ -148,9 +144,11 @@ def superseded_export(src: Path, fp: str, out_type: str, export: Path) -> bool:
     """Whether ``export``, a ``.gguf`` in the cache, is superseded by the current export of ``src``.
 
     An export with a record is superseded when it records ``src`` (resolved) and ``out_type``, and either
-    another fingerprint (the checkpoint has changed since) or an older exporter. An export of the same
-    checkpoint with another weight type is another export, and one that a newer gqakit wrote (a later
-    exporter) is left to that gqakit. An unreadable record keeps its export.
+    another fingerprint (the checkpoint has changed since) or an older exporter. So is an orphan of any
+    source: one whose recorded checkpoint no longer exists (:func:`gqakit.cache_copies.orphaned`), as an
+    export of a dequantized ``.gguf`` copy once that copy is replaced. An export of the same checkpoint
+    with another weight type is another export, and one that a newer gqakit wrote (a later exporter) is
+    left to that gqakit. An unreadable record keeps its export.
 
     An export without a record (from a gqakit before records) can be matched to its checkpoint only by
     the directory's name: it is superseded when its name is exactly ``<name>-<16 hex>-<out_type>.gguf``
@@ -182,12 +180,12 @@ def remove_superseded_exports(src: Path, out_type: str, current: Path) -> list[P
 
     Nothing is removed when ``src`` has changed again since ``current`` was exported (the export of its
     new contents removes the others). An export that another process is writing (its lock), or holds in
-    use, is kept. Each removal is logged with its size; a failure is logged as a warning.
+    use, is kept. Each removal is logged with its size; a failure is logged as a warning, never raised.
 
     Args:
         src: the checkpoint, resolved.
         out_type: ``current``'s weight type.
-        current: its export, just written.
+        current: its export, just written or reused.
 
     Returns:
         The exports removed.
@@ -229,6 +227,7 @@ _EXPORTS = CopyKind(
     log,
     _remove_export,
     lambda e: f"rm -f {e} {_record_path(e)}",
+    _record_path,
 )
 
 

@@ -20,14 +20,6 @@ REAL_CACHE = "real_cache"  # the marker of a test that reads the user's cached a
 _USER_CACHE = os.environ.get("GQAKIT_CACHE")  # before the session's own replaces it
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        f"{REAL_CACHE}: reads the user's asset cache ($GQAKIT_CACHE or ~/.cache/gqakit) instead of the "
-        "session's own",
-    )
-
-
 @pytest.fixture(scope="session", autouse=True)
 def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """$GQAKIT_CACHE, for the whole session, an empty folder of the session's own: no test, fixture or

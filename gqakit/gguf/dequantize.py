@@ -10,11 +10,12 @@ stale copy is never used.
 
 Each copy records the file it was dequantized from (``.gqakit/source.json``: its absolute path,
 fingerprint and the reader's version; in a subfolder, which neither a checkpoint's fingerprint nor a
-conversion's copy of the small files takes in). Once a new copy is complete, the copies it supersedes
-are removed: those of the same file (by that record) from before it changed or from an older reader,
-and copies an older gqakit wrote without a record (see :func:`superseded`). A copy that another process
-is dequantizing into holds its lock and is kept, and so is one that another process was handed and may
-still open: each process holds the copies it gets in use until it exits (:func:`gqakit.cache_copies.in_use`).
+conversion's copy of the small files takes in). Each time a copy is written or reused, the copies it
+supersedes are removed: those of the same file (by that record) from before it changed or from an older
+reader, those whose recorded file is gone (orphans), and copies an older gqakit wrote without a record
+(see :func:`superseded`). A copy that another process is dequantizing into holds its lock and is kept,
+and so is one that another process was handed and may still open: each process holds the copies it gets
+in use until it exits (:func:`gqakit.cache_copies.in_use`).
 """
 
 from __future__ import annotations
@@ -105,10 +106,11 @@ def _record(path: Path, fp: str) -> dict[str, Any]:
 def dequantized_gguf(gguf_path: str | Path) -> Path:
     """A ``.gguf`` model as a checkpoint directory, dequantized once and cached.
 
-    Later calls return the cached directory at once. A call that writes a new copy then removes the
-    copies it supersedes (:func:`superseded`) that no other process holds; failing to remove one only logs
-    a warning. The copy returned is held in use until this process exits, so that no other process removes
-    it (:func:`gqakit.cache_copies.in_use`).
+    Later calls return the cached directory at once. Each call, whether it writes the copy or reuses it,
+    then removes the copies it supersedes (:func:`superseded`) that no other process holds (a listing and
+    a few small records when there are none); failing to remove one only logs a warning. The copy
+    returned is held in use until this process exits, so that no other process removes it
+    (:func:`gqakit.cache_copies.in_use`).
 
     Args:
         gguf_path: the ``.gguf`` file.
@@ -128,19 +130,18 @@ def _dequantized(gguf_path: str | Path) -> Path:
     path = Path(gguf_path).expanduser().resolve()
     fp = fingerprint(path)
     out = writable_cache(cache_root() / CACHE) / _name(path, fp)
-    if (out / "config.json").is_file():
-        return out
+    if not (out / "config.json").is_file():
 
-    def waiting(owner: str) -> None:
-        log.warning("waiting for %s, which is dequantizing %s into %s", owner, path.name, out)
+        def waiting(owner: str) -> None:
+            log.warning("waiting for %s, which is dequantizing %s into %s", owner, path.name, out)
 
-    # a second command on the same .gguf waits for the first's copy instead of writing its own over it
-    with one_at_a_time(out.parent / f".{out.name}.lock", waiting):
-        if (out / "config.json").is_file():
-            return out
-        with atomic_output_dir(out, force=True) as tmp:
-            dequantize_gguf(path, tmp)
-            write_record(tmp / SOURCE_RECORD, _record(path, fp))
+        # a second command on the same .gguf waits for the first's copy instead of writing its own over it
+        with one_at_a_time(out.parent / f".{out.name}.lock", waiting):
+            if not (out / "config.json").is_file():
+                with atomic_output_dir(out, force=True) as tmp:
+                    dequantize_gguf(path, tmp)
+                    write_record(tmp / SOURCE_RECORD, _record(path, fp))
+    # on reuse too: a copy kept while another process held it goes once none does
     remove_superseded(path, out)
     return out
 
@@ -149,8 +150,10 @@ def superseded(path: Path, fp: str, copy: Path) -> bool:
     """Whether ``copy``, a folder in the cache, is superseded by the current copy of ``path``.
 
     A copy with a record is superseded when it records ``path`` (resolved) and either another fingerprint
-    (the file has changed since) or an older reader. A copy that a newer gqakit wrote (a later reader) is
-    left to that gqakit.
+    (the file has changed since) or an older reader. So is an orphan, whatever file it records: one whose
+    recorded file no longer exists (:func:`gqakit.cache_copies.orphaned`); nothing asks for it again
+    unless that file reappears, which costs a dequantization. A copy that a newer gqakit wrote (a later
+    reader) is left to that gqakit.
 
     A copy without a record cannot be matched to its file, only to the file's stem: it is superseded
     when its name is exactly ``<stem>-<16 hex digits>`` (before reader 2) or ``<stem>-<16 hex>-r<N>``
@@ -179,11 +182,11 @@ def remove_superseded(path: Path, current: Path) -> list[Path]:
     Nothing is removed when ``path`` has changed again since ``current`` was dequantized (the copy of
     its new contents removes the others). A copy whose lock another process holds (it is dequantizing
     into that folder), or that another process holds in use, is kept. Each removal is logged with its
-    size; a failure is logged as a warning.
+    size; a failure is logged as a warning, never raised.
 
     Args:
         path: the ``.gguf`` file, resolved.
-        current: its cached copy, just written.
+        current: its cached copy, just written or reused.
 
     Returns:
         The copies removed.
@@ -218,7 +221,14 @@ def _remove_copy(copy: Path) -> int | None:
 
 
 # how cache_copies.remove_superseded names the copies in messages and removes one
-_COPIES = CopyKind(("copy", "copies"), "a dequantized copy", log, _remove_copy, lambda copy: f"rm -rf {copy}")
+_COPIES = CopyKind(
+    ("copy", "copies"),
+    "a dequantized copy",
+    log,
+    _remove_copy,
+    lambda c: f"rm -rf {c}",
+    lambda c: c / SOURCE_RECORD,
+)
 
 
 def local_model(src: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -132,6 +133,7 @@ def test_the_export_of_a_checkpoint_before_it_changed_is_removed(tmp_path, cache
     assert not old.with_name(old.name + ".source.json").exists()  # nor its record
     assert f"removed {old} (" in caplog.text and " MiB)" in caplog.text
     assert _record(new) == {
+        "host": socket.gethostname(),
         "source": str(model.resolve()),
         "fingerprint": engine.fingerprint(model),
         "out_type": "f32",
@@ -320,3 +322,98 @@ def test_a_superseded_export_another_process_still_uses_is_kept_until_it_exits(t
     # once it has exited, nothing holds the old export
     assert engine.remove_superseded_exports(model.resolve(), "f32", new) == [old]
     assert _exports(cache) == [new.name] and not engine.cache_copies.use_file(old).exists()
+
+
+def _held_elsewhere(export: Path) -> int:
+    """A shared lock on ``export``'s .use file as another process's hold takes it; close it to let go."""
+    import fcntl
+    import os
+
+    from gqakit.cache_copies import use_file
+
+    fd = os.open(use_file(export), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
+def test_an_export_kept_while_in_use_is_removed_when_the_current_one_is_reused(tmp_path, cache):
+    import os
+
+    from gqakit.eval.llamacpp_engine import gguf_for
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    old = gguf_for(str(model), "f32")
+    fd = _held_elsewhere(old)
+    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
+    new = gguf_for(str(model), "f32")
+    assert _exports(cache) == sorted([old.name, new.name])
+    os.close(fd)  # the other process exits
+    assert gguf_for(str(model), "f32") == new and _exports(cache) == [new.name]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
+def test_the_export_of_a_dequantized_gguf_copy_goes_once_the_copy_is_replaced(tmp_path, cache):
+    """eval swaps a .gguf for its dequantized copy, so the export records that copy as its source: once the
+    .gguf changes, its new copy replaces the old one, and the old copy's export is an orphan."""
+    import os
+
+    from gqakit.cache_copies import release
+    from gqakit.eval.llamacpp_engine import gguf_for
+    from gqakit.gguf import export_gguf
+    from gqakit.gguf.dequantize import local_model
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    gguf = export_gguf(model, tmp_path / "m.gguf", out_type="f32").path
+    first = gguf_for(local_model(str(gguf)), "f32")
+    release(first)  # each command exits after it measured: its export is no longer held
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # downloaded again
+    second = gguf_for(local_model(str(gguf)), "f32")
+    assert _exports(cache) == [second.name] and not first.with_name(first.name + ".source.json").exists()
+
+
+def test_an_export_removed_as_it_is_reused_leaves_no_record(tmp_path, cache, monkeypatch):
+    """The record of an export found without one is written under the export's lock, so a removal that
+    takes the export meanwhile (another process's, the checkpoint re-saved) leaves no record without it."""
+    import os
+
+    from gqakit import cache_copies
+    from gqakit.eval import llamacpp_engine as engine
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    old = engine.gguf_for(str(model), "f32")
+    cache_copies.release(old)
+    real, calls = engine._record_path, []
+
+    def record_path(export):
+        calls.append(export)
+        if len(calls) == 1:  # just after it found the export: another process replaces and removes it
+            os.utime(model / "config.json", ns=(time.time_ns(), time.time_ns() + 10**9))
+            cache_copies._remove_unused(engine._EXPORTS, old)
+        return real(export)
+
+    monkeypatch.setattr(engine, "_record_path", record_path)
+    engine.gguf_for(str(model), "f32")
+    records = sorted((cache / "gguf").glob("*.source.json"))
+    assert records and all(r.with_name(r.name.removesuffix(".source.json")).is_file() for r in records)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock")
+def test_a_cached_export_is_handed_out_where_flock_fails(tmp_path, cache, monkeypatch):
+    import errno
+    import os
+
+    from gqakit import cache_copies
+    from gqakit.eval.llamacpp_engine import gguf_for
+
+    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
+    export = gguf_for(str(model), "f32")
+    monkeypatch.setattr(cache_copies, "_NO_FLOCK", False)
+    monkeypatch.setattr(cache_copies, "_HELD", {})  # a fresh process
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(cache_copies.fcntl, "flock", flock)
+    assert gguf_for(str(model), "f32") == export

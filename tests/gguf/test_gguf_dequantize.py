@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -99,7 +100,13 @@ def test_the_copy_of_a_gguf_before_it_changed_is_removed(exported, tmp_path, cou
     assert _copies() == [new.name] and not old.exists()  # one copy for the file: the new one
     assert f"removed {old} (" in caplog.text and " MiB)" in caplog.text
     record = json.loads((new / deq.SOURCE_RECORD).read_text())
-    assert record == {"source": str(gguf.resolve()), "fingerprint": deq.fingerprint(gguf), "reader": 3}
+    host = socket.gethostname()
+    assert record == {
+        "source": str(gguf.resolve()),
+        "fingerprint": deq.fingerprint(gguf),
+        "reader": 3,
+        "host": host,
+    }
     # a later reader's copy of the same file replaces this reader's
     monkeypatch.setattr(deq, "READER_VERSION", deq.READER_VERSION + 1)
     newer = deq.dequantized_gguf(gguf)
@@ -255,3 +262,59 @@ def test_a_superseded_copy_another_process_still_uses_is_kept_until_it_exits(
     # once it has exited, nothing holds the old copy
     assert deq.remove_superseded(gguf.resolve(), new) == [old]
     assert _copies() == [new.name] and not deq.cache_copies.use_file(old).exists()
+
+
+def _held_elsewhere(copy: Path) -> int:
+    """A shared lock on ``copy``'s .use file as another process's hold takes it (its own open file, which
+    this process's removal cannot lock exclusively); close the descriptor to let go."""
+    import fcntl
+
+    fd = os.open(deq.cache_copies.use_file(copy), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
+def test_a_copy_kept_while_in_use_is_removed_when_the_current_one_is_reused(exported, tmp_path, counted):
+    _, mha = exported("llama", "mha", "f32")
+    gguf = _copy_of(mha.path, tmp_path / "model.gguf")
+    old = deq.dequantized_gguf(gguf)
+    fd = _held_elsewhere(old)
+    _touch(gguf)
+    new = deq.dequantized_gguf(gguf)
+    assert _copies() == sorted([old.name, new.name])  # in use: kept
+    assert deq.dequantized_gguf(gguf) == new and _copies() == sorted([old.name, new.name])  # still
+    os.close(fd)  # the other process exits
+    assert deq.dequantized_gguf(gguf) == new and _copies() == [new.name] and len(counted) == 2
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
+def test_the_copy_of_a_deleted_gguf_is_removed_once_nothing_holds_it(exported, tmp_path, counted, caplog):
+    _, mha = exported("llama", "mha", "f32")
+    gone = _copy_of(mha.path, tmp_path / "a" / "gone.gguf")
+    kept = _copy_of(mha.path, tmp_path / "b" / "kept.gguf")
+    orphan, current = deq.dequantized_gguf(gone), deq.dequantized_gguf(kept)
+    gone.unlink()
+    caplog.set_level(logging.INFO, logger="gqakit.gguf.dequantize")
+    assert deq.dequantized_gguf(kept) == current and (orphan / "config.json").is_file()  # this process's
+    assert "in use by this process" in caplog.text
+    deq.cache_copies.release(orphan)  # as when the command that got it has exited
+    assert deq.dequantized_gguf(kept) == current and _copies() == [current.name]
+    assert f"removed {orphan} (" in caplog.text and "a dequantized copy whose source is gone" in caplog.text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock")
+def test_a_cached_copy_is_handed_out_where_flock_fails(exported, tmp_path, counted, monkeypatch):
+    import errno
+
+    _, mha = exported("llama", "mha", "f32")
+    gguf = _copy_of(mha.path, tmp_path / "model.gguf")
+    copy = deq.dequantized_gguf(gguf)
+    monkeypatch.setattr(deq.cache_copies, "_NO_FLOCK", False)
+    monkeypatch.setattr(deq.cache_copies, "_HELD", {})  # a fresh process
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(deq.cache_copies.fcntl, "flock", flock)
+    assert deq.dequantized_gguf(gguf) == copy and len(counted) == 1
