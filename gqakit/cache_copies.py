@@ -28,7 +28,6 @@ nothing: a superseded copy costs space, a removed copy in use costs a failed com
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -43,7 +42,7 @@ from typing import Any
 
 from gqakit.errors import GqakitError
 from gqakit.files import write_json
-from gqakit.locks import exclusive
+from gqakit.locks import NO_LOCKS, exclusive
 
 if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
     fcntl = None  # no shared locks: copies are handed out without one, and none is removed
@@ -53,8 +52,6 @@ else:
 FINGERPRINT = "fingerprint"  # the record's key for the source's fingerprint
 HOST = "host"  # the record's key for the machine that wrote it (write_record adds it)
 ATTEMPTS = 5  # how often in_use asks for a copy that is removed as it is handed out
-# the errors of a filesystem without working flock (NFS without lockd, some FUSE, Lustre -o noflock)
-NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 _NO_FLOCK = False  # set once flock has failed so: this process holds nothing and removes nothing since
 
 # the copies this process holds in use, each with the open descriptor of its locked .use file; kept open
@@ -365,7 +362,7 @@ def _remove_superseded(
         try:
             with ExitStack() as held:
                 try:
-                    held.enter_context(exclusive(cache / f".{copy.name}.lock", busy))
+                    held.enter_context(exclusive(cache / f".{copy.name}.lock", busy, strict=True))
                 except OSError as e:
                     if _no_flock(e):  # its writer's lock file: as for its .use file
                         raise _NoLocks from None

@@ -8,10 +8,14 @@ is refused at once with the first one's pid and command, instead of waiting for 
 :func:`one_at_a_time` waits instead, for work that takes a minute and that the second process needs
 too (an asset being built into the cache: it then finds the asset there). Either lock goes with the
 process: ``kill -9`` or a crash leaves nothing to clean up, and the lock file is removed on release.
+On a filesystem whose ``flock`` does not work (NFS without a lock service, some FUSE mounts: one of
+:data:`NO_LOCKS`), the block runs unguarded, with a warning, rather than not at all.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shlex
 import socket
@@ -24,6 +28,9 @@ from pathlib import Path
 from gqakit.errors import GqakitError
 
 POLL_S = 0.2  # how often a waiting process tries the lock again
+# what flock raises on a filesystem without working locks (NFS without lockd, some FUSE, Lustre noflock)
+NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
+log = logging.getLogger(__name__)
 
 if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
     import msvcrt
@@ -43,7 +50,15 @@ else:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        except OSError as e:
+            if e.errno not in NO_LOCKS:
+                raise
+            raise _Unlockable(e) from None
         return True
+
+
+class _Unlockable(Exception):
+    """This filesystem cannot lock the file (:data:`NO_LOCKS`)."""
 
 
 def _owner_line() -> str:
@@ -59,9 +74,11 @@ def _owner_of(path: Path) -> str:
         return "a process that just finished"
 
 
-def _acquire(path: Path, busy: Callable[[str], None]) -> int:
+def _acquire(path: Path, busy: Callable[[str], None], strict: bool = False) -> int:
     """The open, locked descriptor of ``path``. While another process holds it, ``busy`` is called with
-    that process's description: it raises to refuse, or returns to wait for the lock."""
+    that process's description: it raises to refuse, or returns to wait for the lock. Where the filesystem
+    cannot lock (:data:`NO_LOCKS`), the descriptor unlocked, with a warning; with ``strict``, flock's
+    OSError."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -69,6 +86,17 @@ def _acquire(path: Path, busy: Callable[[str], None]) -> int:
                 busy(_owner_of(path))
                 while not _try_lock(fd):
                     time.sleep(POLL_S)
+        except _Unlockable as e:
+            if strict:
+                os.close(fd)
+                raise e.args[0] from None
+            # gqakit worked on such filesystems before it locked anything: go on, unguarded, and say so
+            log.warning(
+                "could not lock %s: %s (this filesystem has no working flock); going on without the lock, "
+                "so a second command on the same files at the same time would not be stopped",
+                path, e.args[0],
+            )  # fmt: skip
+            return fd
         except BaseException:
             os.close(fd)
             raise
@@ -84,8 +112,8 @@ def _acquire(path: Path, busy: Callable[[str], None]) -> int:
 
 
 @contextmanager
-def _held(path: Path, busy: Callable[[str], None]) -> Iterator[None]:
-    fd = _acquire(path, busy)
+def _held(path: Path, busy: Callable[[str], None], strict: bool = False) -> Iterator[None]:
+    fd = _acquire(path, busy, strict)
     try:
         os.ftruncate(fd, 0)
         os.write(fd, (_owner_line() + "\n").encode())
@@ -103,7 +131,7 @@ OWNER = "{owner}"  # where a refusal message names the process that holds the lo
 
 
 @contextmanager
-def exclusive(lock_file: str | Path, busy: str) -> Iterator[None]:
+def exclusive(lock_file: str | Path, busy: str, strict: bool = False) -> Iterator[None]:
     """Hold ``lock_file`` for the ``with`` block, or refuse if another process holds it.
 
     Args:
@@ -111,6 +139,7 @@ def exclusive(lock_file: str | Path, busy: str) -> Iterator[None]:
             (what a refused process reports), removed on release.
         busy: the message for a refused process, with :data:`OWNER` where the holder's description goes,
             e.g. ``"--work-dir w is in use ({owner}): wait for it, or pass another --work-dir."``.
+        strict: raise flock's OSError where the filesystem cannot lock, instead of running unguarded.
 
     Raises:
         GqakitError: ``busy`` filled in, when another process holds the lock.
@@ -119,7 +148,7 @@ def exclusive(lock_file: str | Path, busy: str) -> Iterator[None]:
     def refuse(owner: str) -> None:
         raise GqakitError(busy.replace(OWNER, owner))
 
-    with _held(Path(lock_file), refuse):
+    with _held(Path(lock_file), refuse, strict):
         yield
 
 

@@ -83,3 +83,32 @@ def test_a_working_directory_that_cannot_be_written_is_named(tmp_path, monkeypat
     with pytest.raises(GqakitError, match=message):
         with working_directory(tmp_path / "w"):
             pass
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "ENOSYS"])
+def test_where_flock_does_not_work_the_block_runs_unguarded_with_a_warning(
+    tmp_path, monkeypatch, caplog, code
+):
+    """NFS without a lock service answers flock with ENOLCK: a command must still run there (it did
+    before gqakit locked anything), saying that it is unguarded."""
+    import errno
+    import logging
+
+    import gqakit.locks as locks
+
+    def no_flock(fd, op):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(locks.fcntl, "flock", no_flock)
+    caplog.set_level(logging.WARNING, logger="gqakit.locks")
+    ran = []
+    with exclusive(tmp_path / ".w.lock", "in use ({owner})"):
+        ran.append("exclusive")
+    with locks.one_at_a_time(tmp_path / ".a.lock", lambda owner: None):
+        ran.append("one_at_a_time")
+    assert ran == ["exclusive", "one_at_a_time"]
+    assert caplog.text.count("has no working flock); going on without the lock") == 2
+    assert not list(tmp_path.iterdir())  # the lock files are removed as usual
+    monkeypatch.setattr(locks.fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.EIO, "io")))
+    with pytest.raises(OSError, match="io"), exclusive(tmp_path / ".w.lock", "in use ({owner})"):
+        pass  # any other error still stops the command
