@@ -195,15 +195,8 @@ def remove_superseded_exports(src: Path, out_type: str, current: Path) -> list[P
         fp = fingerprint(src)
         if _export_name(src, fp, out_type, EXPORT_VERSION) != current.name:
             return []
-        return [
-            p
-            for p in current.parent.glob("*.gguf")
-            if p != current
-            and not p.name.startswith(".")
-            and p.is_file()
-            and not p.is_symlink()
-            and superseded_export(src, fp, out_type, p)
-        ]
+        others = cache_copies.siblings(current, "*.gguf", Path.is_file)
+        return [p for p in others if superseded_export(src, fp, out_type, p)]
 
     return cache_copies.remove_superseded(_EXPORTS, src.name, current, candidates)
 

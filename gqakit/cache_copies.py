@@ -35,7 +35,6 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +163,15 @@ class CopyKind:
     record: Callable[[Path], Path] | None = None
 
 
+def siblings(current: Path, pattern: str, kind: Callable[[Path], bool]) -> list[Path]:
+    """The other copies in ``current``'s cache folder: entries matching ``pattern`` of the ``kind`` given
+    (``Path.is_dir``, ``Path.is_file``), hidden ones (locks, partial copies) and links left out."""
+    return [
+        p for p in current.parent.glob(pattern)
+        if p != current and not p.name.startswith(".") and not p.is_symlink() and kind(p)
+    ]  # fmt: skip
+
+
 def use_file(copy: Path) -> Path:
     """The file whose shared lock holds ``copy`` in use: ``.<name>.use`` beside it."""
     return copy.with_name(f".{copy.name}.use")
@@ -287,11 +295,12 @@ class _NoLocks(Exception):
     """A filesystem whose ``flock`` fails: no copy is removed."""
 
 
-def _remove_unused(kind: CopyKind, copy: Path) -> int | None:
+def _remove_unused(kind: CopyKind, copy: Path, orphan: bool = False) -> int | None:
     """``kind.remove(copy)`` under an exclusive lock on its :func:`use_file`; raises :class:`_InUse` when
-    another process holds it, :class:`_NoLocks` where ``flock`` fails. The file is unlinked once the copy
-    is gone, while still locked, so a reader waiting on it sees that it was (:func:`_hold`)."""
-    if kind.record is not None and copy in _HELD and orphaned(kind.record(copy)):
+    another process holds it (or this one, for an ``orphan``), :class:`_NoLocks` where ``flock`` fails.
+    The file is unlinked once the copy is gone, while still locked, so a reader waiting on it sees that it
+    was (:func:`_hold`)."""
+    if orphan and copy in _HELD:
         raise _InUse("this process")  # its source is gone, not replaced by the one this process asks for
     release(copy)  # this process asks for a newer copy of the source: it has moved on from this one
     path = use_file(copy)
@@ -360,14 +369,8 @@ def _remove_superseded(
         busy = f"kept {copy}, a superseded {one} of {source_name}: {{owner}} is writing it"
         gone = kind.record is not None and orphaned(kind.record(copy))  # read before the copy goes
         try:
-            with ExitStack() as held:
-                try:
-                    held.enter_context(exclusive(cache / f".{copy.name}.lock", busy, strict=True))
-                except OSError as e:
-                    if _no_flock(e):  # its writer's lock file: as for its .use file
-                        raise _NoLocks from None
-                    raise
-                size = _remove_unused(kind, copy)
+            with exclusive(cache / f".{copy.name}.lock", busy, strict=True):
+                size = _remove_unused(kind, copy, gone)
         except GqakitError as e:  # its lock is held
             kind.log.info("%s", e.message)
             continue
@@ -378,6 +381,8 @@ def _remove_superseded(
         except _NoLocks:
             return removed
         except OSError as e:
+            if _no_flock(e):  # its writer's lock file cannot be taken: as for its .use file
+                return removed
             msg = "could not remove %s, a superseded %s of %s: %s; remove it: %s"
             kind.log.warning(msg, copy, one, source_name, e, kind.rm(copy))
             continue
@@ -391,5 +396,5 @@ def _remove_superseded(
 
 __all__ = [
     "ATTEMPTS", "FINGERPRINT", "HOST", "NO_LOCKS", "CopyKind", "in_use", "orphaned",
-    "release", "remove_superseded", "superseded_by_record", "use_file", "write_record",
+    "release", "remove_superseded", "siblings", "superseded_by_record", "use_file", "write_record",
 ]  # fmt: skip

@@ -50,15 +50,7 @@ else:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        except OSError as e:
-            if e.errno not in NO_LOCKS:
-                raise
-            raise _Unlockable(e) from None
         return True
-
-
-class _Unlockable(Exception):
-    """This filesystem cannot lock the file (:data:`NO_LOCKS`)."""
 
 
 def _owner_line() -> str:
@@ -86,15 +78,15 @@ def _acquire(path: Path, busy: Callable[[str], None], strict: bool = False) -> i
                 busy(_owner_of(path))
                 while not _try_lock(fd):
                     time.sleep(POLL_S)
-        except _Unlockable as e:
-            if strict:
+        except OSError as e:
+            if strict or e.errno not in NO_LOCKS:
                 os.close(fd)
-                raise e.args[0] from None
+                raise
             # gqakit worked on such filesystems before it locked anything: go on, unguarded, and say so
             log.warning(
                 "could not lock %s: %s (this filesystem has no working flock); going on without the lock, "
                 "so a second command on the same files at the same time would not be stopped",
-                path, e.args[0],
+                path, e,
             )  # fmt: skip
             return fd
         except BaseException:

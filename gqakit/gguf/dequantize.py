@@ -196,15 +196,7 @@ def remove_superseded(path: Path, current: Path) -> list[Path]:
         fp = fingerprint(path)
         if _name(path, fp) != current.name:
             return []
-        return [
-            p
-            for p in current.parent.iterdir()
-            if p != current
-            and not p.name.startswith(".")
-            and p.is_dir()
-            and not p.is_symlink()
-            and superseded(path, fp, p)
-        ]
+        return [p for p in cache_copies.siblings(current, "*", Path.is_dir) if superseded(path, fp, p)]
 
     return cache_copies.remove_superseded(_COPIES, path.name, current, candidates)
 
