@@ -43,7 +43,7 @@ def build_forms(model: Path, work: Path) -> dict[str, Path]:
 
 
 def export(path: Path, work: Path, name: str, out_type: str) -> Path:
-    from gqakit.gguf import export_gguf
+    from gqakit.gguf.export import export_gguf
 
     dst = work / f"{name}-{out_type}.gguf"
     if not dst.is_file():
@@ -78,7 +78,7 @@ def speed(forms: dict[str, Path], work: Path, contexts: list[int], new_tokens: i
     from gqakit.checkpoint import read_config
     from gqakit.eval.llamacpp_engine import llamacpp_decode
     from gqakit.geometry import AttentionGeometry
-    from gqakit.gguf import read_gguf_header
+    from gqakit.gguf.header import read_gguf_header
 
     ggufs = {name: export(path, work, name, "f16") for name, path in forms.items()}
     geoms = {name: AttentionGeometry.from_config(read_config(path)) for name, path in forms.items()}

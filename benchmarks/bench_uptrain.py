@@ -68,8 +68,6 @@ ROWS: dict[str, dict] = {
     "compile": {"fused_loss": True, "compile": True, "kernels": "none"},
     "liger": {"fused_loss": True, "compile": False, "kernels": "liger"},
     "compile+liger": {"fused_loss": True, "compile": True, "kernels": "liger"},
-    "compile+flash": {"fused_loss": True, "compile": True, "kernels": "none", "attention": "flash"},
-    "compile+cudnn": {"fused_loss": True, "compile": True, "kernels": "none", "attention": "cudnn"},
     "auto": {},
 }
 
@@ -78,7 +76,7 @@ def worker_ours(args) -> dict:
     import torch
 
     from gqakit.uptrain import recipe_from_dict, uptrain
-    from gqakit.uptrain.loop import read_history
+    from gqakit.uptrain.train import read_history
 
     precision = "bf16" if torch.cuda.is_available() else "fp32"
     distill = args.objective == "distill"

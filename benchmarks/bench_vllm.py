@@ -35,8 +35,8 @@ from gqakit.convert import ConvertOptions, convert_checkpoint, expand_checkpoint
 from gqakit.eval import EvalOptions, evaluate_models
 from gqakit.eval.decode_rounds import interleaved, round_stats, speedup
 from gqakit.eval.vllm_client import VllmWorker, vllm_python
-from gqakit.files import cache_root
 from gqakit.models import cpu_model
+from gqakit.storage import cache_root
 
 
 def build_forms(model: Path, work: Path) -> dict[str, str]:

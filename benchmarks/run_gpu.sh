@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures in the README, on one CUDA GPU. Name the steps to run (each takes 1 to 5 minutes on
+# The GPU figures of docs/gpu.md, on one CUDA GPU. Name the steps to run (each takes 1 to 5 minutes on
 # an H100; all of them by default):
 #
 #   bash benchmarks/run_gpu.sh OUT_DIR                      # tests perplexity decode-eager uptrain decode-compiled

@@ -8,17 +8,19 @@ from gqakit.convert.api import (
     expand_checkpoint,
     inspect_checkpoint,
 )
+from gqakit.convert.options import PRESETS, Preset
 from gqakit.convert.plan import RegroupSpec, convert_state_dict, plan_regroup
 from gqakit.convert.pooling import regroup, regroup_fused_qkv, regroup_head_axis
-from gqakit.convert.registry import ADAPTERS, UNSUPPORTED, ArchAdapter, get_adapter
+from gqakit.families import ADAPTERS, ArchAdapter, get_adapter
 
 __all__ = [
     "ADAPTERS",
-    "UNSUPPORTED",
+    "PRESETS",
     "ArchAdapter",
     "ConvertOptions",
     "ConvertResult",
     "Inspection",
+    "Preset",
     "RegroupSpec",
     "convert_checkpoint",
     "convert_state_dict",

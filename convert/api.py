@@ -9,31 +9,29 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.cli_options import Problems
-from gqakit.convert.calibrate import calibrate, calibration_sequences
+from gqakit.convert.calibrate import CalibrationStats, calibrate, calibration_sequences
 from gqakit.convert.inspect import Inspection, inspect_checkpoint
 from gqakit.convert.layerwise import write_layerwise
-from gqakit.convert.layerwise_resume import LayerwiseResume, claim_layerwise, resume_dir, tokens_digest
+from gqakit.convert.layerwise_resume import claim_layerwise, tokens_digest
 from gqakit.convert.merge_fit import fit_layer_merges, merge_report
 from gqakit.convert.merge_plan import plan_merged
 from gqakit.convert.methods import METHODS
-from gqakit.convert.options import DTYPE_CHOICES, ConvertOptions, check_groups
+from gqakit.convert.options import DTYPE_CHOICES, PRESETS, ConvertOptions, check_groups
 from gqakit.convert.plan import OutputTensor, RegroupSpec, plan_regroup
 from gqakit.convert.refine import check_sequences
-from gqakit.convert.registry import ArchAdapter, get_adapter
-from gqakit.convert.retarget import RETARGETS
-from gqakit.convert.retarget_convert import convert_retargeted
+from gqakit.convert.retarget import convert_retargeted
 from gqakit.convert.write import ConvertResult, source_path, write_converted
 from gqakit.errors import GqakitError
-from gqakit.files import fingerprint
+from gqakit.families import ArchAdapter, family_of, get_adapter
 from gqakit.geometry import AttentionGeometry
-from gqakit.safetensors_io import DTYPES
+from gqakit.storage import fingerprint
 
 
 def convert_checkpoint(
@@ -49,7 +47,8 @@ def convert_checkpoint(
     Args:
         src: a checkpoint directory, a ``.gguf`` file or a hub id.
         dst: the output directory; written atomically.
-        options: what to do.
+        options: what to do; a preset that needs text and is given none calibrates on the wiki-en
+            asset's train split (:func:`with_calibration_text`).
         progress: progress bars (in bytes, or in layers for the layer-by-layer path); pipelines that
             print their own steps turn them off. Not an option of the conversion: the output is the same.
 
@@ -61,8 +60,9 @@ def convert_checkpoint(
     """
     options.validate()
     start = time.perf_counter()
+    options = with_calibration_text(options).resolved()
     with resolve_checkpoint(src) as ckpt:
-        if ckpt.model_type in RETARGETS:
+        if family_of(ckpt.model_type).retarget is not None:  # converted through a stock class
             return convert_retargeted(ckpt, dst, options, start, partial(_convert, progress=progress))
         return _convert(ckpt, dst, options, start, progress=progress)
 
@@ -91,60 +91,43 @@ def _convert(
         "groups": options.groups,
         "method": options.method,
         "dtype": options.dtype,
+        **options.provenance,
         **(extra or {}),
     }
     if METHODS[options.method].fresh:
         record["seed"] = options.seed
-    weights: list[OutputTensor] | Any
-    if options.merged or options.refine_steps:
-        # tokenized (and checked) before DST is claimed and any layer runs
-        sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
-        if options.refine_steps:
-            check_sequences(sequences)
-        with claim_layerwise(dst, options.force, source_path(ckpt)):
-            resume = LayerwiseResume(resume_dir(dst), _resume_key(ckpt, options, sequences))
-            weights = partial(
-                write_layerwise,
-                ckpt,
-                adapter,
-                geom,
-                spec,
-                options,
-                sequences,
-                record,
-                resume=resume,
-                progress=progress,
-            )
-            try:
-                result = write_converted(
-                    ckpt, dst, weights, geom, options.groups, spec.out_dtype, options.force, record, start
-                )
-            except GqakitError:  # bad input: nothing to resume, nothing left behind
-                resume.clear()
-                raise
-            except BaseException:  # killed, out of memory...: keep the finished layers for the next run
-                if resume.done:
-                    print(
-                        f"{resume.done} finished layer(s) kept in {resume.root}: run the same conversion "
-                        "again to resume there.",
-                        file=sys.stderr,
-                    )
-                raise
-            resume.clear()
-            return result
-    weights = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
-    return write_converted(
-        ckpt,
-        dst,
-        weights,
-        geom,
-        options.groups,
-        spec.out_dtype,
-        options.force,
-        record,
-        start,
-        progress=progress,
+    write = partial(
+        write_converted, ckpt, dst, geom=geom, groups=options.groups, out_dtype=spec.out_dtype,
+        force=options.force, record=record, start=start,
+    )  # fmt: skip
+    if not options.needs_text:
+        return write(plan_regroup(ckpt.tensor_infos(), adapter, geom, spec), progress=progress)
+    # tokenized (and checked) before DST is claimed and any layer runs
+    sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
+    if options.refine_steps:
+        check_sequences(sequences)
+    key = _resume_key(ckpt, options, sequences)
+    with claim_layerwise(dst, options.force, source_path(ckpt), key) as resume:
+        job = (ckpt, adapter, geom, spec, options, sequences, record)
+        return write(partial(write_layerwise, *job, resume=resume, progress=progress))
+
+
+def with_calibration_text(options: ConvertOptions) -> ConvertOptions:
+    """``options`` with the wiki-en asset's train split as ``calib_data`` when a preset that needs text
+    is given none (:attr:`ConvertOptions.wiki_text`; fetched once into the asset cache, as the demo
+    does), saying so in one line; otherwise ``options`` as they are."""
+    if not options.wiki_text:
+        return options
+    from gqakit.assets import fetch_asset  # deferred: only a preset without text needs it
+
+    train = fetch_asset("wiki-en")["train"]
+    f = Problems("convert").flag
+    print(
+        f"{f('preset')} {options.preset} ({PRESETS[options.preset].method}) needs calibration text and no "  # type: ignore[index]
+        f"{f('calib_data')} was given: calibrating on the wiki-en asset's train split, {train}.",
+        file=sys.stderr,
     )
+    return replace(options, calib_data=str(train))
 
 
 def _resume_key(ckpt: Checkpoint, options: ConvertOptions, sequences: list) -> dict[str, Any]:
@@ -164,29 +147,17 @@ def plan_with_merges(
     geom: AttentionGeometry,
     spec: RegroupSpec,
     options: ConvertOptions,
-    stats=None,
-    model=None,
-    sequences=None,
+    stats: CalibrationStats | None = None,
 ) -> tuple[list[OutputTensor], dict[str, Any]]:
-    """The whole-model merged plan: calibrate over a loaded model (unless ``stats`` is given; on ``model``
-    and ``sequences`` when they are at hand already), fit every layer's merges, and plan; return the plan
-    and its record. ``gqakit probe`` uses it to share one calibration among many conversions."""
-    if stats is None and options.calib_data:
-        stats = calibrate(
-            ckpt,
-            adapter,
-            geom,
-            options.calib_data,
-            options.calib_tokens,
-            options.device,
-            model=model,
-            sequences=sequences,
-        )
-    merges, key_merge = fit_layer_merges(
-        ckpt, adapter, geom, stats, options.groups, options.method, options.grouping
-    )
+    """The whole-model merged plan: calibrate over a loaded model (unless ``stats`` is given), fit every
+    layer's merges, and plan; return the plan and its record. ``gqakit probe`` uses it to share one
+    calibration among many conversions."""
+    o = options.resolved()
+    if stats is None and o.calib_data:
+        stats = calibrate(ckpt, adapter, geom, o.calib_data, o.calib_tokens, o.device)  # type: ignore[arg-type]
+    merges, key_merge = fit_layer_merges(ckpt, adapter, geom, stats, o.groups, o.method, o.grouping)  # type: ignore[arg-type]
     plan = plan_merged(ckpt.tensor_infos(), adapter, geom, spec, merges)
-    return plan, merge_report(options.method, options.grouping, key_merge, stats, merges).to_record()
+    return plan, merge_report(o.method, o.grouping, key_merge, stats, merges).to_record()  # type: ignore[arg-type]
 
 
 def expand_checkpoint(
@@ -211,7 +182,7 @@ def expand_checkpoint(
 
 __all__ = [
     "DTYPE_CHOICES",
-    "DTYPES",
+    "PRESETS",
     "ConvertOptions",
     "ConvertResult",
     "Inspection",
@@ -220,5 +191,6 @@ __all__ = [
     "expand_checkpoint",
     "inspect_checkpoint",
     "plan_with_merges",
+    "with_calibration_text",
     "write_converted",
 ]

@@ -19,7 +19,6 @@ tokens it holds (a merge fitted on fewer tokens than asked for would be a silent
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,14 +30,12 @@ from typing import Any
 import torch
 
 from gqakit.checkpoint import Checkpoint
-from gqakit.convert.registry import ArchAdapter
 from gqakit.errors import GqakitError
-from gqakit.files import sha256_file
+from gqakit.families import ArchAdapter
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm, load_tokenizer, max_positions, resolve_device
+from gqakit.storage import sha256_file
 from gqakit.text import DOC_SEPARATOR, load_texts
-
-log = logging.getLogger(__name__)
 
 CALIB_SEQ_LEN = 512  # tokens per calibration sequence (capped by the model's max positions)
 CALIB_BATCH = 4  # calibration sequences per forward pass
@@ -57,10 +54,6 @@ class CalibrationStats:
     grams: list[torch.Tensor]
     record: dict[str, Any]
     elapsed_s: float = 0.0
-
-
-# ----------------------------------------------------------------------------------------------------
-# 1. Calibration data and statistics
 
 
 def load_calibration_texts(path: str | Path, text_field: str = "text") -> list[str]:
@@ -94,11 +87,6 @@ def calibration_ids(
     return list(ids.split(seq_len))
 
 
-def key_module(adapter: ArchAdapter, layer: int) -> str:
-    """The module whose input is the layer's K/V projection input (the key or fused qkv projection)."""
-    return adapter.key_input(layer)
-
-
 def batch_gram(x: torch.Tensor) -> torch.Tensor:
     """``[X, 1]^T [X, 1]`` of one batch of projection inputs ``[..., hidden]``, as float64 on the CPU."""
     x = x.reshape(-1, x.shape[-1]).float()
@@ -126,7 +114,7 @@ def capture_grams(
         grams[layer] = g if grams[layer] is None else grams[layer] + g
 
     handles = [
-        model.get_submodule(key_module(adapter, layer)).register_forward_pre_hook(partial(hook, layer))
+        model.get_submodule(adapter.key_input(layer)).register_forward_pre_hook(partial(hook, layer))
         for layer in range(num_layers)
     ]
     try:
@@ -166,7 +154,7 @@ def calibration_sequences(ckpt: Checkpoint, data: str | Path, tokens: int) -> li
     """The first ``tokens`` tokens of ``data`` under ``ckpt``'s tokenizer, in sequences of
     ``CALIB_SEQ_LEN`` (or the model's maximum positions, when shorter)."""
     tokenizer = load_tokenizer(ckpt.path)
-    seq_len = min(CALIB_SEQ_LEN, max_positions(_config_obj(ckpt.config)) or CALIB_SEQ_LEN)
+    seq_len = min(CALIB_SEQ_LEN, max_positions(SimpleNamespace(**ckpt.config)) or CALIB_SEQ_LEN)
     return calibration_ids(tokenizer, load_calibration_texts(data), tokens, seq_len)
 
 
@@ -178,7 +166,6 @@ def calibrate(
     tokens: int = 4096,
     device: str = "auto",
     model=None,
-    sequences: list[torch.Tensor] | None = None,
 ) -> CalibrationStats:
     """Measure every layer's K/V projection input on ``tokens`` tokens of ``data``.
 
@@ -189,21 +176,12 @@ def calibrate(
         tokens: how many tokens to run.
         device: where to run the model.
         model: an already loaded source model to reuse (the probe has one).
-        sequences: the calibration token sequences, when the caller has them already
-            (:func:`calibration_sequences` of the same data and tokens).
     """
     start = time.perf_counter()
-    if sequences is None:
-        sequences = calibration_sequences(ckpt, data, tokens)
-    own = model is None
-    if own:
-        model = load_model_for_calibration(ckpt.path, device)
+    sequences = calibration_sequences(ckpt, data, tokens)
+    model = model if model is not None else load_model_for_calibration(ckpt.path, device)
     run_on = str(next(model.parameters()).device)
-    try:
-        grams = capture_grams(model, adapter, geom.num_layers, sequences)
-    finally:
-        if own:
-            del model
+    grams = capture_grams(model, adapter, geom.num_layers, sequences)
     return CalibrationStats(
         grams, calibration_record(data, tokens, sequences, run_on), time.perf_counter() - start
     )
@@ -218,8 +196,3 @@ def calibration_record(data: str | Path, tokens: int, sequences: Sequence[torch.
         "seq_len": len(sequences[0]),
         "device": device,
     }
-
-
-def _config_obj(config: dict[str, Any]):
-
-    return SimpleNamespace(**config)

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 
 from gqakit.checkpoint import Checkpoint, TensorReader
-from gqakit.convert.registry import ArchAdapter
+from gqakit.dtypes import config_dtype
 from gqakit.errors import GqakitError
-
-_CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from gqakit.families import ArchAdapter
 
 
 def skeleton(path: Path) -> torch.nn.Module:
@@ -45,7 +44,7 @@ def compute_dtype(config: dict[str, Any], device: torch.device) -> torch.dtype:
     """float32 on the CPU (fast there, and exact); the checkpoint's own dtype on a GPU."""
     if device.type != "cuda":
         return torch.float32
-    return _CONFIG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.float32)
+    return config_dtype(config)
 
 
 def _set_parameter(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:

@@ -21,9 +21,6 @@ from itertools import combinations
 
 import torch
 
-from gqakit.convert.registry import ArchAdapter, Role
-from gqakit.geometry import AttentionGeometry
-
 
 def contiguous_groups(num_kv_heads: int, groups: int) -> list[list[int]]:
     """What ``repeat_kv`` implies: group ``g`` is heads ``g*r .. g*r + r - 1``."""
@@ -105,46 +102,3 @@ def permute_rows(t: torch.Tensor, order: Sequence[int], d: int) -> torch.Tensor:
 def permute_cols(w: torch.Tensor, order: Sequence[int], d: int) -> torch.Tensor:
     """Reorder head blocks of ``d`` columns of ``[out, n * d]`` (o_proj)."""
     return w.reshape(w.shape[0], -1, d)[:, list(order)].reshape(w.shape[0], -1)
-
-
-def permute_heads_state_dict(
-    state_dict: dict[str, torch.Tensor],
-    adapter: ArchAdapter,
-    geom: AttentionGeometry,
-    kv_orders: Sequence[Sequence[int]],
-) -> dict[str, torch.Tensor]:
-    """Reorder the K/V heads of every layer (``kv_orders[layer]``), moving their query heads along.
-
-    Touches q/k/v rows and biases (or the fused q|k|v rows), o_proj columns, per-head norms and flat
-    per-channel norms. The result computes exactly the same function.
-    """
-    sd = dict(state_dict)
-    d, kv, n_rep = geom.head_dim, geom.num_kv_heads, geom.queries_per_kv
-    for layer, kv_order in enumerate(kv_orders):
-        q_order = query_order(kv_order, n_rep)
-
-        def names(role: Role, layer: int = layer) -> list[str]:
-            m = adapter.module(role, layer)
-            return [] if m is None else [f"{m}.{s}" for s in ("weight", "bias") if f"{m}.{s}" in sd]
-
-        for n in names("q") + names("q_norm_flat"):
-            sd[n] = permute_rows(sd[n], q_order, d)
-        for n in names("k") + names("v") + names("k_norm_flat"):
-            sd[n] = permute_rows(sd[n], kv_order, d)
-        for n in names("qkv"):
-            q, k, v = sd[n].split([geom.num_heads * d, kv * d, kv * d])
-            sd[n] = torch.cat(
-                [permute_rows(q, q_order, d), permute_rows(k, kv_order, d), permute_rows(v, kv_order, d)]
-            )
-        o = adapter.tensor("o", layer)
-        sd[o] = permute_cols(sd[o], q_order, d)
-        for template, order in ((adapter.q_norm_per_head, q_order), (adapter.k_norm_per_head, kv_order)):
-            if template is None:
-                continue
-            for suffix in ("weight", "bias"):
-                old = [f"{template.format(layer=layer, head=h)}.{suffix}" for h in range(len(order))]
-                if all(n in sd for n in old):
-                    moved = [sd[old[h]].clone() for h in order]
-                    for n, t in zip(old, moved, strict=True):
-                        sd[n] = t
-    return sd

@@ -7,14 +7,14 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gqakit.checkpoint import Checkpoint, resolve_checkpoint
+from gqakit.checkpoint import resolve_checkpoint
 from gqakit.convert.plan import RegroupSpec, plan_regroup
-from gqakit.convert.registry import get_adapter
-from gqakit.convert.retarget import RETARGETS
-from gqakit.convert.write import _CONFIG_DTYPE
-from gqakit.errors import GqakitError
+from gqakit.convert.retarget import refusals
+from gqakit.dtypes import SAFETENSORS_DTYPES, dtype_name
+from gqakit.families import family_of
 from gqakit.geometry import AttentionGeometry
-from gqakit.gguf import read_gguf_header
+from gqakit.gguf.dequantize import is_gguf
+from gqakit.gguf.header import read_gguf_header
 
 
 @dataclass
@@ -70,60 +70,36 @@ def inspect_checkpoint(src: str | Path) -> Inspection:
     model). For a checkpoint of a supported family, the weights' shapes are checked against the config
     the way ``convert`` checks them, so the valid G listed are the ones ``convert`` accepts.
     """
-    if Path(str(src)).expanduser().suffix.lower() == ".gguf" and Path(str(src)).expanduser().is_file():
-        return _inspect_gguf(Path(str(src)).expanduser())
+    if is_gguf(src):
+        return _inspect_gguf(Path(src).expanduser())
     with resolve_checkpoint(src) as ckpt:
-        if ckpt.model_type in RETARGETS:
-            return _inspect_retargeted(ckpt)
-        geom = AttentionGeometry.from_config(ckpt.config)
+        family = family_of(ckpt.model_type)
+        retarget = family.retarget
+        geom = AttentionGeometry.from_config(ckpt.config)  # a retargeted source: its heads now (MHA)
         infos = ckpt.tensor_infos()
-        supported = _supported(ckpt.model_type)
-        if supported:  # the checks convert runs on the headers: a config that lies about its heads fails here
-            plan_regroup(infos, get_adapter(ckpt.model_type), geom, RegroupSpec(geom.num_kv_heads))
+        if family.attention is not None:  # the checks convert runs on the headers: a config that lies fails
+            plan_regroup(infos, family.attention, geom, RegroupSpec(geom.num_kv_heads))
+        # a family converted into another class: every reason convert would refuse it (its config and
+        # its weights), else the class, why, and the G it holds
+        problems = refusals(ckpt)
         dtypes: dict[str, int] = {}
         for dtype, shape in infos.values():
             dtypes[dtype] = dtypes.get(dtype, 0) + math.prod(shape)
-        return _inspection(ckpt.origin, geom, supported, dtypes, ckpt.format, [s.file for s in ckpt.shards])
-
-
-def _inspect_retargeted(ckpt: Checkpoint) -> Inspection:
-    """A family that converts into another class: the target's geometry, the G it holds, and why."""
-    retarget = RETARGETS[ckpt.model_type]
-    target = retarget.geometry(ckpt.config)
-    # reported as the source family, with its heads as they are now (MHA)
-    geom = AttentionGeometry(
-        ckpt.model_type, target.num_layers, target.hidden_size, target.num_heads, target.num_heads,
-        target.head_dim,
-    )  # fmt: skip
-    problems = retarget.problems(ckpt.config)
-    output = f"{retarget.target}: {retarget.why}"
-    if problems:
-        output = f"nothing: {'; '.join(problems)}"
-    dtypes: dict[str, int] = {}
-    for dtype, shape in ckpt.tensor_infos().values():
-        dtypes[dtype] = dtypes.get(dtype, 0) + math.prod(shape)
-    groups = retarget.valid_groups(target.num_heads)
-    inspection = _inspection(
-        ckpt.origin, geom, not problems, dtypes, ckpt.format, [s.file for s in ckpt.shards], groups
-    )
-    inspection.output_class = output
-    return inspection
-
-
-def _supported(model_type: str) -> bool:
-    try:
-        get_adapter(model_type)
-        return True
-    except GqakitError:
-        return False
+        supported = family.attention is not None or (retarget is not None and not problems)
+        groups = retarget.valid_groups(geom.num_heads) if retarget else None
+        inspection = _inspection(
+            ckpt.origin, geom, supported, dtypes, ckpt.format, [s.file for s in ckpt.shards], groups
+        )
+        if retarget is not None:
+            why = f"{retarget.target}: {retarget.why}"
+            inspection.output_class = f"nothing: {' '.join(problems)}" if problems else why
+        return inspection
 
 
 def _inspect_gguf(path: Path) -> Inspection:
-
     header = read_gguf_header(path)
-    return _inspection(
-        str(path), header.geometry(), _supported(header.model_type), header.dtypes, "gguf", [path.name]
-    )
+    supported = family_of(header.geometry.model_type).attention is not None
+    return _inspection(str(path), header.geometry, supported, header.dtypes, "gguf", [path.name])
 
 
 def _inspection(
@@ -137,15 +113,11 @@ def _inspection(
 ) -> Inspection:
     return Inspection(
         source=source,
-        model_type=geom.model_type,
         supported=supported,
-        num_layers=geom.num_layers,
-        hidden_size=geom.hidden_size,
-        num_heads=geom.num_heads,
-        num_kv_heads=geom.num_kv_heads,
-        head_dim=geom.head_dim,
+        **asdict(geom),  # model_type, num_layers, hidden_size, num_heads, num_kv_heads, head_dim
         parameters=sum(dtypes.values()),
-        dtypes={_CONFIG_DTYPE.get(k, k): v for k, v in dtypes.items()},
+        # safetensors' names as config.json spells them (bfloat16); a GGUF's types (Q8_0) as they are
+        dtypes={dtype_name(k) if k in SAFETENSORS_DTYPES else k: v for k, v in dtypes.items()},
         format=fmt,
         shards=shards,
         kv_bytes_per_token={g: geom.kv_bytes_per_token(g) for g in groups or geom.valid_groups()},

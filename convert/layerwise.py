@@ -15,48 +15,46 @@ conversion; over the calibrated merge this gives exactly the statistics, merges 
 calibrating the whole model at once (tested). Feeding each layer the hidden states of the model
 converted so far instead, with the original layer's result on them as the target, as GPTQ-style
 quantizers do, was measured worse on SmolLM2-135M -> MQA (zero-shot test perplexity 110.7 calibrated and
-36.0 refined, against 91.9 and 30.9; CHANGELOG). The corrective refinement targets
-(:data:`~gqakit.convert.refine_names.REFINE_TARGETS`) carry the converted model's hidden states beside the
-original's, and fit each block on them to the original's result on the original's states. The window
-targets also load the next decoder layer (a second layer's weights, read twice from the shards) and fit
-each block through it.
+36.0 refined, against 91.9 and 30.9; CHANGELOG). The ``layer-corrective`` refinement target
+(:data:`~gqakit.convert.refine.REFINE_TARGETS`) carries the converted model's hidden states beside the
+original's, and fits each block on them to the original's result on the original's states.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from gqakit.checkpoint import Checkpoint
-from gqakit.convert.calibrate import CALIB_BATCH, batch_gram, batches, calibration_record, key_module
+from gqakit.console import progress as progress_bar
+from gqakit.convert.calibrate import CALIB_BATCH, batch_gram, batches, calibration_record
 from gqakit.convert.decoder_stream import DecoderStream
-from gqakit.convert.layerwise_blocks import Window, planned_block, qk_parameters
 from gqakit.convert.layerwise_resume import LayerwiseResume
-from gqakit.convert.merge_fit import KEY_FALLBACK, MergeReport, fit_one_layer, rotary_dim
+from gqakit.convert.merge_fit import KEY_FALLBACK, MergeReport, fit_one_layer
 from gqakit.convert.merge_plan import base_plan, merged_layer
 from gqakit.convert.options import ConvertOptions
 from gqakit.convert.plan import OutputTensor, RegroupSpec, execute, plan_regroup
 from gqakit.convert.refine import (
+    REFINE_TARGETS,
     RefineReport,
     RefineSettings,
+    RefineTarget,
     fit_block,
     layer_output,
     split_batches,
     to_float,
     token_weights,
 )
-from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_TARGETS
-from gqakit.convert.registry import ArchAdapter
 from gqakit.convert.stream import PlanWriter
+from gqakit.dtypes import torch_dtype
+from gqakit.families import ArchAdapter, Role, rotary_dims
 from gqakit.geometry import AttentionGeometry
-from gqakit.memory import release_memory
-from gqakit.models import resolve_device
-from gqakit.safetensors_io import DTYPES
+from gqakit.models import release_memory, resolve_device
 
 
 class LayerCapture:
@@ -119,9 +117,9 @@ def write_layerwise(
         job = _LayerwiseJob(ckpt, reader, adapter, geom, spec, options, sequences)
         writer = PlanWriter(ckpt, job.plan, out_dir, reader, f"convert -> G={options.groups}", progress=False)
         first = resume.done if resume is not None else 0
-        bar = tqdm(
-            total=geom.num_layers, initial=first, desc=f"convert -> G={options.groups}", unit="layer",
-            smoothing=0, dynamic_ncols=True, disable=not progress,
+        bar = progress_bar(
+            desc=f"convert -> G={options.groups}", total=geom.num_layers, enabled=progress, unit="layer",
+            leave=True, initial=first, smoothing=0,
         )  # fmt: skip
         if first:
             bar.write(f"resuming at layer {first}: layers 0-{first - 1} were finished by an earlier run")
@@ -159,7 +157,6 @@ class _LayerwiseJob:
         self.infos = ckpt.tensor_infos()
         self.sequences = sequences
         self.device = resolve_device(options.device)
-        self.needs_gram = options.merged
         self.refine = None
         if options.refine_steps:
             self.refine = RefineSettings(
@@ -168,8 +165,6 @@ class _LayerwiseJob:
                 options.seed,
                 options.refine_target,
                 options.refine_qk_lr,
-                options.refine_schedule,
-                options.refine_loss_used,
             )
             self.fit_runs, check_runs = split_batches(sequences)
         else:
@@ -179,7 +174,7 @@ class _LayerwiseJob:
         self.stream = DecoderStream(ckpt, reader, adapter, self.fit_runs + check_runs, self.device)
         self.conv_config = copy.deepcopy(self.stream.model.config)
         self.conv_config.num_key_value_heads = options.groups
-        self.rdim = rotary_dim(ckpt.config, adapter, geom.head_dim)
+        self.rdim = rotary_dims(ckpt.config, geom.head_dim)
         self.per_layer: list[list[OutputTensor]] = [[] for _ in range(geom.num_layers)]
         self.rest: list[OutputTensor] = []
         for out in self.plan:
@@ -187,7 +182,7 @@ class _LayerwiseJob:
             (self.rest if i is None else self.per_layer[i]).append(out)
         self.hidden = self.stream.hidden
         # the hidden states of the model converted so far, when the blocks read them (see RefineTarget)
-        self.conv_hidden: list[torch.Tensor] | None = list(self.hidden) if self._converted_inputs else None
+        self.conv_hidden: list[torch.Tensor] | None = list(self.hidden) if self._corrective else None
         self.merges = MergeReport(options.method, options.grouping, options.method, None)
         self.refined = None
         if self.refine is not None:
@@ -196,30 +191,14 @@ class _LayerwiseJob:
         self.seconds: list[float] = []
 
     @property
-    def _whole_layer(self) -> bool:
-        """Whether refinement fits the whole decoder layer's output (not the attention block's)."""
-        return self.refine is not None and REFINE_TARGETS[self.refine.target].whole_layer
+    def _target(self) -> RefineTarget | None:
+        """What the blocks are fitted to; None without refinement."""
+        return None if self.refine is None else REFINE_TARGETS[self.refine.target]
 
     @property
-    def _converted_inputs(self) -> bool:
-        """Whether the blocks read the converted model's hidden states (not the original's)."""
-        return self.refine is not None and REFINE_TARGETS[self.refine.target].converted_inputs
-
-    @property
-    def _window(self) -> bool:
-        """Whether each block is fitted through the next decoder layer too (see RefineTarget.window)."""
-        return self.refine is not None and REFINE_TARGETS[self.refine.target].window
-
-    def _window_next(self, i: int, hidden: list[torch.Tensor]) -> tuple[torch.nn.Module, list, list] | None:
-        """For fitting layer ``i`` through layer ``i + 1``: a float32 copy of the original layer ``i + 1``,
-        its call arguments per batch, and its outputs on ``hidden`` (the original's states after layer
-        ``i``): the window's targets. None for the last layer."""
-        if i + 1 >= self.geom.num_layers:
-            return None
-        with self.stream.layer(i + 1) as module:
-            targets = [h.float() for h in self.stream.run(i + 1, module, hidden)]
-            nxt = copy.deepcopy(module).float().requires_grad_(False)
-        return nxt, [to_float(c) for c in self.stream.calls[i + 1]], targets
+    def _corrective(self) -> bool:
+        """Whether the blocks are fitted in their decoder layer, on the converted model's hidden states."""
+        return self._target is not None and self._target.corrective
 
     @property
     def carried(self) -> list[torch.Tensor]:
@@ -230,16 +209,16 @@ class _LayerwiseJob:
     def carried(self, states: list[torch.Tensor]) -> None:
         # a resumed run's states come back from LayerwiseResume on the CPU; the layers run on self.device
         states = [s.to(self.device) for s in states]
-        n = len(states) // 2 if self._converted_inputs else len(states)
+        n = len(states) // 2 if self._corrective else len(states)
         self.hidden = states[:n]
-        if self._converted_inputs:
+        if self._corrective:
             self.conv_hidden = states[n:]
 
     def _capture(self, module: torch.nn.Module, i: int, gram: bool, hidden: list[torch.Tensor]):
         """Run the loaded layer ``i`` on ``hidden`` with capture hooks; return (capture, outputs)."""
-        key = key_module(self.adapter, i)[len(self.stream.layer_prefix(i)) :]
+        key = self.adapter.key_input(i)[len(self.stream.layer_prefix(i)) :]
         # the block is fitted to the attention output, or to the whole layer's (its own inputs and output)
-        target = "" if self._whole_layer else self.stream.attention_name
+        target = "" if self._corrective else self.stream.attention_name
         cap = LayerCapture(module, key, target, gram, self.refine is not None)
         try:
             return cap, self.stream.run(i, module, hidden)
@@ -257,12 +236,10 @@ class _LayerwiseJob:
         layer_copy = None
         conv_io = None
         with self.stream.layer(i) as module:
-            capture, next_hidden = self._capture(module, i, self.needs_gram, self.hidden)
+            capture, next_hidden = self._capture(module, i, self.options.merged, self.hidden)
             if self.conv_hidden is not None:  # the same block's inputs in the converted model
                 conv_io = self._capture(module, i, False, self.conv_hidden)[0].io
-            if self._whole_layer or self.conv_hidden is not None:
                 layer_copy = copy.deepcopy(module).float().requires_grad_(False)
-        window = self._window_next(i, next_hidden) if self._window else None
         release_memory(self.device)
         outs = self._merged_outputs(i, capture.gram)
         base = {id(o) for o in self.per_layer[i]}
@@ -273,68 +250,36 @@ class _LayerwiseJob:
             attn = self.stream.layers[i].get_submodule(self.stream.attention_name)
             block = planned_block(attn, self.conv_config, i, self.device, path, outs, self.reader.read)
             pairs, n = capture.io, len(self.fit_runs)
-            if conv_io is not None:
-                pairs = self._corrective_pairs(conv_io, pairs)
+            if conv_io is not None:  # the converted model's inputs, aimed at the original layer's output
+                pairs = [(a, k, t) for (a, k, _), (_, _, t) in zip(conv_io, pairs, strict=True)]
             del capture, conv_io
-            run, trained, prefix = block, block, f"{path}."
-            qk = qk_parameters(self.adapter, i, path, block)
+            run = block
             if layer_copy is not None:  # the converted block inside a copy of the original layer
                 layer_copy.set_submodule(self.stream.attention_name, block)
-            if window is not None:  # through the next layer too, to the original's output after it
-                run = Window(layer_copy, window[0], self.stream.positional)
-                pairs = [
-                    ((a, k, *call), {}, t) for (a, k, _), call, t in zip(pairs, *window[1:], strict=True)
-                ]
-            elif self._whole_layer:
                 run = layer_copy
-                if REFINE_TARGETS[self.refine.target].moves_layer:
-                    trained, prefix = layer_copy, self.stream.layer_prefix(i)
-                    qk = [f"{self.stream.attention_name}.{q}" for q in qk]
-            weights = self._token_weights(pairs)
-            fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, trained, qk, weights)
+            # the per-token loss weighs each token by the residual state it lands in: a whole layer's
+            # output is that state (the per-token target is the corrective, whole-layer one)
+            per_token = self._target.loss == "per-token"  # type: ignore[union-attr]
+            weights = [token_weights(t) for _, _, t in pairs] if per_token else None
+            qk = qk_parameters(self.adapter, i, path, block)
+            fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, block, qk, weights)
             self.refined.layers.append({"layer": i, **fitted})  # type: ignore[union-attr]
             del pairs
             by_name = {o.name: o for o in outs}
-            for name, p in trained.named_parameters():
-                out = by_name.get(f"{prefix}{name}")
+            for name, p in block.named_parameters():
+                out = by_name.get(f"{path}.{name}")
                 if out is None:
-                    raise RuntimeError(f"layer-wise refinement: no output tensor for {prefix}{name}")
-                values[out.name] = p.detach().to("cpu", DTYPES[out.dtype]).contiguous()
+                    raise RuntimeError(f"layer-wise refinement: no output tensor for {path}.{name}")
+                values[out.name] = p.detach().to("cpu", torch_dtype(out.dtype)).contiguous()
             if self.conv_hidden is not None:  # the converted layer's outputs: the next layer's inputs
                 outs_conv = self.stream.run(i, layer_copy, [h.float() for h in self.conv_hidden], to_float)
                 self.conv_hidden = [h.to(self.stream.dtype) for h in outs_conv]
-            del block, run, layer_copy, window
+            del block, run, layer_copy
         self.hidden = next_hidden
         self.stream.release(i)
         release_memory(self.device)
         self.seconds.append(round(time.perf_counter() - t0, 3))
         return [(out, values.get(out.name)) for out in outs]
-
-    def _token_weights(self, pairs: list[tuple]) -> list[torch.Tensor] | None:
-        """Per batch, the ``per-token`` loss's weights (see REFINE_LOSSES): from the residual state each
-        target token lands in: a whole layer's output is that state; an attention output lands in the
-        block's input state plus itself. None under the ``relative`` loss."""
-        if not REFINE_LOSSES[self.refine.loss].per_token:  # type: ignore[union-attr]
-            return None
-        if self._whole_layer:
-            return [token_weights(t) for _, _, t in pairs]
-        states = self.conv_hidden if self.conv_hidden is not None else self.hidden
-        return [token_weights(s.float() + t) for s, (_, _, t) in zip(states, pairs, strict=True)]
-
-    def _corrective_pairs(self, conv_io: list[tuple], orig_io: list[tuple]) -> list[tuple]:
-        """Refinement batches that read the converted model's inputs and aim at the original's result.
-
-        A whole layer is aimed at the original layer's output. An attention block is aimed at the
-        original's state after its residual add, less the converted layer's input: the original block's
-        output plus the drift ``h - h'`` between the two models' inputs, so that ``h' + block(h')`` lands
-        where ``h + attention(h)`` did.
-        """
-        pairs = []
-        for b, ((args, kwargs, _), (_, _, target)) in enumerate(zip(conv_io, orig_io, strict=True)):
-            if not self._whole_layer:
-                target = target + (self.hidden[b].float() - self.conv_hidden[b].float())  # type: ignore[index]
-            pairs.append((args, kwargs, target))
-        return pairs
 
     def layer_info(self, i: int) -> dict[str, Any]:
         """What was measured on layer ``i`` (just converted), as a resumed run needs it back."""
@@ -392,4 +337,44 @@ class _LayerwiseJob:
         return rec
 
 
-__all__ = ["LayerCapture", "layer_of", "write_layerwise"]
+# The query/key side that refine_qk_lr covers: the q and k projections and every norm on them.
+_QK_ROLES: tuple[Role, ...] = ("q", "k", "q_norm", "k_norm", "q_norm_flat", "k_norm_flat")
+# Per-head norms (stablelm): one module per head, named by the container that holds them all.
+_QK_PER_HEAD_ROLES: tuple[Role, ...] = ("q_norm_per_head", "k_norm_per_head")
+
+
+def qk_parameters(adapter: ArchAdapter, layer: int, path: str, block: torch.nn.Module) -> list[str]:
+    """The names, in ``block`` (the attention module at ``path``), of the query/key-side parameters:
+    the q and k projections and their norms (none for a fused qkv projection)."""
+    found = [adapter.module(r, layer) for r in _QK_ROLES]
+    for role in _QK_PER_HEAD_ROLES:
+        template: str | None = getattr(adapter, role)
+        if template is not None:  # "...k_layernorm.norms.{head}" -> the container "...k_layernorm.norms"
+            found.append(template.split(".{head}", 1)[0].format(layer=layer))
+    mods = [m[len(path) + 1 :] for m in found if m and m.startswith(path + ".")]
+    return [n for n, _ in block.named_parameters() if any(n.startswith(m + ".") for m in mods)]
+
+
+def planned_block(
+    original: torch.nn.Module,
+    config,
+    layer: int,
+    device: torch.device,
+    path: str,
+    outs: list[OutputTensor],
+    read: Callable[[str], torch.Tensor],
+) -> torch.nn.Module:
+    """The converted attention block of ``layer`` in float32, with the planned (merged) weights: a fresh
+    module of ``original``'s class, built for the converted ``config``."""
+    block = type(original)(config, layer).to(device=device, dtype=torch.float32).eval()
+    by_name = {o.name: o for o in outs}
+    with torch.no_grad():
+        for n, p in block.named_parameters():
+            full = f"{path}.{n}"
+            if full not in by_name:
+                raise RuntimeError(f"layer-wise conversion: no planned tensor for {full}")
+            p.copy_(execute(by_name[full], read).to(p.dtype))
+    return block
+
+
+__all__ = ["LayerCapture", "layer_of", "planned_block", "qk_parameters", "write_layerwise"]

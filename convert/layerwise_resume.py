@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from gqakit.locks import OWNER, exclusive
-from gqakit.outputs import check_output_dir
+from gqakit.errors import GqakitError
+from gqakit.storage import OWNER, atomic_write, check_output_dir, exclusive
 
 STATE = "state.json"
 HIDDEN = "hidden.pt"
@@ -37,11 +37,17 @@ def resume_dir(dst: str | Path) -> Path:
 
 
 @contextmanager
-def claim_layerwise(dst: str | Path, force: bool, src: str | Path) -> Iterator[None]:
+def claim_layerwise(
+    dst: str | Path, force: bool, src: str | Path, key: dict[str, Any] | None = None
+) -> Iterator[LayerwiseResume | None]:
     """Hold DST's finished layers for one conversion (``.DST.lock`` beside it): a second conversion into
     the same DST while this one runs would discard or mix them, so it is refused with this one's pid.
-    DST is checked first (:func:`~gqakit.outputs.check_output_dir`, against ``src``: what the user
-    named, :func:`gqakit.convert.write.source_path`), so a bad DST gets its own message."""
+    DST is checked first (:func:`~gqakit.storage.check_output_dir`, against ``src``: what the user
+    named, :func:`gqakit.convert.write.source_path`), so a bad DST gets its own message.
+
+    With ``key`` (see :class:`LayerwiseResume`), yield the finished layers of that conversion: removed
+    when it completes or stops on bad input (a :class:`GqakitError`: nothing to resume), kept when it is
+    killed (Ctrl-C, out of memory...), saying where, for the next run of the same conversion."""
     dst = check_output_dir(Path(dst), force, Path(src))
     dst.parent.mkdir(parents=True, exist_ok=True)
     busy = (
@@ -49,7 +55,24 @@ def claim_layerwise(dst: str | Path, force: bool, src: str | Path) -> Iterator[N
         f"{resume_dir(dst)}. Wait for it to finish, or convert into another directory."
     )
     with exclusive(dst.parent / f".{dst.name}.lock", busy):
-        yield
+        if key is None:
+            yield None
+            return
+        resume = LayerwiseResume(resume_dir(dst), key)
+        try:
+            yield resume
+        except GqakitError:
+            resume.clear()
+            raise
+        except BaseException:
+            if resume.done:
+                print(
+                    f"{resume.done} finished layer(s) kept in {resume.root}: run the same conversion again "
+                    "to resume there.",
+                    file=sys.stderr,
+                )
+            raise
+        resume.clear()
 
 
 def tokens_digest(sequences: list[torch.Tensor]) -> str:
@@ -59,12 +82,6 @@ def tokens_digest(sequences: list[torch.Tensor]) -> str:
         h.update(s.to(torch.int64).contiguous().numpy().tobytes())
         h.update(b";")
     return h.hexdigest()[:16]
-
-
-def _replace_atomically(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 class LayerwiseResume:
@@ -108,13 +125,13 @@ class LayerwiseResume:
             raise ValueError(f"layer {index} saved after {self.done} finished layers")
         self.root.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.contiguous() for k, v in values.items()}
-        _replace_atomically(
-            self.root / f"layer-{index:05d}.safetensors", lambda p: save_file(tensors, str(p))
-        )
-        _replace_atomically(self.root / HIDDEN, lambda p: torch.save([h.cpu() for h in hidden], p))
+        with atomic_write(self.root / f"layer-{index:05d}.safetensors") as tmp:
+            save_file(tensors, str(tmp))
+        with atomic_write(self.root / HIDDEN) as tmp:
+            torch.save([h.cpu() for h in hidden], tmp)
         self.done, self.infos = index + 1, [*self.infos, info]
-        state = {"key": self.key, "done": self.done, "infos": self.infos}
-        _replace_atomically(self.root / STATE, lambda p: p.write_text(json.dumps(state) + "\n"))
+        with atomic_write(self.root / STATE) as tmp:
+            tmp.write_text(json.dumps({"key": self.key, "done": self.done, "infos": self.infos}) + "\n")
 
     def clear(self) -> None:
         """Remove the saved layers (the conversion is complete)."""

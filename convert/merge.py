@@ -262,11 +262,3 @@ def compensate_o_cols(w: torch.Tensor, value_merges: list[Merge], d: int, n_rep:
     cols = w.double().reshape(w.shape[0], len(mats), d)
     out = torch.stack([cols[:, j] @ m for j, m in enumerate(mats)], dim=1)
     return out.reshape(w.shape[0], -1).to(w.dtype)
-
-
-def is_identity(merges: list[Merge]) -> bool:
-    """True when no member needs a compensation (mean, first)."""
-    return all(
-        torch.equal(mg.decompress, torch.eye(mg.decompress.shape[-1]).expand_as(mg.decompress).double())
-        for mg in merges
-    )

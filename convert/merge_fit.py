@@ -28,13 +28,12 @@ from gqakit.convert.grouping import contiguous_groups, similarity_groups
 from gqakit.convert.merge import Merge, augment, downstream_scales, energy, in_metric, merge_error
 from gqakit.convert.methods import fit_merge
 from gqakit.convert.plan import Infos
-from gqakit.convert.registry import ArchAdapter, Role
+from gqakit.families import ArchAdapter, Role, rotary_dims
 from gqakit.geometry import AttentionGeometry
 
 if TYPE_CHECKING:
     from gqakit.convert.calibrate import CalibrationStats
 
-# Module names, inside a layer's attention, of norms applied to keys after projection.
 # What a calibrated merge minimizes, for the provenance record (see merge.downstream_scales).
 MERGE_OBJECTIVE = (
     "output error on the calibration data, keys weighted per rotary pair by the energy of the queries "
@@ -74,19 +73,6 @@ class LayerMerge:
         if grouping == "similarity":
             entry["groups"] = self.groups
         return entry
-
-
-def rotary_dim(config: dict[str, Any], adapter: ArchAdapter, head_dim: int) -> int:
-    """Channels of each head that get rotary embeddings: HF rotates the first
-    ``head_dim * partial_rotary_factor``."""
-    if not adapter.rotary:
-        return 0
-    factor = 1.0
-    if adapter.partial_rotary:
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    dim = int(head_dim * float(factor))
-    return dim - dim % 2
 
 
 def keys_normalized(infos: Infos, adapter: ArchAdapter, layer: int) -> bool:
@@ -149,7 +135,7 @@ def fit_one_layer(
         groups: K/V heads in the output.
         method: ``mean``, ``first`` or ``calibrated``.
         grouping: ``contiguous`` or ``similarity``.
-        rdim: rotary channels per head (:func:`rotary_dim`).
+        rdim: rotary channels per head (:func:`gqakit.families.rotary_dims`).
 
     Returns:
         The layer's merge, and how its keys were merged (``method``, or the per-head-norm fallback).
@@ -224,7 +210,7 @@ def fit_layer_merges(
         The per-layer merges, and how keys were merged (``method``, or the per-head-norm fallback).
     """
     infos = ckpt.tensor_infos()
-    rdim = rotary_dim(ckpt.config, adapter, geom.head_dim)
+    rdim = rotary_dims(ckpt.config, geom.head_dim)
     key_treatment = method
     merges = []
     with ckpt.reader() as reader:

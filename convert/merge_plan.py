@@ -11,10 +11,10 @@ import torch
 from gqakit.convert.grouping import permute_cols, permute_rows, query_order
 from gqakit.convert.merge import Merge, compensate_o_cols, compensate_q_rows, merge_rows
 from gqakit.convert.merge_fit import LayerMerge
-from gqakit.convert.plan import Infos, OutputTensor, RegroupSpec, plan_regroup
-from gqakit.convert.registry import ArchAdapter
+from gqakit.convert.plan import Infos, OutputTensor, RegroupSpec, module_tensors, plan_regroup
+from gqakit.dtypes import torch_dtype
+from gqakit.families import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
-from gqakit.safetensors_io import DTYPES
 
 
 def merged_layer(
@@ -33,26 +33,22 @@ def merged_layer(
         dtype = spec.out_dtype or infos[sources[0]][0]
         override[name] = OutputTensor(name, dtype, shape, sources, partial(_cast_to, fn=fn, dtype=dtype))
 
-    def present(module: str | None) -> list[str]:
-        return (
-            []
-            if module is None
-            else [f"{module}.{s}" for s in ("weight", "bias") if f"{module}.{s}" in infos]
-        )
+    def tensors(role: Role) -> list[str]:
+        return module_tensors(infos, adapter.module(role, layer))
 
     kv_order, q_order = lm.kv_order, query_order(lm.kv_order, n_rep)
     q_fn = partial(_q_rows, q_order=q_order, keys=lm.keys, d=d, n_rep=n_rep)
     k_fn = partial(_kv_rows, kv_order=kv_order, merges=lm.keys, d=d)
     v_fn = partial(_kv_rows, kv_order=kv_order, merges=lm.values, d=d)
-    for name in present(adapter.module("q", layer)):
+    for name in tensors("q"):
         put(name, infos[name][1], (name,), q_fn)
-    for name in present(adapter.module("k", layer)) + present(adapter.module("k_norm_flat", layer)):
+    for name in tensors("k") + tensors("k_norm_flat"):
         put(name, (spec.target * d, *infos[name][1][1:]), (name,), k_fn)
-    for name in present(adapter.module("v", layer)):
+    for name in tensors("v"):
         put(name, (spec.target * d, *infos[name][1][1:]), (name,), v_fn)
-    for name in present(adapter.module("q_norm_flat", layer)):
+    for name in tensors("q_norm_flat"):
         put(name, infos[name][1], (name,), partial(_permuted_rows, order=q_order, d=d))
-    for name in present(adapter.module("qkv", layer)):
+    for name in tensors("qkv"):
         fn = partial(_fused, q_fn=q_fn, k_fn=k_fn, v_fn=v_fn, sizes=[h * d, kv * d, kv * d])
         put(name, ((h + 2 * spec.target) * d, *infos[name][1][1:]), (name,), fn)
     o = adapter.tensor("o", layer)
@@ -102,7 +98,7 @@ def plan_merged(
 
 
 def _cast_to(ts: list[torch.Tensor], *, fn, dtype: str) -> torch.Tensor:
-    return fn(ts).to(DTYPES[dtype]).contiguous()
+    return fn(ts).to(torch_dtype(dtype)).contiguous()
 
 
 def _copy(ts: list[torch.Tensor]) -> torch.Tensor:

@@ -57,14 +57,6 @@ def _first_pool(grouped: torch.Tensor) -> torch.Tensor:
     return grouped[:, 0]
 
 
-def _mean_fit(kind: str, w: torch.Tensor, gram: torch.Tensor, rotary_dim: int) -> Merge:
-    return mean_merge(w.shape[0], w.shape[1])
-
-
-def _first_fit(kind: str, w: torch.Tensor, gram: torch.Tensor, rotary_dim: int) -> Merge:
-    return first_merge(w.shape[0], w.shape[1])
-
-
 def _calibrated_fit(kind: str, w: torch.Tensor, gram: torch.Tensor, rotary_dim: int) -> Merge:
     return fit_key_merge(w, gram, rotary_dim) if kind == "key" else fit_value_merge(w, gram)
 
@@ -73,9 +65,17 @@ METHODS: NameTable[ConvertMethod] = NameTable(
     "conversion method",
     {
         "mean": ConvertMethod(
-            "average each group's K/V heads (the GQA paper's)", _mean_pool, _mean_fit, paper=True
+            "average each group's K/V heads (the GQA paper's)",
+            _mean_pool,
+            lambda kind, w, gram, rotary_dim: mean_merge(w.shape[0], w.shape[1]),
+            paper=True,
         ),
-        "first": ConvertMethod("keep each group's first head", _first_pool, _first_fit, paper=True),
+        "first": ConvertMethod(
+            "keep each group's first head",
+            _first_pool,
+            lambda kind, w, gram, rotary_dim: first_merge(w.shape[0], w.shape[1]),
+            paper=True,
+        ),
         "random": ConvertMethod("fresh initialisation, ignoring the weights", fresh=True, paper=True),
         "calibrated": ConvertMethod(
             "merge each group to fit its outputs on --calib-data (errors weighted by the queries and "

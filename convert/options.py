@@ -1,80 +1,162 @@
-"""Options of ``gqakit convert``: the typed dataclass, its validation, and the checks on G."""
+"""Options of ``gqakit convert``: the presets, the typed dataclass that generates the command's options,
+its validation, and the checks on G.
+
+A preset is a named row of :data:`PRESETS` (method, calibration tokens, refinement steps, target and
+rates). :class:`ConvertOptions` leaves every field a preset sets at None, meaning "the preset's value";
+:meth:`ConvertOptions.resolved` fills them in: a field given explicitly > the preset's > the default
+preset's (``mean``, the GQA paper's conversion).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from gqakit.cli_options import Problems, device_problem, rate_problem
+from gqakit.cli_options import Problems, device_problem, opt, rate_problem
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
-from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
-from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS, target_loss
+from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_TARGETS
+from gqakit.dtypes import LOAD_DTYPES, safetensors_name
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
+from gqakit.names import NameTable
 
 # CLI dtype names -> safetensors dtype names (None: keep each tensor's own).
-DTYPE_CHOICES: dict[str, str | None] = {"keep": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-_CONFIG_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+DTYPE_CHOICES: dict[str, str | None] = {"keep": None, **{n: safetensors_name(n) for n in LOAD_DTYPES[1:]}}
+DTYPE_HELP = "Output dtype of floating tensors (pooling runs in float32)."  # convert's and expand's
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One conversion recipe: the values of the fields a preset sets (see :data:`PRESETS`).
+
+    Attributes:
+        summary: one line for ``--help``.
+        method, calib_tokens, refine_steps, refine_target, refine_lr, refine_qk_lr, grouping: the
+            :class:`ConvertOptions` fields of those names (no preset changes the grouping).
+    """
+
+    summary: str
+    method: str
+    calib_tokens: int = 4096
+    refine_steps: int = 0
+    refine_target: str = "attention"
+    refine_lr: float = REFINE_LR
+    refine_qk_lr: float = REFINE_QK_LR
+    grouping: str = "contiguous"
+
+    @property
+    def needs_text(self) -> bool:
+        """Whether this preset calibrates or refines on text (then, without ``calib_data``, on wiki-en)."""
+        return METHODS[self.method].needs_calibration or self.refine_steps > 0
+
+
+# The conversions gqakit recommends, by name (docs/convert.md#presets has what each costs and scores).
+PRESETS: NameTable[Preset] = NameTable(
+    "preset",
+    {
+        "mean": Preset("average each group's K/V heads (the GQA paper's); no text needed", "mean"),
+        "fast": Preset(
+            "calibrated merge on 4,096 tokens, then 200 refinement steps per layer fitting each attention "
+            "block's output",
+            "calibrated",
+            refine_steps=200,
+        ),
+        "best": Preset(
+            "calibrated merge on 49,152 tokens, then 1,600 refinement steps per layer fitting each decoder "
+            "layer's output from the converted model's states (layer-corrective): the lowest perplexity "
+            "measured",
+            "calibrated",
+            calib_tokens=49152,
+            refine_steps=1600,
+            refine_target="layer-corrective",
+        ),
+    },
+)
+DEFAULT_PRESET = "mean"
+# The fields a preset sets (None in ConvertOptions: the preset's value).
+PRESET_FIELDS = tuple(f.name for f in dataclasses.fields(Preset) if f.name != "summary")
 
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    """Options of ``gqakit convert``.
+    """Options of ``gqakit convert`` (and a recipe's ``model.convert``); each field's help is its option's.
 
-    Attributes:
-        groups: K/V heads in the output (G). 1 is MQA.
-        method: ``mean`` (the paper's), ``first``, ``random``, or ``calibrated`` (activation-aware
-            merge with q/o compensation; needs ``calib_data``).
-        dtype: ``keep``, ``bfloat16``, ``float16`` or ``float32`` for every floating tensor.
-        seed: seed for ``random``.
-        force: replace a non-empty output directory.
-        calib_data: calibration text (``.txt``/``.jsonl``/``.parquet``) for ``calibrated`` and
-            ``similarity``.
-        calib_tokens: calibration tokens to run through the model.
-        grouping: ``contiguous`` (what ``repeat_kv`` implies) or ``similarity`` (groups chosen by the
-            merge's reconstruction error on the calibration data, heads reordered to match).
-        device: where calibration runs: ``auto``, ``cpu``, ``cuda``...
-        refine_steps: Adam steps per layer fitting each converted attention block to the original's
-            output on the calibration data (``gqakit.convert.refine``); 0 skips it. Needs ``calib_data``.
-        refine_lr: the learning rate of those steps.
-        refine_target: what each block is fitted to, a name in
-            :data:`~gqakit.convert.refine_names.REFINE_TARGETS`: ``attention`` (its output), ``layer``
-            (the whole decoder layer's output, attention and MLP through the residual), ``window`` (the
-            output two layers on)...
-        refine_qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``refine_lr``.
-            A fused qkv projection is one tensor and takes ``refine_lr``.
-        refine_schedule: how the refinement rates change over each layer's steps, a name in
-            :data:`~gqakit.convert.refine_names.REFINE_SCHEDULES` (``constant``, ``cosine``).
-        refine_loss: how each refinement batch's error is measured, a name in
-            :data:`~gqakit.convert.refine_names.REFINE_LOSSES` (``relative``, ``per-token``); None: the
-            target's own (:func:`~gqakit.convert.refine_names.target_loss`).
+    Fields a preset sets are None unless given: :meth:`resolved` is the copy every conversion runs on.
+    ``--set NAME=VALUE`` gives the fields declared ``cli="set"``.
     """
 
-    groups: int
-    method: str = "mean"
-    dtype: str = "keep"
-    seed: int = 0
-    force: bool = False
-    calib_data: str | None = None
-    calib_tokens: int = 4096
-    grouping: str = "contiguous"
-    device: str = "auto"
-    refine_steps: int = 0
-    refine_lr: float = REFINE_LR
-    refine_target: str = "attention"
-    refine_qk_lr: float | None = REFINE_QK_LR
-    refine_schedule: str = "constant"
-    refine_loss: str | None = None
+    groups: int = opt(help="K/V heads in the output (1 = MQA).", short="-g")
+    preset: str | None = opt(
+        None,
+        f"The conversion, by name: {PRESETS.describe()}. Default: {DEFAULT_PRESET}.",
+        choices=PRESETS.names,
+    )
+    method: str | None = opt(
+        None,
+        f"How each group's K/V heads become one (overrides the preset's): {METHODS.describe()}. Families "
+        "that normalize keys per head fall back to mean for keys (gqakit.json: key_merge).",
+        choices=METHODS.names,
+    )
+    calib_data: str | None = opt(
+        None,
+        "Calibration text (.txt, .jsonl, .parquet) for the calibrated merge and refinement. Default for a "
+        "preset that needs text: the wiki-en asset's train split.",
+    )
+    calib_tokens: int | None = opt(None, "Calibration tokens to run (overrides the preset's).")
+    refine_steps: int | None = opt(
+        None,
+        "Adam steps per layer fitting each converted block to the original's output on the calibration "
+        "text, keeping each layer's best step on held-out text; 0: off (overrides the preset's).",
+    )
+    refine_target: str | None = opt(
+        None, f"What each block is fitted to: {REFINE_TARGETS.describe()}.", cli="set"
+    )
+    grouping: str | None = opt(None, f"Which heads share a group: {GROUPINGS.describe()}.", cli="set")
+    refine_lr: float | None = opt(None, "Learning rate of the refinement.", cli="set")
+    refine_qk_lr: float | None = opt(
+        None, "Learning rate of the refinement's query/key side (q, k and their norms).", cli="set"
+    )
+    seed: int = opt(0, "Seed of --method random and of the refinement's batch order.", cli="set")
+    dtype: str = opt("keep", DTYPE_HELP, choices=list(DTYPE_CHOICES))
+    device: str = opt("auto", "Where to run: auto (CUDA when present), cpu, cuda:N.")
+    force: bool = opt(False, "Replace DST if it exists and is not empty.")
 
     @property
-    def refine_loss_used(self) -> str:
-        """The loss the refinement measures with: ``refine_loss``, or the target's own when None."""
-        return target_loss(self.refine_target, self.refine_loss)
+    def preset_row(self) -> Preset:
+        """The preset these options start from (the default one when none or an unknown one is named)."""
+        return PRESETS.get(self.preset or DEFAULT_PRESET) or PRESETS[DEFAULT_PRESET]
+
+    def resolved(self) -> ConvertOptions:
+        """A copy with every field concrete: the field as given, else the preset's value, else its default."""
+        given = {n: getattr(self, n) for n in PRESET_FIELDS}
+        values = {n: getattr(self.preset_row, n) if v is None else v for n, v in given.items()}
+        return dataclasses.replace(self, preset=self.preset or DEFAULT_PRESET, **values)
+
+    @property
+    def needs_text(self) -> bool:
+        """Whether the resolved conversion reads calibration text (a merge, a grouping or refinement)."""
+        r = self.resolved()
+        return needs_calibration(r.method, r.grouping) or bool(r.refine_steps)  # type: ignore[arg-type]
+
+    @property
+    def wiki_text(self) -> bool:
+        """Whether the conversion calibrates on the wiki-en asset: it reads text, none is given, and a
+        preset that needs text is named."""
+        return self.needs_text and not self.calib_data and bool(self.preset) and self.preset_row.needs_text
 
     @property
     def merged(self) -> bool:
         """True when this conversion goes through the merge path (calibration and/or head grouping)."""
-        return needs_calibration(self.method, self.grouping)
+        r = self.resolved()
+        return needs_calibration(r.method, r.grouping)  # type: ignore[arg-type]
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """The preset and the resolved values of the fields it sets, for gqakit.json."""
+        r = self.resolved()
+        return {"preset": r.preset, "settings": {n: getattr(r, n) for n in PRESET_FIELDS}}
 
     def validate(self) -> None:
         """Raise every problem with these options together (:meth:`check`), fields named by their flags."""
@@ -86,36 +168,34 @@ class ConvertOptions:
         """Add every problem with these options to ``p``, each field named as ``p`` names it (a recipe
         names them ``model.convert.*``); ``paths``: whether ``calib_data`` must exist now."""
         f = p.flag
-        if self.groups <= 0:
-            p.add(f"{f('groups')} must be a positive number of K/V heads, got {self.groups}.")
-        p.add(device_problem(self.device, f("device")))
-        p.add(METHODS.unknown(self.method, f("method")))
-        p.add(GROUPINGS.unknown(self.grouping, f("grouping")))
-        if self.dtype not in DTYPE_CHOICES:
-            p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
-        if self.calib_tokens <= 0:
-            p.add(f"{f('calib_tokens')} must be a positive number of tokens, got {self.calib_tokens}.")
-        if self.refine_steps < 0:
-            p.add(f"{f('refine_steps')} must be 0 (off) or a positive step count, got {self.refine_steps}.")
-        p.add(rate_problem(f("refine_lr"), self.refine_lr, REFINE_LR))
-        p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
-        p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
-        if self.refine_loss is not None:
-            p.add(REFINE_LOSSES.unknown(self.refine_loss, f("refine_loss")))
-        if self.refine_qk_lr is not None:
-            p.add(rate_problem(f("refine_qk_lr"), self.refine_qk_lr, REFINE_QK_LR))
-        method = METHODS.get(self.method)
-        grouping = GROUPINGS.get(self.grouping)
+        if self.preset is not None:
+            p.add(PRESETS.unknown(self.preset, f("preset")))
+        o = self.resolved()
+        if o.groups <= 0:
+            p.add(f"{f('groups')} must be a positive number of K/V heads, got {o.groups}.")
+        p.add(device_problem(o.device, f("device")))
+        p.add(METHODS.unknown(o.method, f("method")))  # type: ignore[arg-type]
+        p.add(GROUPINGS.unknown(o.grouping, f("grouping")))  # type: ignore[arg-type]
+        if o.dtype not in DTYPE_CHOICES:
+            p.add(f"{f('dtype')} {o.dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
+        if o.calib_tokens <= 0:  # type: ignore[operator]
+            p.add(f"{f('calib_tokens')} must be a positive number of tokens, got {o.calib_tokens}.")
+        if o.refine_steps < 0:  # type: ignore[operator]
+            p.add(f"{f('refine_steps')} must be 0 (off) or a positive step count, got {o.refine_steps}.")
+        p.add(rate_problem(f("refine_lr"), o.refine_lr, REFINE_LR))  # type: ignore[arg-type]
+        p.add(rate_problem(f("refine_qk_lr"), o.refine_qk_lr, REFINE_QK_LR))  # type: ignore[arg-type]
+        p.add(REFINE_TARGETS.unknown(o.refine_target, f("refine_target")))  # type: ignore[arg-type]
+        method, grouping = METHODS.get(o.method), GROUPINGS.get(o.grouping)  # type: ignore[arg-type]
         needs = [
             w
             for w, on in (
-                (f"{f('method')} {self.method}", method is not None and method.needs_calibration),
-                (f"{f('grouping')} {self.grouping}", grouping is not None and grouping.needs_calibration),
-                (f("refine_steps"), self.refine_steps > 0),
+                (f"{f('method')} {o.method}", method is not None and method.needs_calibration),
+                (f"{f('grouping')} {o.grouping}", grouping is not None and grouping.needs_calibration),
+                (f("refine_steps"), o.refine_steps > 0),  # type: ignore[operator]
             )
             if on
         ]
-        if needs and not self.calib_data:
+        if needs and not self.calib_data and not self.wiki_text:
             verb = "needs" if len(needs) == 1 else "need"
             p.add(
                 f"{' and '.join(needs)} {verb} calibration text: give {f('calib_data')} FILE (.txt, .jsonl "
@@ -125,23 +205,18 @@ class ConvertOptions:
             p.add(
                 f"{f('calib_data')} is only used by {f('method')} calibrated, {f('grouping')} similarity or "
                 f"{f('refine_steps')}; add one of them, or drop {f('calib_data')} for {f('method')} "
-                f"{self.method}."
+                f"{o.method}."
             )
         if paths and self.calib_data and not Path(self.calib_data).expanduser().is_file():
             p.add(f"{f('calib_data')} {self.calib_data} does not exist or is not a file.")
-        if self.refine_steps > 0 and method is not None and method.fresh:
+        if o.refine_steps > 0 and method is not None and method.fresh:  # type: ignore[operator]
             p.add(
-                f"{f('refine_steps')} cannot start from {f('method')} {self.method} (the blocks would be "
+                f"{f('refine_steps')} cannot start from {f('method')} {o.method} (the blocks would be "
                 f"trained from scratch on a few thousand tokens); use {f('method')} calibrated or mean."
             )
-        if (
-            grouping is not None
-            and grouping.needs_calibration
-            and method is not None
-            and method.merge is None
-        ):
+        if grouping is not None and grouping.needs_calibration and method and method.merge is None:
             p.add(
-                f"{f('grouping')} {self.grouping} cannot be combined with {f('method')} {self.method}; use "
+                f"{f('grouping')} {o.grouping} cannot be combined with {f('method')} {o.method}; use "
                 f"one of {', '.join(MERGE_METHODS)}."
             )
 

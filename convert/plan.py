@@ -17,10 +17,10 @@ import torch
 
 from gqakit.convert.methods import METHODS
 from gqakit.convert.pooling import regroup, regroup_fused_qkv, regroup_head_axis, tensor_generator
-from gqakit.convert.registry import ArchAdapter
+from gqakit.dtypes import is_float, safetensors_name, torch_dtype
 from gqakit.errors import GqakitError
+from gqakit.families import ArchAdapter
 from gqakit.geometry import AttentionGeometry
-from gqakit.safetensors_io import DTYPE_NAMES, DTYPES, FLOAT_DTYPES
 
 TensorFn = Callable[[list[torch.Tensor]], torch.Tensor]
 Infos = dict[str, tuple[str, tuple[int, ...]]]
@@ -65,15 +65,14 @@ class RegroupSpec:
     out_dtype: str | None = None
 
 
-def _suffixes(infos: Infos, module: str | None) -> list[tuple[str, str]]:
-    """(tensor name, 'weight' | 'bias') pairs of a module that exist in the checkpoint."""
-    if module is None:
-        return []
-    return [(f"{module}.{s}", s) for s in ("weight", "bias") if f"{module}.{s}" in infos]
+def module_tensors(infos: Infos, module: str | None) -> list[str]:
+    """The names of a module's ``weight`` and ``bias`` that exist in the checkpoint (none for None)."""
+    return [] if module is None else [f"{module}.{s}" for s in ("weight", "bias") if f"{module}.{s}" in infos]
 
 
-def _init_for(suffix: str, is_norm: bool) -> str:
-    if suffix == "bias":
+def _init_for(name: str, is_norm: bool) -> str:
+    """What ``random`` draws for the tensor ``name``: zeros for a bias, ones for a norm, else normal."""
+    if name.endswith(".bias"):
         return "zeros"
     return "ones" if is_norm else "normal"
 
@@ -120,17 +119,11 @@ def plan_regroup(
                     f"({geom.num_heads} query + 2 x {kv} K/V heads of {d}). "
                     "The config does not match the weights."
                 )
-            for name, suffix in _suffixes(infos, qkv):
+            for name in module_tensors(infos, qkv):
                 dtype, shape = infos[name]
+                init = _init_for(name, False)
                 fn = partial(
-                    _fused,
-                    heads=geom.num_heads,
-                    kv=kv,
-                    target=g,
-                    d=d,
-                    spec=spec,
-                    init=_init_for(suffix, False),
-                    name=name,
+                    _fused, heads=geom.num_heads, kv=kv, target=g, d=d, spec=spec, init=init, name=name
                 )
                 add(name, OutputTensor(name, dtype, ((geom.num_heads + 2 * g) * d, *shape[1:]), (name,), fn))
             continue
@@ -144,11 +137,10 @@ def plan_regroup(
                 )
         flat_norm = adapter.module("k_norm_flat", layer)
         for module, is_norm in ((k, False), (v, False), (flat_norm, True)):
-            for name, suffix in _suffixes(infos, module):
+            for name in module_tensors(infos, module):
                 dtype, shape = infos[name]
-                fn = partial(
-                    _head_axis, kv=kv, target=g, d=d, spec=spec, init=_init_for(suffix, is_norm), name=name
-                )
+                init = _init_for(name, is_norm)
+                fn = partial(_head_axis, kv=kv, target=g, d=d, spec=spec, init=init, name=name)
                 add(name, OutputTensor(name, dtype, (g * d, *shape[1:]), (name,), fn))
         if adapter.k_norm_per_head is not None:
             _plan_per_head(infos, adapter.k_norm_per_head, layer, kv, g, spec, add)
@@ -176,7 +168,7 @@ def _plan_per_head(infos: Infos, template: str, layer: int, kv: int, g: int, spe
                 if g <= kv
                 else (names[new // (g // kv)],)
             )
-            fn = partial(_per_head, spec=spec, init=_init_for(suffix, True), name=out_name)
+            fn = partial(_per_head, spec=spec, init=_init_for(out_name, True), name=out_name)
             add(srcs[0], OutputTensor(out_name, dtype, shape, srcs, fn))
 
 
@@ -198,13 +190,13 @@ def _per_head(ts: list[torch.Tensor], *, spec: RegroupSpec, init, name) -> torch
 
 
 def _cast(out: OutputTensor, dtype: str | None) -> OutputTensor:
-    if dtype is None or out.dtype == dtype or out.dtype not in FLOAT_DTYPES:
+    if dtype is None or out.dtype == dtype or not is_float(out.dtype):
         return out
     inner = out.fn
-    torch_dtype = DTYPES[dtype]
+    cast = torch_dtype(dtype)
 
     def fn(ts: list[torch.Tensor]) -> torch.Tensor:
-        return (inner(ts) if inner else ts[0]).to(torch_dtype)
+        return (inner(ts) if inner else ts[0]).to(cast)
 
     return OutputTensor(out.name, dtype, out.shape, out.sources, fn)
 
@@ -213,7 +205,7 @@ def execute(out: OutputTensor, read: Callable[[str], torch.Tensor]) -> torch.Ten
     """Compute one planned tensor, reading its sources with ``read``."""
     ts = [read(s) for s in out.sources]
     t = out.fn(ts) if out.fn is not None else ts[0]
-    if DTYPE_NAMES[t.dtype] != out.dtype or tuple(t.shape) != out.shape:
+    if safetensors_name(t.dtype) != out.dtype or tuple(t.shape) != out.shape:
         raise RuntimeError(
             f"{out.name}: computed {tuple(t.shape)} {t.dtype}, planned {out.shape} {out.dtype}"
         )
@@ -224,5 +216,5 @@ def convert_state_dict(
     state_dict: dict[str, torch.Tensor], adapter: ArchAdapter, geom: AttentionGeometry, spec: RegroupSpec
 ) -> dict[str, torch.Tensor]:
     """Regroup the K/V heads of an in-memory state dict (state dict in, state dict out)."""
-    infos = {k: (DTYPE_NAMES[v.dtype], tuple(v.shape)) for k, v in state_dict.items()}
+    infos = {k: (safetensors_name(v.dtype), tuple(v.shape)) for k, v in state_dict.items()}
     return {o.name: execute(o, state_dict.__getitem__) for o in plan_regroup(infos, adapter, geom, spec)}

@@ -3,13 +3,16 @@
 A merge (mean pooling or the calibrated merge) fixes the shared K/V heads in closed form from second
 moments; it cannot see the softmax. Refinement takes the merged weights as a start and runs a few Adam
 steps per layer on one loss: the squared error between the converted block's output and the original's
-on the calibration text, relative to the target's size, over the batch or token by token
-(:data:`REFINE_LOSSES`). The block is fitted on its own, like a quantizer's
+on the calibration text, relative to the target's size, over the batch or token by token (the target's
+:attr:`RefineTarget.loss`). The block is fitted on its own, like a quantizer's
 layer-wise reconstruction: no gradient crosses layers, and the layer-by-layer driver
 (:mod:`gqakit.convert.layerwise`) holds one layer's activations at a time. Every parameter of the block
 moves (q/k/v/o weights, biases and norms), so the query and output sides adapt to the shared heads. The
 output is still a plain checkpoint with the converted shapes; gqakit.json records each layer's error
 before and after.
+
+Two targets are kept (:data:`REFINE_TARGETS`), each with the loss measured better with it; the others
+measured (whole-layer, window and cosine-schedule variants) are compared in docs/convert.md.
 """
 
 from __future__ import annotations
@@ -21,20 +24,65 @@ from typing import Any
 import torch
 
 from gqakit.convert.calibrate import batches
-from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
 from gqakit.errors import GqakitError
+from gqakit.names import NameTable
 
 BATCH_TOKENS = 1024  # calibration tokens per refinement step
 HELDOUT_FRACTION = 8  # one calibration sequence in 8 (at least one) is held out to stop early
 # Adam's default learning rate. SmolLM2-135M -> MQA, calibrated start, 200 steps on 4k tokens: zero-shot
-# perplexity 30.9 at 1e-3 against 36.2 at 3e-4 (README); the held-out check keeps a layer that 1e-3
-# overfits at its best step, and one it diverges at its merge.
+# perplexity 30.9 at 1e-3 against 36.2 at 3e-4 (docs/convert.md); the held-out check keeps a layer that
+# 1e-3 overfits at its best step, and one it diverges at its merge.
 REFINE_LR = 1e-3
 # The query/key side's own default rate. At 100 steps on 4k tokens, 3e-3 against REFINE_LR for every
 # parameter (docs/convert.md): SmolLM2-135M -> MQA zero-shot 32.14 vs 32.55, and lower on every seed
 # measured; the replicate model -> MQA 237.23 vs 237.45 over three seeds, lower on each; same time and
 # memory.
 REFINE_QK_LR = 3e-3
+
+# How a refinement batch's error is measured (for gqakit.json). The two differ where a model holds some
+# tokens far larger than the rest (SmolLM2's first token: up to 170x the median token's size).
+LOSSES = {
+    "relative": "the batch's squared error over the target's square: every token's error counts at its "
+    "full size, however large the state it lands in",
+    "per-token": "each token's squared error over the mean square of the residual state it lands in (what "
+    "the next layer's norm divides it by): errors count as the next layer sees them, so a token held at "
+    "100x the usual size (many models' first token) counts for little",
+}
+
+
+@dataclass(frozen=True)
+class RefineTarget:
+    """What a converted block is fitted to, and how its error is measured.
+
+    Attributes:
+        help: one line for ``--help`` and gqakit.json.
+        corrective: fitted to the original decoder layer's output (the converted attention inside a
+            copy of the original layer; only the attention weights move), not the attention block's,
+            reading the hidden states of the model converted so far (its layers already refined): aimed
+            at the original's result on the original's states, each layer also corrects what the layers
+            before it lost.
+        loss: how its error is measured (:data:`LOSSES`): the loss measured better with the target.
+    """
+
+    help: str
+    corrective: bool = False
+    loss: str = "relative"
+
+
+# What a converted attention block is fitted to (``refine_target``).
+REFINE_TARGETS: NameTable[RefineTarget] = NameTable(
+    "refine target",
+    {
+        "attention": RefineTarget("the original attention block's output, on the original's inputs"),
+        "layer-corrective": RefineTarget(
+            "the original decoder layer's output on the original's inputs, from the converted model's "
+            "inputs; only the attention weights move",
+            corrective=True,
+            loss="per-token",
+        ),
+    },
+    summary=lambda t: t.help,
+)
 
 
 @dataclass(frozen=True)
@@ -45,11 +93,9 @@ class RefineSettings:
         steps: Adam steps per layer (0: no refinement).
         lr: Adam's learning rate.
         seed: orders the calibration batches.
-        target: what the block is fitted to (:data:`REFINE_TARGETS`).
+        target: what the block is fitted to (:data:`REFINE_TARGETS`), and with which loss.
         qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``lr``. A fused
             qkv projection is one tensor and takes ``lr``.
-        schedule: how the rates change over the steps (:data:`REFINE_SCHEDULES`).
-        loss: how a batch's error is measured (:data:`REFINE_LOSSES`).
     """
 
     steps: int
@@ -57,8 +103,6 @@ class RefineSettings:
     seed: int = 0
     target: str = "attention"
     qk_lr: float | None = None
-    schedule: str = "constant"
-    loss: str = "relative"
 
 
 @dataclass
@@ -80,6 +124,18 @@ class RefineReport:
     layers: list[dict[str, Any]] = field(default_factory=list)
     elapsed_s: float = 0.0
 
+    @property
+    def summary(self) -> str:
+        """One line on what was kept: the steps and the layers they improved, or that no step was kept
+        (no layer's held-out error ever fell below its merge's)."""
+        kept = sum(1 for layer in self.layers if layer["best_step"])
+        if not kept:
+            return (
+                f"refinement kept no step: in {self.settings.steps} steps/layer no layer's held-out error "
+                "fell below its merge's"
+            )
+        return f"refined {self.settings.steps} steps/layer, {kept} of {len(self.layers)} layers improved"
+
     def to_record(self) -> dict[str, Any]:
         target = REFINE_TARGETS[self.settings.target]
         return {
@@ -90,11 +146,10 @@ class RefineReport:
             "heldout_tokens": self.heldout_tokens,
             "target": self.settings.target,
             "qk_lr": self.settings.qk_lr,
-            "schedule": self.settings.schedule,
-            "loss": self.settings.loss,
-            "objective": f"per layer, {REFINE_LOSSES[self.settings.loss].help}, against {target.help}; all "
-            f"{'decoder-layer' if target.moves_layer else 'attention'} parameters trained; each "
-            "layer keeps its weights at the best held-out error (best_step 0: the merge)",
+            "loss": target.loss,
+            "objective": f"per layer, {LOSSES[target.loss]}, against {target.help}; all attention parameters "
+            "trained; each layer keeps its weights at the best held-out error (best_step 0: the merge)",
+            "summary": self.summary,
             "attention_error": self.layers,
             "elapsed_s": round(self.elapsed_s, 3),
         }
@@ -116,8 +171,8 @@ def layer_output(out: Any) -> torch.Tensor:
 
 
 def token_weights(residual: torch.Tensor) -> torch.Tensor:
-    """Per-token weights of the ``per-token`` loss (:data:`REFINE_LOSSES`): one over the mean square of
-    each token's ``residual`` state (``[..., hidden]``), shaped ``[..., 1]``."""
+    """Per-token weights of the ``per-token`` loss (:data:`LOSSES`): one over the mean
+    square of each token's ``residual`` state (``[..., hidden]``), shaped ``[..., 1]``."""
     return 1.0 / residual.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12)
 
 
@@ -159,7 +214,7 @@ def fit_block(
     Args:
         module: what is run on the batches: the attention block, or a decoder layer holding it.
         fit, check: ``(args, kwargs, target)`` batches fitted on, and held out.
-        settings: steps, rates (and how they change over the steps), seed.
+        settings: steps, rates, seed.
         trained: the module whose parameters move (default ``module``).
         qk_params: names (in ``trained``) of the query/key-side parameters, trained at
             ``settings.qk_lr`` when it is set.
@@ -188,8 +243,6 @@ def fit_block(
     rest = [p for n, p in named if not any(p is q for q in qk)]
     groups = [{"params": rest, "lr": settings.lr}] + ([{"params": qk, "lr": settings.qk_lr}] if qk else [])
     opt = torch.optim.Adam(groups, lr=settings.lr)
-    factor = REFINE_SCHEDULES[settings.schedule].factor
-    rates = torch.optim.lr_scheduler.LambdaLR(opt, lambda done: factor(done / settings.steps))
     order: list[int] = []
     for step in range(1, settings.steps + 1):
         if not order:  # a fresh random pass over the batches
@@ -201,7 +254,6 @@ def fit_block(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        rates.step()
         if step % every == 0 or step == settings.steps:
             held = attention_error(module, check, check_w)
             if held < best:  # NaN compares False: a diverged fit is never kept
@@ -219,14 +271,6 @@ def fit_block(
         "heldout_after": round(best, 6),
         "best_step": best_step,
     }
-
-
-def converted_attention(
-    original: torch.nn.Module, config, layer: int, device: torch.device
-) -> torch.nn.Module:
-    """A fresh float32 attention module of ``original``'s class, built for the converted ``config``."""
-    module = type(original)(config, layer)
-    return module.to(device=device, dtype=torch.float32).eval()
 
 
 def check_sequences(sequences: Sequence[torch.Tensor]) -> None:

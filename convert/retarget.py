@@ -1,129 +1,205 @@
-"""Families whose transformers class has one K/V head per query head, re-expressed exactly in a stock
-class that holds fewer: the table of source family -> target family and its pure transforms.
+"""Converting a family whose transformers class has one K/V head per query head (GPT-2, OPT, GPT-NeoX)
+through the stock class its entry in :data:`gqakit.families.FAMILIES` names: the checks, the exact MHA
+rewrite, then G heads.
 
-A retargeted source converts in two steps: its tensors are rewritten as the target family's MHA
-checkpoint (logits equal to the source's), then that checkpoint converts as any other of its family.
-``phi`` takes every method and any G dividing H; ``gpt_bigcode`` holds only G = H or G = 1
-(``multi_query``) and takes the pooling methods.
+The rewrite into the target family's MHA checkpoint (logits equal to the source's) goes to a temporary
+directory; a ``phi`` target then converts through the ordinary path (every method, grouping and
+refinement), a ``gpt_bigcode`` target is pooled or merged here (it holds G = 1 or G = H only). Both are
+written by :func:`gqakit.convert.write.write_converted`, atomically.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from gqakit.checkpoint import Checkpoint, copy_non_weight_files
-from gqakit.convert.retarget_bigcode import (
-    gpt2_problems,
-    gpt2_to_bigcode_config,
-    gpt2_to_bigcode_state,
-    opt_problems,
-    opt_to_bigcode_config,
-    opt_to_bigcode_state,
-)
-from gqakit.convert.retarget_neox import (
-    neox_gain_problems,
-    neox_problems,
-    neox_to_phi_config,
-    neox_to_phi_state,
-)
-from gqakit.files import write_json
+from gqakit.checkpoint import Checkpoint, copy_non_weight_files, resolve_checkpoint
+from gqakit.cli_options import Problems
+from gqakit.convert.calibrate import calibration_sequences
+from gqakit.convert.methods import POOLING_METHODS
+from gqakit.convert.options import DTYPE_CHOICES, ConvertOptions, check_groups
+from gqakit.convert.refine import RefineSettings, check_sequences
+from gqakit.convert.retarget_bigcode import bigcode_to_mqa
+from gqakit.convert.retarget_bigcode_merge import calibrated_mqa
+from gqakit.convert.write import ConvertResult, state_writer, write_converted
+from gqakit.errors import GqakitError
+from gqakit.families import Retarget, Rewrite, family_of
 from gqakit.geometry import AttentionGeometry
+from gqakit.models import resolve_device
+from gqakit.names import resolve
+from gqakit.storage import check_output_dir, write_json
 
 Config = dict[str, Any]
 StateDict = dict[str, torch.Tensor]
+ConvertFn = Callable[..., ConvertResult]
 
 
-@dataclass(frozen=True)
-class Retarget:
-    """How one source family becomes a stock class with a K/V-head setting.
-
-    Attributes:
-        source: the source ``config.model_type``.
-        target: the target ``config.model_type``.
-        why: why this target, for ``gqakit inspect``.
-        problems: config -> the reasons this checkpoint cannot be held exactly (empty when it can).
-        config: source config -> target MHA config.
-        state: (source state dict, source config) -> target MHA state dict.
-        any_groups: the target holds any G dividing H (else only 1 and H).
-        weight_problems: (source state dict, source config) -> reasons found in the weights themselves
-            (a zero LayerNorm gain that a fold divides by).
-    """
-
-    source: str
-    target: str
-    why: str
-    problems: Callable[[Config], list[str]]
-    config: Callable[[Config], Config]
-    state: Callable[[StateDict, Config], StateDict]
-    any_groups: bool
-    weight_problems: Callable[[StateDict, Config], list[str]] = lambda state, config: []
-
-    def geometry(self, config: Config) -> AttentionGeometry:
-        """The attention geometry of the target MHA checkpoint ``config`` becomes."""
-        return AttentionGeometry.from_config(self.config(config))
-
-    def valid_groups(self, heads: int) -> list[int]:
-        """The G the target class can hold for ``heads`` query heads."""
-        if self.any_groups:
-            return [g for g in range(1, heads + 1) if heads % g == 0]
-        return [1, heads] if heads > 1 else [1]
+def rewrite_of(retarget: Retarget) -> Rewrite:
+    """The :class:`Rewrite` a registry entry names (``module:attribute``)."""
+    return resolve(retarget.rewrite)
 
 
-RETARGETS: dict[str, Retarget] = {
-    r.source: r
-    for r in (
-        Retarget(
-            "gpt2", "gpt_bigcode",
-            "GPTBigCode is GPT-2's block (learned positions, LayerNorm, GELU MLP, fused c_attn) with "
-            "multi_query: one K/V head for all query heads",
-            gpt2_problems, gpt2_to_bigcode_config, gpt2_to_bigcode_state, False,
-        ),
-        Retarget(
-            "opt", "gpt_bigcode",
-            "pre-LN OPT is GPT-2's block with ReLU and learned positions at an offset of 2; GPTBigCode holds "
-            "it with multi_query: one K/V head for all query heads",
-            opt_problems, opt_to_bigcode_config, opt_to_bigcode_state, False,
-        ),
-        Retarget(
-            "gpt_neox", "phi",
-            "Phi is GPT-NeoX's parallel attention + MLP block (LayerNorm, biases, partial rotary) with "
-            "num_key_value_heads; NeoX's second LayerNorm folds into fc1",
-            neox_problems, neox_to_phi_config, neox_to_phi_state, True,
-            lambda state, config: neox_gain_problems(state, config["num_hidden_layers"]),
-        ),
-    )
-}  # fmt: skip
-
-
-def read_state(ckpt: Checkpoint) -> StateDict:
-    """Every tensor of ``ckpt`` in memory (the retargeted families are converted whole)."""
-    with ckpt.reader() as reader:
-        return {name: reader.read(name) for name in ckpt.tensor_infos()}
-
-
-def write_target(out: Path, config: Config, state: StateDict, src: Path) -> Path:
-    """Write ``state`` and ``config`` as a Hugging Face checkpoint at ``out``, with ``src``'s tokenizer."""
-    out.mkdir(parents=True, exist_ok=True)
-    copy_non_weight_files(src, out)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), {"format": "pt"})
-    write_json(out / "config.json", config)
-    return out
-
-
-def retarget_groups_problem(config: Config, groups: int) -> str | None:
-    """Why a retargeted ``config`` cannot be converted to ``groups`` K/V heads (None when it can)."""
-    retarget = RETARGETS[config["model_type"]]
+def groups_problem(config: Config, groups: int) -> str | None:
+    """Why ``config``'s checkpoint cannot be converted to ``groups`` K/V heads (None when it can): for a
+    family converted through a stock class, that class's G and the config's refusals; else
+    :func:`~gqakit.convert.options.check_groups`'s message."""
+    retarget = family_of(config).retarget
+    geom = AttentionGeometry.from_config(config)
+    heads = geom.num_heads
+    if retarget is None:
+        try:
+            check_groups(geom, groups)
+        except GqakitError as e:
+            return e.message
+        return None
     reasons = retarget.problems(config)
-    heads = retarget.geometry(config).num_heads
-    if groups not in retarget.valid_groups(heads):
-        valid = ", ".join(map(str, retarget.valid_groups(heads)))
-        reasons.append(f"{retarget.target} holds G in {{{valid}}} for {heads} heads, not {groups}")
+    if (reason := _groups_reason(retarget, heads, groups)) is not None:
+        reasons.append(f"G = {groups}: {reason}")
     if not reasons:
         return None
     return f"{config['model_type']} converts into {retarget.target}, but: {'; '.join(reasons)}."
+
+
+def _groups_reason(retarget: Retarget, heads: int, groups: int) -> str | None:
+    """Why ``retarget``'s class cannot hold ``groups`` K/V heads for ``heads`` query heads, or None."""
+    valid = retarget.valid_groups(heads)
+    if groups in valid:
+        return None
+    holds = "any G dividing" if retarget.any_groups else "only G = 1 (multi_query) or G ="
+    return f"{retarget.target} holds {holds} {heads} heads; choose one of {', '.join(map(str, valid))}"
+
+
+def _option_problems(config: Config, retarget: Retarget, options: ConvertOptions) -> list[str]:
+    """What ``options`` ask of a family converted through ``retarget`` that its class cannot hold."""
+    o = options.resolved()
+    p = Problems("convert")
+    heads = AttentionGeometry.from_config(config).num_heads
+    if (reason := _groups_reason(retarget, heads, o.groups)) is not None:
+        p.add(f"{p.flag('groups')} {o.groups}: {reason}.")
+    pooled = o.method in POOLING_METHODS and not o.merged and not o.refine_steps
+    if not retarget.any_groups and not pooled:
+        if o.groups != 1:
+            p.add(
+                f"{p.flag('method')} {o.method} (or {p.flag('refine_steps')} {o.refine_steps}) at "
+                f"{p.flag('groups')} {o.groups}: G = H is {retarget.target}'s exact rewrite, nothing to "
+                f"merge; the calibrated merge and refinement go to {p.flag('groups')} 1."
+            )
+        if o.grouping != "contiguous":
+            p.add(
+                f"{p.flag('grouping')} {o.grouping}: a {retarget.target} target holds one K/V head, so every "
+                "head is in the one group and there is nothing to choose."
+            )
+        if o.refine_steps and o.refine_target != "attention":
+            p.add(
+                f"{p.flag('refine_target')} {o.refine_target}: a {retarget.target} target is refined "
+                "against the attention output only."
+            )
+    return p.messages
+
+
+def refusals(ckpt: Checkpoint, options: ConvertOptions | None = None) -> list[str]:
+    """Every reason ``ckpt``, of a family converted through a stock class, cannot be converted exactly
+    (with ``options``, as they ask): its config, then (when the config is one the class holds) its
+    weights; none for a family converted as it is. ``inspect``, ``convert`` and ``recovery`` all check
+    these."""
+    retarget = family_of(ckpt.model_type).retarget
+    if retarget is None:
+        return []
+    found = [f"{reason}." for reason in retarget.problems(ckpt.config)]
+    if options is not None:
+        found += _option_problems(ckpt.config, retarget, options)
+    if not found:
+        with ckpt.reader() as reader:
+            found = [f"{r}." for r in rewrite_of(retarget).weight_problems(reader.read, ckpt.config)]
+    return found
+
+
+def convert_retargeted(
+    ckpt: Checkpoint, dst: str | Path, options: ConvertOptions, start: float, convert: ConvertFn
+) -> ConvertResult:
+    """Convert ``ckpt`` of a family with a ``retarget`` entry to ``options.groups`` K/V heads of its
+    target class.
+
+    Args:
+        ckpt: an open checkpoint of such a family.
+        dst: the output directory; written atomically.
+        options: validated, resolved convert options.
+        start: when the command started (for the provenance's elapsed time).
+        convert: the ordinary conversion of an open checkpoint (``gqakit.convert.api``), for ``phi``.
+
+    Raises:
+        GqakitError: every reason the source or the options cannot be held, in one message; nothing is
+            written then.
+    """
+    retarget = family_of(ckpt.model_type).retarget
+    assert retarget is not None, ckpt.model_type
+    found = refusals(ckpt, options)
+    if found:
+        what = f"{ckpt.origin} ({ckpt.model_type}) cannot be converted exactly into {retarget.target}:"
+        raise GqakitError(" ".join([what, *found]))
+    check_output_dir(Path(dst), options.force, ckpt.path)  # before the whole model is read and rewritten
+    rewrite = rewrite_of(retarget)
+    with ckpt.reader() as reader:  # the retargeted families are converted whole, in memory
+        state = rewrite.state({name: reader.read(name) for name in ckpt.tensor_infos()}, ckpt.config)
+    config = rewrite.config(ckpt.config)
+    extra: dict[str, Any] = {"retargeted": {"from": ckpt.model_type, "to": retarget.target}}
+    if not retarget.any_groups:  # gpt_bigcode: pooled or merged here, written once
+        return _convert_bigcode(ckpt, dst, options, config, state, start, extra)
+    with tempfile.TemporaryDirectory(prefix="gqakit-retarget-") as tmp:
+        mha = Path(tmp) / "mha"
+        mha.mkdir()
+        copy_non_weight_files(ckpt.path, mha)
+        state_writer(state)(mha)
+        write_json(mha / "config.json", config)
+        with resolve_checkpoint(mha) as target:
+            target.origin = ckpt.origin  # the provenance names what the user gave
+            target.derived_from = ckpt  # ... and hashes its files, not the rewrite's
+            return convert(target, dst, options, start, extra)
+
+
+def _convert_bigcode(
+    ckpt: Checkpoint,
+    dst: str | Path,
+    options: ConvertOptions,
+    config: Config,
+    state: StateDict,
+    start: float,
+    extra: dict[str, Any],
+) -> ConvertResult:
+    """The gpt_bigcode target: G = H is the rewrite itself; G = 1 pools into its one K/V head
+    (``multi_query``), or merges it calibrated or refines a pooled start
+    (:mod:`gqakit.convert.retarget_bigcode_merge`), recording what it measured."""
+    mqa = options.groups == 1 and config["n_head"] > 1
+    pooled = None
+    if mqa and options.method != "calibrated":
+        pooled = bigcode_to_mqa(state, config, options.method, options.seed)  # type: ignore[arg-type]
+    if pooled is not None and not options.refine_steps:
+        state = pooled
+    elif mqa:  # the calibrated merge, or a pooled start refined
+        sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
+        refine = None
+        if options.refine_steps:
+            check_sequences(sequences)
+            refine = RefineSettings(options.refine_steps, options.refine_lr, options.seed)  # type: ignore[arg-type]
+        device = resolve_device(options.device)
+        state, measured = calibrated_mqa(state, config, sequences, start=pooled, refine=refine, device=device)
+        tokens = sum(s.numel() for s in sequences)
+        calibration = {"data": str(options.calib_data), "tokens": tokens, "device": str(device)}
+        extra = {**extra, **measured, "calibration": calibration}
+    record = {
+        "command": "convert",
+        "groups": options.groups,
+        "method": options.method,
+        "dtype": options.dtype,
+        **options.provenance,
+        **extra,
+    }
+    out_dtype = DTYPE_CHOICES[options.dtype]
+    return write_converted(
+        ckpt, dst, state_writer(state, out_dtype), AttentionGeometry.from_config(ckpt.config), options.groups,
+        out_dtype, options.force, record, start, config={**config, "multi_query": mqa},
+    )  # fmt: skip

@@ -5,7 +5,8 @@ optional single K/V head, ``multi_query``), and the MQA step on it.
 ``q_h | k_h | v_h``) or one K/V head for all (``multi_query=True``: rows ``q | k | v``). GPT-2's ``Conv1D``
 weights are ``[in, out]`` and transpose into ``nn.Linear``'s ``[out, in]``. OPT scales its query
 projection (bias included) by ``head_dim ** -0.5``; ``gpt_bigcode`` scales the scores by the same factor
-(``scale_attn_weights``), which is the same product. Pure functions: config / state dict in, out.
+(``scale_attn_weights``), which is the same product. Pure functions: config / state dict in, out; what
+a config must not ask for is in the families' entries (:data:`gqakit.families.FAMILIES`).
 """
 
 from __future__ import annotations
@@ -15,37 +16,10 @@ from typing import Any
 import torch
 
 from gqakit.convert.pooling import regroup
+from gqakit.families import Rewrite
 
 Config = dict[str, Any]
 StateDict = dict[str, torch.Tensor]
-
-
-def gpt2_problems(config: Config) -> list[str]:
-    """Why this GPT-2 config cannot be held exactly by gpt_bigcode (empty when it can)."""
-    problems = []
-    if config.get("scale_attn_by_inverse_layer_idx"):
-        problems.append("scale_attn_by_inverse_layer_idx is set: gpt_bigcode scales every layer alike")
-    if config.get("reorder_and_upcast_attn"):
-        problems.append("reorder_and_upcast_attn is set: gpt_bigcode has no such attention path")
-    if config.get("scale_attn_weights") is False:
-        problems.append("scale_attn_weights is false: gpt_bigcode's flag of that name is not read by sdpa")
-    return problems
-
-
-def opt_problems(config: Config) -> list[str]:
-    """Why this OPT config cannot be held exactly by gpt_bigcode (empty when it can)."""
-    problems = []
-    if not config.get("do_layer_norm_before", True):
-        problems.append("do_layer_norm_before is false (post-LN, as OPT-350m): gpt_bigcode is pre-LN")
-    proj = config.get("word_embed_proj_dim")
-    if proj is not None and proj != config["hidden_size"]:
-        problems.append(
-            f"word_embed_proj_dim {proj} != hidden_size {config['hidden_size']} (projected embeddings, as "
-            "OPT-350m): gpt_bigcode has no embedding projection"
-        )
-    if config.get("_remove_final_layer_norm"):
-        problems.append("_remove_final_layer_norm is set: gpt_bigcode always has its final LayerNorm")
-    return problems
 
 
 def _bigcode_config(
@@ -71,12 +45,14 @@ def _bigcode_config(
     }
 
 
+def carried(config: Config) -> Config:
+    """What a rewritten config keeps of its source's: the special tokens and the dtype it states."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype")
+    return {k: config[k] for k in keys if config.get(k) is not None}
+
+
 def _carry(config: Config, out: Config) -> Config:
-    out["tie_word_embeddings"] = config.get("tie_word_embeddings", True)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype"):
-        if config.get(key) is not None:
-            out[key] = config[key]
-    return out
+    return {**out, "tie_word_embeddings": config.get("tie_word_embeddings", True), **carried(config)}
 
 
 def gpt2_to_bigcode_config(config: Config) -> Config:
@@ -174,6 +150,11 @@ def opt_to_bigcode_state(state: StateDict, config: Config) -> StateDict:
             out[f"{o}.mlp.{dst}.weight"] = w
             out[f"{o}.mlp.{dst}.bias"] = get(f"{h}.{src}.bias", w.shape[0], 0.0)
     return _lm_head(state, out)
+
+
+# The rewrites gqakit.families' gpt2 and opt entries name.
+GPT2 = Rewrite(gpt2_to_bigcode_config, gpt2_to_bigcode_state)
+OPT = Rewrite(opt_to_bigcode_config, opt_to_bigcode_state)
 
 
 def bigcode_to_mqa(state: StateDict, config: Config, method: str, seed: int = 0) -> StateDict:

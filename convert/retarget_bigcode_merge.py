@@ -41,6 +41,7 @@ from gqakit.convert.refine import (
     split_batches,
     to_float,
 )
+from gqakit.gguf.tensors import per_head_to_blocks
 
 StateDict = dict[str, torch.Tensor]
 Config = dict[str, Any]
@@ -50,18 +51,23 @@ def _attn(i: int, name: str, part: str) -> str:
     return f"transformer.h.{i}.attn.{name}.{part}"
 
 
-def split_heads(t: torch.Tensor, heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_heads(t: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
     """MHA ``c_attn`` rows (weight or bias), per-head interleaved -> q, k, v rows ``[heads * d, ...]``."""
-    rows = t.reshape(heads, 3, d, *t.shape[1:])
-    return tuple(rows[:, j].reshape(heads * d, *t.shape[1:]) for j in range(3))  # type: ignore[return-value]
+    return per_head_to_blocks(t, heads).chunk(3)
+
+
+def _hf_config(config: Config) -> Any:
+    """The transformers config object of a gpt_bigcode config dict."""
+    from transformers import AutoConfig  # deferred: transformers takes seconds to import
+
+    return AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
 
 
 def _model(config: Config, state: StateDict, device: torch.device) -> torch.nn.Module:
     # deferred: transformers takes seconds to import
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_hf_config(config), dtype=torch.float32)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if unexpected or [k for k in missing if "lm_head" not in k]:  # the tied head is the only one absent
         raise RuntimeError(f"gpt_bigcode rewrite does not fit its class: {missing} {unexpected}")
@@ -116,7 +122,7 @@ def merge_layer(state: StateDict, config: Config, i: int, gram: torch.Tensor) ->
     heads, hidden = config["n_head"], config["n_embd"]
     d = hidden // heads
     w, b = state[_attn(i, "c_attn", "weight")], state[_attn(i, "c_attn", "bias")]
-    (qw, kw, vw), (qb, kb, vb) = split_heads(w, heads, d), split_heads(b, heads, d)
+    (qw, kw, vw), (qb, kb, vb) = split_heads(w, heads), split_heads(b, heads)
     wo = state[_attn(i, "c_proj", "weight")]
 
     def per_head(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -149,11 +155,9 @@ def refine_layer(
 ) -> tuple[StateDict, dict]:  # fmt: skip
     """Fit layer ``i``'s converted attention block (weights from ``state``) to the captured outputs."""
     # deferred: transformers takes seconds to import
-    from transformers import AutoConfig
     from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeAttention
 
-    cfg = AutoConfig.for_model(**{k: v for k, v in mqa_config.items() if k != "architectures"})
-    block = GPTBigCodeAttention(cfg, layer_idx=i).to(device=device, dtype=torch.float32)
+    block = GPTBigCodeAttention(_hf_config(mqa_config), layer_idx=i).to(device=device, dtype=torch.float32)
     prefix = f"transformer.h.{i}.attn."
     block.load_state_dict(
         {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=True

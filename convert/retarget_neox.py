@@ -9,27 +9,23 @@ both normalise the same ``x``, so NeoX's second LayerNorm folds into ``fc1``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from gqakit.convert.retarget_bigcode import carried
+from gqakit.families import Rewrite
 
 Config = dict[str, Any]
 StateDict = dict[str, torch.Tensor]
 
 
-def neox_problems(config: Config) -> list[str]:
-    """Why this GPT-NeoX config cannot be held exactly by phi (empty when it can)."""
-    problems = []
-    if not config.get("use_parallel_residual", True):
-        problems.append(
-            "use_parallel_residual is false: its MLP reads the attention output, phi's block is parallel"
-        )
-    return problems
-
-
-def neox_gain_problems(state: StateDict, layers: int) -> list[str]:
-    """The layers whose first LayerNorm gain has a zero, which the LayerNorm fold divides by."""
-    bad = [i for i in range(layers) if (state[f"gpt_neox.layers.{i}.input_layernorm.weight"] == 0).any()]
+def neox_gain_problems(read: Callable[[str], torch.Tensor], config: Config) -> list[str]:
+    """The layers whose first LayerNorm gain has a zero, which the LayerNorm fold divides by (``read``:
+    one source tensor by name)."""
+    layers = range(config["num_hidden_layers"])
+    bad = [i for i in layers if (read(f"gpt_neox.layers.{i}.input_layernorm.weight") == 0).any()]
     if not bad:
         return []
     return [
@@ -68,10 +64,7 @@ def neox_to_phi_config(config: Config) -> Config:
         "embd_pdrop": 0.0,
         "attention_dropout": 0.0,
     }
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype"):
-        if config.get(key) is not None:
-            out[key] = config[key]
-    return out
+    return {**out, **carried(config)}
 
 
 def neox_to_phi_state(state: StateDict, config: Config) -> StateDict:
@@ -120,3 +113,7 @@ def neox_to_phi_state(state: StateDict, config: Config) -> StateDict:
         out[f"{dst}.mlp.fc2.weight"] = state[f"{src}.mlp.dense_4h_to_h.weight"]
         out[f"{dst}.mlp.fc2.bias"] = state[f"{src}.mlp.dense_4h_to_h.bias"]
     return out
+
+
+# The rewrite gqakit.families' gpt_neox entry names.
+NEOX = Rewrite(neox_to_phi_config, neox_to_phi_state, neox_gain_problems)

@@ -15,9 +15,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from gqakit.checkpoint import SAFE_INDEX, Checkpoint, TensorReader
+from gqakit.console import progress as progress_bar
 from gqakit.convert.plan import OutputTensor, execute
 from gqakit.safetensors_io import SafetensorsWriter, TensorSpec
 
@@ -55,33 +55,29 @@ class PlanWriter:
         for out in plan:
             by_shard[reader.shard_of(out.sources[0])].append(out)
         self.total = sum(TensorSpec(o.name, o.dtype, o.shape).nbytes for o in plan)
-        self.files = [output_shard_name(f) for f, outs in by_shard.items() if outs]
-        self._file_of = {o.name: output_shard_name(f) for f, outs in by_shard.items() for o in outs}
+        by_file = {output_shard_name(f): outs for f, outs in by_shard.items() if outs}
+        self.files = list(by_file)
+        self._file_of = {o.name: f for f, outs in by_file.items() for o in outs}
         self._writers = {
-            output_shard_name(f): SafetensorsWriter(
-                out_dir / output_shard_name(f), [TensorSpec(o.name, o.dtype, o.shape) for o in outs]
-            )
-            for f, outs in by_shard.items()
-            if outs
+            f: SafetensorsWriter(out_dir / f, [TensorSpec(o.name, o.dtype, o.shape) for o in outs])
+            for f, outs in by_file.items()
         }
-        self._bar = tqdm(
-            total=self.total, unit="B", unit_scale=True, desc=desc, leave=False, disable=not progress
-        )
+        self._bar = progress_bar(desc=desc, total=self.total, enabled=progress, unit="B")
 
     def write(self, out: OutputTensor, value: torch.Tensor | None = None) -> None:
         """Write ``out``: ``value`` when given, else computed from the source (or copied raw when the plan
         leaves it unchanged)."""
         writer = self._writers[self._file_of[out.name]]
-        src = out.sources[0]
         if value is not None:
             writer.write_tensor(out.name, value)
-        elif out.fn is None and self.ckpt.format == "safetensors" and self.reader.info(src)[0] == out.dtype:
-            writer.copy_from(out.name, partial(self.reader.copy_raw, src))
+        elif self._raw(out):
+            writer.copy_from(out.name, partial(self.reader.copy_raw, out.sources[0]))
         else:
             writer.write_tensor(out.name, execute(out, self.reader.read))
         self._bar.update(TensorSpec(out.name, out.dtype, out.shape).nbytes)
 
     def _raw(self, out: OutputTensor) -> bool:
+        """Whether ``out`` is its source's bytes: unchanged, from safetensors, in its own dtype."""
         src = out.sources[0]
         return out.fn is None and self.ckpt.format == "safetensors" and self.reader.info(src)[0] == out.dtype
 

@@ -1,4 +1,8 @@
-"""Writing a converted checkpoint atomically: shards, config, tokenizer files, provenance, model card."""
+"""Writing a converted checkpoint atomically: shards, config, tokenizer files, provenance, model card.
+
+The one writer of every conversion's output directory (``convert`` of every family, ``expand``, probe's
+candidates): what each method computes reaches DST through :func:`write_converted`.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +13,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
+
 from gqakit import __version__
 from gqakit.checkpoint import Checkpoint, copy_non_weight_files
 from gqakit.convert.plan import OutputTensor
 from gqakit.convert.stream import write_plan
-from gqakit.files import sha256_file, write_json
+from gqakit.dtypes import dtype_name, torch_dtype
 from gqakit.geometry import AttentionGeometry
-from gqakit.outputs import atomic_output_dir
+from gqakit.storage import atomic_output_dir, sha256_file, write_json, write_text
 
 # Writes a conversion's weight shards into a directory and returns their file names.
 WeightWriter = Callable[[Path], list[str]]
-_CONFIG_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 @dataclass
@@ -56,6 +62,21 @@ def source_hashes(ckpt: Checkpoint) -> dict[str, str | None]:
     }
 
 
+def state_writer(state: dict[str, torch.Tensor], out_dtype: str | None = None) -> WeightWriter:
+    """A conversion held in memory (a rewritten family's) as one ``model.safetensors``, its floating
+    tensors cast to ``out_dtype`` (a safetensors dtype name) when given."""
+
+    def write(out: Path) -> list[str]:
+        cast = None if out_dtype is None else torch_dtype(out_dtype)
+        tensors = {
+            k: (v.to(cast) if cast and v.is_floating_point() else v).contiguous() for k, v in state.items()
+        }
+        save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
+        return ["model.safetensors"]
+
+    return write
+
+
 def write_converted(
     ckpt: Checkpoint,
     dst: str | Path,
@@ -66,25 +87,26 @@ def write_converted(
     force: bool,
     record: dict[str, Any],
     start: float,
-    config_updates: dict[str, Any] | None = None,
     progress: bool = True,
+    config: dict[str, Any] | None = None,
 ) -> ConvertResult:
     """Write a conversion atomically: shards, config, tokenizer files, provenance, model card.
 
-    Shared by every conversion method, so each writes the same complete, loadable directory. ``weights``
-    is either a plan (streamed tensor by tensor) or a function that writes the weight shards into the
-    temporary directory itself and returns their names (the layer-by-layer calibrated path); such a
-    function may add to ``record`` what it measured, which then goes into the provenance. ``progress``
-    False: no progress bar for a streamed plan.
-    The output directory is claimed (and DST checked) before any weight is computed.
+    Shared by every conversion method and family, so each writes the same complete, loadable directory.
+    ``weights`` is either a plan (streamed tensor by tensor) or a function that writes the weight shards
+    into the temporary directory itself and returns their names (the layer-by-layer calibrated path, a
+    rewritten family's state: :func:`state_writer`); such a function may add to ``record`` what it
+    measured, which then goes into the provenance. ``config``: the output's config (a rewritten family's
+    target class); by default ``ckpt``'s with ``groups`` K/V heads. ``progress`` False: no progress bar
+    for a streamed plan. The output directory is claimed (and DST checked) before any weight is computed.
     """
-    config = copy.deepcopy(ckpt.config)
-    config["num_key_value_heads"] = groups
+    if config is None:
+        config = {**ckpt.config, "num_key_value_heads": groups}
+    config = copy.deepcopy(config)
     if out_dtype is not None:
-        config["dtype"] = _CONFIG_DTYPE[out_dtype]
-        if "torch_dtype" in config:
+        config["dtype"] = dtype_name(out_dtype)
+        if "torch_dtype" in config:  # a carried-over legacy key must not contradict it
             config["torch_dtype"] = config["dtype"]
-    config.update(config_updates or {})
     with atomic_output_dir(Path(dst), force, src=source_path(ckpt)) as tmp:
         if callable(weights):
             files = weights(tmp)
@@ -107,7 +129,7 @@ def write_converted(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         write_json(tmp / "gqakit.json", provenance)
-        (tmp / "README.md").write_text(_model_card(Path(dst).name, geom, groups, provenance))
+        write_text(tmp / "README.md", _model_card(Path(dst).name, geom, groups, provenance))
     return ConvertResult(
         Path(dst).resolve(),
         ckpt.origin,

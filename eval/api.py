@@ -13,43 +13,22 @@ the results in :mod:`gqakit.eval.results`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gqakit.checkpoint import model_source
+from gqakit.console import quiet_transformers
 from gqakit.errors import GqakitError
 from gqakit.eval.engines import ENGINES
-from gqakit.eval.lm_eval_bridge import OUR_TASKS, check_tasks, parse_lm_eval_args
-from gqakit.eval.options import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXTS, EvalOptions
-from gqakit.eval.report import write_report
+from gqakit.eval.lm_eval_bridge import check_tasks, parse_lm_eval_args
+from gqakit.eval.options import DEFAULT_CONTEXTS, EvalOptions
 from gqakit.eval.results import EvalResults, ModelResult, environment
-from gqakit.gguf.dequantize import local_model
-from gqakit.models import check_causal_lm, max_positions, resolve_device
+from gqakit.models import causal_lm_config, max_positions, resolve_device
 from gqakit.text import load_texts
 
-
-def _model_config(path: str):
-    """The config of a causal LM checkpoint, checked without loading weights."""
-    # deferred: transformers takes seconds to import
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    p = Path(path).expanduser()
-    if not p.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
-        raise GqakitError(f"Model path {path} does not exist.")
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise GqakitError(f"{path} has no config.json: point at a Hugging Face model directory.")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as e:
-        raise GqakitError(f"Could not read a model config from {path}: {e}") from None
-    check_causal_lm(config, path)  # an encoder with a masked-LM head: its perplexity means nothing
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise GqakitError(
-            f"{path} is a {config.model_type!r} model, not a causal language model (AutoModelForCausalLM "
-            "cannot load it)."
-        )
-    return config
+log = logging.getLogger(__name__)
 
 
 def _contexts_for(options: EvalOptions, config) -> tuple[list[int], list[str]]:
@@ -77,7 +56,8 @@ def _preflight(models: dict[str, str], options: EvalOptions) -> tuple[dict[str, 
         problems.append(e.message)
     for label, path in models.items():
         try:
-            config = _model_config(path)
+            models[label] = path = model_source(path)  # the same SRC forms as every command
+            config = causal_lm_config(path)
         except GqakitError as e:
             problems.append(f"[{label}] {e.message}")
             continue
@@ -144,7 +124,8 @@ def evaluate_models(models: dict[str, str], options: EvalOptions, baseline: str 
         baseline = next(iter(models))
     if baseline is not None and baseline not in models:
         raise GqakitError(f"Baseline {baseline!r} is not one of the models: {', '.join(models)}.")
-    models = {label: local_model(path) for label, path in models.items()}  # a .gguf: dequantized once
+    quiet_transformers()  # gqakit's own line per model, not the libraries' bars
+    models = dict(models)  # each made a local directory by _preflight (a .gguf dequantized once)
     configs, texts = _preflight(models, options)
     env = environment(resolve_device(options.device), options.command_line)
     results: dict[str, ModelResult] = {}
@@ -152,26 +133,12 @@ def evaluate_models(models: dict[str, str], options: EvalOptions, baseline: str 
     order = [baseline] + [k for k in models if k != baseline] if baseline else list(models)
     measure = ENGINES[options.engine].measure_fn()
     for label in order:
-        results[label] = measure(
-            label,
-            models[label],
-            config=configs[label],
-            options=options,
-            texts=texts,
-            contexts=_contexts_for(options, configs[label])[0],
+        log.info("[%s] measuring %s (%s)", label, models[label], options.engine)
+        contexts = _contexts_for(options, configs[label])[0]
+        res = measure(
+            label, models[label], config=configs[label], options=options, texts=texts, contexts=contexts
         )
+        log.info("[%s] %s", label, res.describe())
+        results[label] = res
     ordered = {label: results[label] for label in models}
     return EvalResults(models=ordered, baseline=baseline, options=options, environment=env)
-
-
-__all__ = [
-    "DEFAULT_BATCH_SIZES",
-    "DEFAULT_CONTEXTS",
-    "EvalOptions",
-    "EvalResults",
-    "ModelResult",
-    "OUR_TASKS",
-    "evaluate",
-    "evaluate_models",
-    "write_report",
-]

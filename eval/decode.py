@@ -27,11 +27,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from gqakit.cli_options import parse_list
+from gqakit.console import progress as progress_bar
 from gqakit.errors import GqakitError
 from gqakit.eval.kv_bytes import cache_geometry, measured_kv_bytes, predicted_kv_bytes, weight_bytes_per_step
+from gqakit.models import release_memory, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +135,11 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: str | torch.device) -> None:
+    """Collect the freed tensors and give their memory back (:func:`gqakit.models.release_memory`: to the
+    GPU's free memory, where the next model or engine sizes itself)."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(resolve_device(str(device)))
 
 
 def _prompts(model, batch: int, context: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -154,7 +156,7 @@ def _prompts(model, batch: int, context: int, seed: int, device: torch.device) -
 
 def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: int):
     """A cache already holding ``tokens`` random keys and values per layer (``static_len``: a static cache
-    of that many slots, else a dynamic one)."""
+    of that many slots, else a dynamic one); with ``tokens`` 0, an empty one."""
     # deferred: transformers takes seconds to import
     from transformers import DynamicCache, StaticCache
 
@@ -170,7 +172,7 @@ def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: 
     gen = torch.Generator(device=param.device).manual_seed(seed)
     position = {"cache_position": torch.arange(tokens, device=param.device)}
     shape = (batch, g.num_kv_heads, tokens, g.head_dim)
-    for layer in range(g.num_layers):
+    for layer in range(g.num_layers if tokens else 0):
         k, v = (torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype) for _ in range(2))
         cache.update(k, v, layer, position)
     return cache
@@ -223,20 +225,14 @@ def _generate_once(
         compile_config._compile_all_devices = True
         gen_cfg.compile_config = compile_config
     kwargs = {}
-    cache_name = cache_kwarg()
     total = prompts.shape[1] + new_tokens - 1
-    if prefill == "random":
-        # All but the last prompt token are already "in" the cache: generate() feeds only the last one.
-        kwargs[cache_name] = _random_cache(
-            model, prompts.shape[0], prompts.shape[1] - 1, total if static_cache else None, 0
-        )
-    elif static_cache:
-        # deferred: transformers takes seconds to import
-        from transformers import StaticCache
-
-        # Our own cache object, sized for this point: generate() would otherwise reuse (and keep
-        # growing) one static cache across calls, and the measured bytes would not be this point's.
-        kwargs[cache_name] = StaticCache(config=cfg, max_cache_len=total)
+    if prefill == "random" or static_cache:
+        # "random": all but the last prompt token are already "in" the cache, and generate() feeds only the
+        # last one. A static cache is our own object, sized for this point: generate() would otherwise reuse
+        # (and keep growing) one static cache across calls, and the measured bytes would not be this point's.
+        filled = prompts.shape[1] - 1 if prefill == "random" else 0
+        slots = total if static_cache else None
+        kwargs[cache_kwarg()] = _random_cache(model, prompts.shape[0], filled, slots, 0)
     mask = torch.ones_like(prompts)
     _sync(device)
     start = time.perf_counter()
@@ -253,6 +249,7 @@ def _generate_once(
 
 def parse_grid(value: str | Sequence[int], name: str) -> tuple[int, ...]:
     """``"1,8,32"`` -> (1, 8, 32): positive, no duplicates; otherwise a GqakitError naming ``name``."""
+    value = value if isinstance(value, str) else ",".join(map(str, value))  # as the user wrote it
     nums = list(parse_list(value, int, name))
     if not nums:
         raise GqakitError(f"{name} is empty; give at least one number.")
@@ -300,68 +297,56 @@ def bench_decode(
     Returns:
         One :class:`DecodePoint` per (batch, context), batch-major.
     """
-    batch_sizes = parse_grid(batch_sizes, "--batch-sizes")
-    contexts = parse_grid(contexts, "--contexts")
-    if new_tokens < 2:
+    batch_sizes, contexts = parse_grid(batch_sizes, "batch_sizes"), parse_grid(contexts, "contexts")
+    if new_tokens < 2 or warmup < 0 or prefill not in ("model", "random"):
         raise GqakitError(
-            f"--new-tokens must be at least 2 (a prefill token and a decode step), got {new_tokens}."
+            "bench_decode needs new_tokens >= 2 (a prefill token and a decode step), warmup >= 0 and prefill "
+            f"'model' or 'random', got {new_tokens}, {warmup} and {prefill!r}."
         )
-    if warmup < 0:
-        raise GqakitError(f"warmup must be >= 0, got {warmup}.")
-    if prefill not in ("model", "random"):
-        raise GqakitError(f"prefill must be 'model' or 'random', got {prefill!r}.")
     static_cache = static_cache or compile
     restore = None
     if compile and model.config._attn_implementation == "sdpa":
         restore = use_packed_sdpa(model)
     try:
-        return _bench_grid(
-            model, batch_sizes, contexts, new_tokens, warmup, static_cache, compile, progress, seed, prefill
-        )
+        return [
+            _point(model, b, c, new_tokens, warmup, static_cache, compile, seed, prefill)
+            for b, c in progress_bar(
+                [(b, c) for b in batch_sizes for c in contexts], "decode", enabled=progress, unit="pt"
+            )
+        ]
     finally:
         if restore is not None:
             model.set_attn_implementation(restore)
 
 
-def _bench_grid(
-    model, batch_sizes, contexts, new_tokens, warmup, static_cache, compile, progress, seed, prefill
-) -> list[DecodePoint]:
-
+def _point(model, b: int, c: int, new_tokens, warmup, static_cache, compile, seed, prefill) -> DecodePoint:
+    """One point of :func:`bench_decode`: batch ``b``, context ``c``."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    weights = weight_bytes_per_step(model)
-    points = []
-    grid = [(b, c) for b in batch_sizes for c in contexts]
-    for b, c in tqdm(grid, desc="decode", unit="pt", disable=not progress, leave=False):
-        kv_tokens = c + new_tokens - 1  # the last generated token is never fed back
-        point = DecodePoint(
-            batch=b,
-            context=c,
-            new_tokens=new_tokens,
-            static_cache=static_cache,
-            compiled=compile,
-            kv_tokens=kv_tokens,
-            kv_bytes_predicted=predicted_kv_bytes(model.config, b, kv_tokens, dtype, static_cache),
-            bytes_per_step=weights
-            + predicted_kv_bytes(model.config, b, c + new_tokens // 2, dtype, static_cache),
-        )
-        try:
-            prompts = _prompts(model, b, c, seed, device)
-            for _ in range(warmup):
-                _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
-            first_s, steps, cache = _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
-            point.prefill_s = first_s if prefill == "model" else None
-            latency = statistics.median(steps)
-            point.decode_ms = latency * 1e3
-            point.tokens_per_s = b / latency
-            point.kv_bytes = measured_kv_bytes(cache)
-            del cache
-        except Exception as e:
-            if not _is_oom(e):
-                raise
-            point.status, point.error = "oom", str(e).splitlines()[0][:200]
-            log.warning("decode batch=%d context=%d: out of memory; recorded as OOM", b, c)
-        finally:
-            _free(device)
-        points.append(point)
-    return points
+    kv_tokens = c + new_tokens - 1  # the last generated token is never fed back
+    point = DecodePoint(
+        batch=b, context=c, new_tokens=new_tokens, static_cache=static_cache, compiled=compile,
+        kv_tokens=kv_tokens,
+        kv_bytes_predicted=predicted_kv_bytes(model.config, b, kv_tokens, dtype, static_cache),
+        bytes_per_step=weight_bytes_per_step(model)
+        + predicted_kv_bytes(model.config, b, c + new_tokens // 2, dtype, static_cache),
+    )  # fmt: skip
+    try:
+        prompts = _prompts(model, b, c, seed, device)
+        for _ in range(warmup):
+            _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
+        first_s, steps, cache = _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
+        point.prefill_s = first_s if prefill == "model" else None
+        latency = statistics.median(steps)
+        point.decode_ms = latency * 1e3
+        point.tokens_per_s = b / latency
+        point.kv_bytes = measured_kv_bytes(cache)
+        del cache
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        point.status, point.error = "oom", str(e).splitlines()[0][:200]
+        log.warning("decode batch=%d context=%d: out of memory; recorded as OOM", b, c)
+    finally:
+        free_memory(device)
+    return point

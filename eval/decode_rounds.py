@@ -20,10 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gqakit.checkpoint import read_config
-from gqakit.eval.decode import bench_decode
+from gqakit.eval.decode import bench_decode, free_memory
 from gqakit.eval.llamacpp_engine import gguf_for, llamacpp_decode, require_llama_cpp
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm
@@ -106,22 +104,16 @@ def decode_rounds(
 
     def one(i: int, r: int) -> Any:
         (point,) = bench_decode(
-            models[i],
-            batch_sizes=(batch,),
-            contexts=(context,),
-            new_tokens=new_tokens,
-            warmup=1 if r == 0 else 0,
-            progress=False,
-            prefill="random",
-        )
+            models[i], batch_sizes=(batch,), contexts=(context,), new_tokens=new_tokens,
+            warmup=1 if r == 0 else 0, progress=False, prefill="random",
+        )  # fmt: skip
         return point
 
     try:
         return interleaved(len(models), rounds, one)
     finally:
         models.clear()  # the caller's cache gets the memory back before anything else loads
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        free_memory(device)
 
 
 def llamacpp_decode_rounds(
@@ -141,14 +133,3 @@ def llamacpp_decode_rounds(
         return points[0].tokens_per_s
 
     return interleaved(len(paths), rounds, one)
-
-
-__all__ = [
-    "DECODE_TOLERANCE",
-    "RoundStats",
-    "decode_rounds",
-    "interleaved",
-    "llamacpp_decode_rounds",
-    "round_stats",
-    "speedup",
-]

@@ -1,7 +1,9 @@
 """The engines of ``gqakit eval --engine``: where each model is measured, defined once.
 
 Each entry names the function that measures one model and returns a
-:class:`~gqakit.eval.results.ModelResult` (``measure(label, path, *, config, options, texts, contexts)``),
+:class:`~gqakit.eval.results.ModelResult` (``measure(label, path, *, config, options, texts, contexts)``:
+the model's name in tables, its checkpoint directory or hub id, its transformers config, the
+:class:`~gqakit.eval.options.EvalOptions`, the perplexity texts or None, the decode contexts that fit it),
 the check that its backend is installed, and what it can do. :func:`gqakit.eval.api.evaluate_models`
 runs every model through the engine's ``measure``; the CLI's ``--engine`` choices and help, and the
 option checks, read this table. A new engine is a module in ``eval/`` and one entry here.
@@ -12,17 +14,11 @@ engines imports no backend.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gqakit.names import NameTable
-
-
-def _resolve(ref: str) -> Callable[..., Any]:
-    module, attr = ref.split(":")
-    return getattr(importlib.import_module(module), attr)
+from gqakit.names import NameTable, resolve
 
 
 @dataclass(frozen=True)
@@ -35,7 +31,7 @@ class Engine:
         requires: ``"module:function"`` that raises a :class:`~gqakit.errors.GqakitError` with the install
             command when the backend is missing; None: nothing beyond gqakit's own dependencies.
         tasks: runs lm-eval tasks (``--tasks``).
-        gguf: runs on a GGUF export of each model (``--gguf-type`` chooses its weights).
+        gguf: runs on a GGUF export of each model (``--set gguf_type=...`` chooses its weights).
     """
 
     summary: str
@@ -46,13 +42,13 @@ class Engine:
 
     def measure_fn(self) -> Callable[..., Any]:
         """The function that measures one model."""
-        return _resolve(self.measure)
+        return resolve(self.measure)
 
     def check_installed(self, options: Any = None) -> None:
         """Raise a clear error when this engine's backend is not installed (``options``: the
         :class:`~gqakit.eval.options.EvalOptions`, which may say where the backend is)."""
         if self.requires:
-            _resolve(self.requires)(options)
+            resolve(self.requires)(options)
 
 
 ENGINES: NameTable[Engine] = NameTable(
@@ -60,15 +56,15 @@ ENGINES: NameTable[Engine] = NameTable(
     {
         "hf": Engine("transformers in this process", "gqakit.eval.hf_engine:measure_hf_model", tasks=True),
         "llamacpp": Engine(
-            "each model exported to GGUF once (cached) and run in llama.cpp, whose kernels read a shared "
-            'K/V head once (decode at batch 1; pip install -e ".[llamacpp]")',
+            "llama.cpp on a GGUF export of each model (cached), decode at batch 1; "
+            'pip install -e ".[llamacpp]"',
             "gqakit.eval.llamacpp_engine:measure_llamacpp_model",
             requires="gqakit.eval.llamacpp_engine:require_llama_cpp",
             gguf=True,
         ),
         "vllm": Engine(
-            "vLLM, in its own Python (--vllm-python or $GQAKIT_VLLM_PYTHON): perplexity, greedy text against "
-            "transformers, KV-cache capacity, throughput per concurrency (--batch-sizes)",
+            "vLLM in its own Python (--set vllm_python=PATH or $GQAKIT_VLLM_PYTHON): serving KV capacity, "
+            "greedy agreement with transformers, throughput per concurrency",
             "gqakit.eval.vllm_engine:measure_vllm_model",
             requires="gqakit.eval.vllm_engine:require_vllm",
             tasks=True,
@@ -77,6 +73,3 @@ ENGINES: NameTable[Engine] = NameTable(
 )
 # The engines that run lm-eval tasks.
 TASK_ENGINES: tuple[str, ...] = ENGINES.where(lambda e: e.tasks)
-
-
-__all__ = ["ENGINES", "TASK_ENGINES", "Engine"]

@@ -18,19 +18,10 @@ from dataclasses import replace
 
 import torch
 
+from gqakit.dtypes import dtype_size
 from gqakit.errors import GqakitError
+from gqakit.families import family_of
 from gqakit.geometry import AttentionGeometry
-
-
-def dtype_bytes(dtype: torch.dtype | str | int) -> int:
-    """Bytes per element of ``dtype`` (a torch dtype, its name like ``"bfloat16"``, or a byte count)."""
-    if isinstance(dtype, int):
-        return dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise GqakitError(f"Unknown dtype {dtype!r}.")
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _decoder_config(config) -> dict:
@@ -48,14 +39,12 @@ def config_geometry(config) -> AttentionGeometry:
 
 def cache_geometry(config) -> AttentionGeometry:
     """The attention geometry of ``config`` as transformers' KV cache holds it: :func:`config_geometry`,
-    with ``num_kv_heads`` the K/V heads each layer caches. They are the weights' K/V heads, except in
-    Falcon's new decoder architecture (Falcon-40B/180B): its attention broadcasts them to every query
-    head before it caches them, so its cache holds H per layer (vLLM and llama.cpp hold the weights')."""
+    with ``num_kv_heads`` the K/V heads each layer caches: the weights', except where the family's
+    attention broadcasts them first (:meth:`gqakit.families.Family.cached_kv_heads`: Falcon's new decoder
+    architecture caches H)."""
     c = _decoder_config(config)
     g = AttentionGeometry.from_config(c)
-    if c.get("model_type") == "falcon" and c.get("new_decoder_architecture"):
-        return replace(g, num_kv_heads=g.num_heads)
-    return g
+    return replace(g, num_kv_heads=family_of(c).cached_kv_heads(c, g.num_kv_heads, g.num_heads))
 
 
 def layer_windows(config) -> list[int | None]:
@@ -85,31 +74,18 @@ def predicted_kv_bytes(
     c = _decoder_config(config)  # a transformers config turned into a dict once
     g = cache_geometry(c)
     held = sum(tokens if w is None else min(tokens, w if static_cache else w - 1) for w in layer_windows(c))
-    return 2 * batch * g.num_kv_heads * held * g.head_dim * dtype_bytes(dtype)
+    element = dtype if isinstance(dtype, int) else dtype_size(dtype)  # a byte count, or a dtype's
+    return 2 * batch * g.num_kv_heads * held * g.head_dim * element
 
 
 def measured_kv_bytes(cache) -> int:
-    """Bytes of every key and value tensor a cache object holds (transformers ``Cache`` or legacy tuples)."""
-    tensors: list[torch.Tensor] = []
+    """Bytes of every key and value tensor a transformers ``Cache`` holds (transformers 5 has no legacy
+    tuple caches)."""
     layers = getattr(cache, "layers", None)
-    if layers is not None:
-        for layer in layers:
-            tensors += [
-                t
-                for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                if isinstance(t, torch.Tensor)
-            ]
-    elif isinstance(cache, (tuple, list)):
-        stack = list(cache)
-        while stack:
-            item = stack.pop()
-            if isinstance(item, torch.Tensor):
-                tensors.append(item)
-            elif isinstance(item, (tuple, list)):
-                stack.extend(item)
-    else:
+    if layers is None:
         raise GqakitError(f"Cannot measure a cache of type {type(cache).__name__}.")
-    return sum(t.numel() * t.element_size() for t in tensors)
+    tensors = [t for layer in layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def weight_bytes_per_step(model) -> int:
@@ -127,20 +103,3 @@ def bytes_moved_per_step(model, batch: int, tokens: int) -> int:
     """Bytes one decode step moves: :func:`weight_bytes_per_step` + the KV cache at ``tokens``."""
     dtype = next(model.parameters()).dtype
     return weight_bytes_per_step(model) + predicted_kv_bytes(model.config, batch, tokens, dtype)
-
-
-def speedup_bound(baseline_bytes: int, candidate_bytes: int) -> float:
-    """The decode speedup that moving fewer bytes per step allows: baseline bytes / candidate bytes."""
-    return baseline_bytes / candidate_bytes
-
-
-__all__ = [
-    "bytes_moved_per_step",
-    "cache_geometry",
-    "config_geometry",
-    "dtype_bytes",
-    "measured_kv_bytes",
-    "predicted_kv_bytes",
-    "speedup_bound",
-    "weight_bytes_per_step",
-]

@@ -34,31 +34,17 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 # Our task names are the stems of their YAML files (checked by a test).
 OUR_TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
 
-# simple_evaluate arguments that gqakit sets itself.
 # lm-eval options that gqakit eval sets itself, and the gqakit option that sets each
 _RESERVED = {
-    "model": "MODEL",
-    "model_args": "MODEL",
-    "tasks": "--tasks",
-    "task_manager": "--tasks",
-    "device": "--device",
-    "verbosity": "-v",
+    "model": "MODEL", "model_args": "MODEL", "tasks": "--tasks", "task_manager": "--tasks",
+    "device": "--device", "verbosity": "-v",
     "batch_size": "--batch-size",  # lm-eval reads it only for a model given by name, not a loaded one
-}
+}  # fmt: skip
 # HFLM arguments that make sense for a model that is already loaded.
 _HFLM_KEYS = {
-    "max_length",
-    "truncation",
-    "add_bos_token",
-    "prefix_token_id",
-    "max_batch_size",
-    "softmax_dtype",
-    "mixed_precision_dtype",
-    "logits_cache",
-    "think_end_token",
-    "enable_thinking",
-    "chat_template_args",
-}
+    "max_length", "truncation", "add_bos_token", "prefix_token_id", "max_batch_size", "softmax_dtype",
+    "mixed_precision_dtype", "logits_cache", "think_end_token", "enable_thinking", "chat_template_args",
+}  # fmt: skip
 
 
 @dataclass
@@ -97,25 +83,22 @@ def _evaluate_params() -> list[str]:
 
 
 def _protect_json(text: str) -> tuple[str, list[str]]:
-    """``text`` with each top-level ``{...}`` replaced by a placeholder, and the objects in order: shell
-    splitting would strip the quotes inside ``--metadata {"ppl_file": "x.txt"}`` and leave no JSON."""
-    out, objects, depth, start = [], [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "{":
-            if depth == 0:
-                start = i
-            depth += 1
-        elif ch == "}" and depth:
-            depth -= 1
-            if depth == 0:
-                out.append(f"\x00{len(objects)}\x00")
-                objects.append(text[start : i + 1])
+    """``text`` with each JSON object in it (``{...}``, nested ones included) replaced by a placeholder, and
+    the objects in order: shell splitting would strip the quotes inside ``--metadata {"ppl_file": "x.txt"}``
+    and leave no JSON. Braces that open no JSON object are left to the parser, which names what it cannot
+    read."""
+    out, objects, at = [], [], 0
+    for start in [i for i, ch in enumerate(text) if ch == "{"]:
+        if start < at:  # inside an object already taken
             continue
-        if depth == 0:
-            out.append(ch)
-    if depth:  # unbalanced: leave the text as it was, the parser names what it cannot read
-        return text, []
-    return "".join(out), objects
+        try:
+            end = json.JSONDecoder().raw_decode(text, start)[1]
+        except ValueError:
+            continue
+        out += [text[at:start], f"\x00{len(objects)}\x00"]
+        objects.append(text[start:end])
+        at = end
+    return "".join(out) + text[at:], objects
 
 
 def _restore_json(token: str, objects: list[str]) -> str:
@@ -180,26 +163,44 @@ def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEval
     return out
 
 
+# The JSON-safe part of lm-eval's output that a result keeps.
+KEEP = ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples", "config")
+
+
+def lm_eval_settings(tasks: list[str] | tuple[str, ...], args: LmEvalArgs, seed: int) -> dict[str, Any]:
+    """How lm-eval runs ``tasks`` in this process or in vLLM's: the ``TaskManager``'s arguments (our tasks
+    directory and ``args.include_path`` registered; lm-eval's own few thousand tasks indexed, which takes
+    seconds, only when a task outside ours is asked for), ``simple_evaluate``'s (every seed ``seed``), and
+    the parts of its output to keep."""
+    return {
+        "manager": {
+            "include_path": [str(TASKS_DIR), *args.include_path],
+            "include_defaults": bool(args.include_path) or any(t not in OUR_TASKS for t in tasks),
+            "metadata": args.metadata,
+        },
+        "evaluate": {
+            **dict.fromkeys(
+                ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seed
+            ),
+            "log_samples": False,
+            **args.evaluate,
+        },
+        "keep": KEEP,
+    }
+
+
 @lru_cache(maxsize=4)
-def _task_manager(include: tuple[str, ...], defaults: bool, metadata_json: str):
+def _task_manager(manager_json: str):
     # deferred: lm-eval takes seconds to import
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(
-        include_path=list(include), include_defaults=defaults, metadata=json.loads(metadata_json)
-    )
+    return TaskManager(**json.loads(manager_json))
 
 
 def task_manager(tasks: list[str] | tuple[str, ...] = (), args: LmEvalArgs | None = None):
-    """lm-eval's TaskManager with our tasks directory (and ``args.include_path``) registered.
-
-    lm-eval's own few thousand tasks are indexed only when a task outside ours is asked for (indexing
-    them takes seconds).
-    """
-    args = args or LmEvalArgs()
-    defaults = bool(args.include_path) or any(t not in OUR_TASKS for t in tasks)
-    include = (str(TASKS_DIR), *args.include_path)
-    return _task_manager(include, defaults, json.dumps(args.metadata, sort_keys=True))
+    """lm-eval's TaskManager with our tasks directory registered (:func:`lm_eval_settings`)."""
+    manager = lm_eval_settings(tasks, args or LmEvalArgs(), 0)["manager"]
+    return _task_manager(json.dumps(manager, sort_keys=True))
 
 
 def split_tasks(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -260,14 +261,7 @@ def run_lm_eval(
     if max_length is not None:
         hflm_kwargs.setdefault("max_length", max_length)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
-    kwargs = {
-        "random_seed": seed,
-        "numpy_random_seed": seed,
-        "torch_random_seed": seed,
-        "fewshot_random_seed": seed,
-        "log_samples": False,
-        **parsed.evaluate,
-    }
+    kwargs = lm_eval_settings(tasks, parsed, seed)["evaluate"]
     try:
         out = lm_eval.simple_evaluate(
             model=lm, tasks=list(tasks), task_manager=task_manager(tasks, parsed), **kwargs
@@ -281,5 +275,4 @@ def run_lm_eval(
         ) from None
     if out is None:  # non-zero rank in a distributed run
         return {}
-    keep = ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples", "config")
-    return json.loads(json.dumps({k: out[k] for k in keep if k in out}, default=str))
+    return json.loads(json.dumps({k: out[k] for k in KEEP if k in out}, default=str))

@@ -1,17 +1,22 @@
-"""The options of ``gqakit eval``: one frozen dataclass, checked once, every problem reported together."""
+"""The options of ``gqakit eval``: one frozen dataclass, checked once, every problem reported together.
+
+Each field is declared once with :func:`~gqakit.cli_options.opt`: its help text, default and choices make
+``gqakit eval``'s options. The fields declared ``cli="set"`` are the less used knobs; ``gqakit eval`` takes
+them as ``--set name=value`` (:func:`~gqakit.cli_options.parse_set`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-from gqakit.cli_options import Problems, device_problem
+from gqakit.cli_options import Problems, device_field, device_problem, opt, progress_field
+from gqakit.dtypes import LOAD_DTYPES
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import parse_grid
 from gqakit.eval.engines import ENGINES, TASK_ENGINES
 from gqakit.eval.lm_eval_bridge import parse_lm_eval_args, split_tasks
 from gqakit.gguf.tensors import OUT_TYPES
-from gqakit.models import DTYPES, resolve_device
+from gqakit.models import resolve_device
 
 DEFAULT_BATCH_SIZES = (1, 8, 32)
 # The default context grid; points a model has no positions for are dropped (an explicit --contexts
@@ -21,74 +26,57 @@ DEFAULT_CONTEXTS = (256, 1024, 4096)
 
 @dataclass(frozen=True)
 class EvalOptions:
-    """What ``gqakit eval`` measures and how. Grids and task lists also accept their CLI strings.
+    """What ``gqakit eval`` measures and how. Grids and task lists also accept their CLI strings."""
 
-    Attributes:
-        ppl_data: text for perplexity: ``.txt`` / ``.jsonl`` / ``.parquet`` file or hub dataset; None: skip.
-        text_field: the text column of a table or hub dataset.
-        split: hub dataset split.
-        data_config: hub dataset configuration (``wikitext-2-raw-v1``).
-        seq_len: tokens per perplexity window; also lm-eval's ``max_length``.
-        stride: tokens scored per window after the first; None = seq_len (disjoint windows).
-        batch_size: perplexity windows per forward pass; also lm-eval's batch size.
-        max_tokens: score at most this many tokens of ``ppl_data``.
-        bench: run the decode grid.
-        batch_sizes: decode batch sizes.
-        contexts: decode prompt lengths; None = 256, 1024, 4096, less those beyond a model's positions.
-        new_tokens: tokens generated per decode point.
-        warmup: untimed runs before each decode point.
-        static_cache: decode with a static KV cache.
-        compile: ``torch.compile`` the decode step (implies static_cache).
-        tasks: lm-eval task names (ours: ``gqakit_ppl``, ``gqakit_mc``).
-        lm_eval_args: more lm-eval options, ``"--num_fewshot 5 --limit 100"``.
-        device: ``auto``, ``cpu``, ``cuda``, ``cuda:1``...
-        dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16``, ``float16``.
-        seed: seed for prompts, lm-eval and torch.
-        progress: show progress bars.
-        command_line: the command that ran, for results.json (default: ``sys.argv``).
-        engine: one of :data:`gqakit.eval.engines.ENGINES`: ``hf`` (transformers, in this process) or
-            ``llamacpp`` (llama.cpp through its Python binding, on a GGUF export of each model; decode at
-            batch 1).
-        vllm_python: the Python with vLLM for ``vllm`` (default ``$GQAKIT_VLLM_PYTHON``, else this one).
-        kv_budget: the vLLM engine's KV-cache memory on a CPU, whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
-        gpu_memory_utilization: the vLLM engine's share of GPU memory (weights + KV cache); None: 0.9.
-        rounds: the vLLM engine's throughput rounds per point (median and spread).
-        gguf_type: the llama.cpp engine's weight type, ``f32`` (with a float32 KV cache: the same
-            function as transformers in float32), ``f16`` or ``q8_0`` (with llama.cpp's f16 KV cache).
-    """
-
-    ppl_data: str | None = None
-    text_field: str = "text"
-    split: str = "test"
-    data_config: str | None = None
-    seq_len: int = 512
-    stride: int | None = None
-    batch_size: int = 8
-    max_tokens: int | None = None
-    bench: bool = False
-    batch_sizes: tuple[int, ...] | str = DEFAULT_BATCH_SIZES
-    contexts: tuple[int, ...] | str | None = None
-    new_tokens: int = 32
-    warmup: int = 1
-    static_cache: bool = False
-    compile: bool = False
-    tasks: tuple[str, ...] | str = ()
-    lm_eval_args: str = ""
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
-    progress: bool = True
-    command_line: str | None = None
-    engine: str = "hf"
-    gguf_type: str = "f16"
-    vllm_python: str | None = None
-    kv_budget: int = 1
-    gpu_memory_utilization: float | None = None
-    rounds: int = 3
+    ppl_data: str | None = opt(
+        None, "Text for perplexity: .txt (one document), .jsonl/.parquet (one per row) or a hub dataset."
+    )
+    seq_len: int = opt(512, "Tokens per perplexity window (also lm-eval's max_length).")
+    max_tokens: int | None = opt(None, "Score at most this many tokens of --ppl-data.")
+    batch_size: int = opt(8, "Perplexity windows per forward pass (also lm-eval's batch size).")
+    bench: bool = opt(False, "Measure decode speed and KV-cache memory over the grid.")
+    batch_sizes: tuple[int, ...] | str = opt(DEFAULT_BATCH_SIZES, "Decode batch sizes.", kind=int)
+    contexts: tuple[int, ...] | str | None = opt(
+        None,
+        "Decode prompt lengths [default: 256,1024,4096, less any beyond the model's positions].",
+        kind=int,
+    )
+    new_tokens: int = opt(32, "Tokens generated per decode point.")
+    tasks: tuple[str, ...] | str = opt(
+        (), "lm-eval tasks, comma-separated (offline: gqakit_ppl, gqakit_mc).", kind=str
+    )
+    lm_eval_args: str = opt("", 'More lm-eval options, e.g. "--num_fewshot 5 --limit 100".')
+    engine: str = opt("hf", ENGINES.describe() + ".", choices=ENGINES.names)
+    device: str = device_field()
+    dtype: str = opt("auto", "Compute dtype; auto: the checkpoint's.", choices=LOAD_DTYPES)
+    seed: int = opt(0, "Seed for prompts, lm-eval and torch.")
+    progress: bool = progress_field()
+    # the knobs, given as --set name=value
+    text_field: str = opt("text", "the text column of a table or hub dataset", cli="set")
+    split: str = opt("test", "the split of a hub dataset", cli="set")
+    data_config: str | None = opt(None, "the configuration of a hub dataset (wikitext-2-raw-v1)", cli="set")
+    stride: int | None = opt(
+        None, "tokens scored per perplexity window after the first (default seq_len)", cli="set"
+    )
+    warmup: int = opt(1, "untimed decode runs before each point", cli="set")
+    static_cache: bool = opt(False, "decode with a static KV cache", cli="set")
+    compile: bool = opt(False, "torch.compile the decode step (implies static_cache)", cli="set")
+    gguf_type: str = opt("f16", "llamacpp's weights; f32 also keeps its KV cache in float32", cli="set")
+    vllm_python: str | None = opt(
+        None, "the Python with vLLM (default $GQAKIT_VLLM_PYTHON, else this one)", cli="set"
+    )
+    kv_budget: int = opt(1, "vllm's KV-cache memory on a CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE)", cli="set")
+    gpu_memory_utilization: float | None = opt(
+        None, "vllm's share of GPU memory, weights + KV cache (default 0.9)", cli="set"
+    )
+    rounds: int = opt(3, "vllm's throughput rounds per decode point", cli="set")
+    command_line: str | None = None  # the command that ran, for results.json (default: sys.argv)
 
     def __post_init__(self) -> None:
         p = Problems("eval")
-        f = p.flag
+
+        f = p.flag  # a knob is named "--set name" where the running command has --set
+
         for name in ("batch_sizes", "contexts"):
             value = getattr(self, name)
             if value is None:
@@ -98,23 +86,20 @@ class EvalOptions:
             except GqakitError as e:
                 p.add(e.message)
         object.__setattr__(self, "tasks", split_tasks(self.tasks))
-        for name in ("seq_len", "batch_size", "new_tokens", "rounds"):
-            if getattr(self, name) < 1:
-                p.add(f"{f(name)} must be positive, got {getattr(self, name)}.")
-        if self.new_tokens == 1:
-            p.add(f"{f('new_tokens')} must be at least 2 (one prefill token and one decode step).")
+        least = {"seq_len": 1, "batch_size": 1, "new_tokens": 2, "rounds": 1, "max_tokens": 1, "warmup": 0}
+        for name, low in least.items():
+            if getattr(self, name) is not None and getattr(self, name) < low:
+                why = " (one prefill token and one decode step)" if name == "new_tokens" else ""
+                p.add(f"{f(name)} must be at least {low}{why}, got {getattr(self, name)}.")
         if self.stride is not None and not 1 <= self.stride <= self.seq_len:
             p.add(f"{f('stride')} must be between 1 and {f('seq_len')} {self.seq_len}, got {self.stride}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            p.add(f"{f('max_tokens')} must be positive, got {self.max_tokens}.")
         if not isinstance(self.kv_budget, int) or self.kv_budget < 1:  # vLLM reads whole GiB
             p.add(f"{f('kv_budget')} must be a whole number of GiB, at least 1, got {self.kv_budget}.")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             p.add(f"{f('gpu_memory_utilization')} must be in (0, 1], got {self.gpu_memory_utilization}.")
-        if self.warmup < 0:
-            p.add(f"{f('warmup')} must be >= 0, got {self.warmup}.")
-        if self.dtype not in DTYPES:
-            p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}.")
+        for name, known in (("dtype", LOAD_DTYPES), ("gguf_type", OUT_TYPES)):
+            if getattr(self, name) not in known:
+                p.add(f"{f(name)} {getattr(self, name)!r} is unknown; choose one of {', '.join(known)}.")
         device = device_problem(self.device, f("device"))
         p.add(device)
         try:
@@ -127,8 +112,6 @@ class EvalOptions:
         except GqakitError as e:
             p.add(e.message)
         p.add(ENGINES.unknown(self.engine, f("engine")))
-        if self.gguf_type not in OUT_TYPES:
-            p.add(f"{f('gguf_type')} {self.gguf_type!r} is unknown; choose {', '.join(OUT_TYPES)}.")
         if self.engine in ENGINES and not ENGINES[self.engine].tasks and self.tasks:
             p.add(
                 f"{f('tasks')} runs lm-eval on transformers: use {f('engine')} {' or '.join(TASK_ENGINES)} "
@@ -137,9 +120,3 @@ class EvalOptions:
         if not (self.ppl_data or self.bench or self.tasks):
             p.add(f"Nothing to evaluate: pass {f('ppl_data')} FILE, {f('bench')} and/or {f('tasks')} NAMES.")
         p.raise_if_any()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_CONTEXTS", "EvalOptions"]

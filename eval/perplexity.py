@@ -36,12 +36,12 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
+from gqakit.console import progress as progress_bar
 from gqakit.errors import GqakitError
 from gqakit.eval.kept_bytes import kept_bytes
 from gqakit.models import check_seq_len
@@ -80,9 +80,6 @@ class PerplexityResult:
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     @classmethod
     def from_sum(
         cls, nll_sum: float, tokens: int, n_bytes: int, *, seq_len: int, stride: int, windows: int,
@@ -91,7 +88,7 @@ class PerplexityResult:
         """The result of ``nll_sum`` nats over ``tokens`` tokens covering ``n_bytes`` bytes of text."""
         mean = nll_sum / tokens
         return cls(
-            ppl=math.exp(mean),
+            ppl=math.exp(mean) if mean < 700 else math.inf,  # exp overflows past 709: a diverged model
             nll=mean,
             bits_per_byte=nll_sum / (math.log(2) * n_bytes),
             tokens=tokens,
@@ -122,9 +119,7 @@ def sliding_windows(n: int, seq_len: int, stride: int) -> list[Window]:
     ``scored`` of them. Together the windows score ``stream[1:n]`` exactly once.
     """
     if seq_len < 1 or not 1 <= stride <= seq_len:
-        raise GqakitError(
-            f"Need seq_len >= 1 and 1 <= stride <= seq_len, got seq_len={seq_len}, stride={stride}."
-        )
+        raise GqakitError(f"Need seq_len >= 1 and stride between 1 and seq_len {seq_len}, got {stride}.")
     if n < 2:
         return []
     windows = []
@@ -227,6 +222,27 @@ class _Scorer:
         return out
 
 
+def windowed_perplexity(
+    tokenizer, texts: Sequence[str], score: Callable[[list[int], list[Window]], float], *, seq_len: int,
+    stride: int | None = None, max_tokens: int | None = None,
+) -> PerplexityResult:  # fmt: skip
+    """The perplexity of ``texts`` over their windows (see the module docstring), whatever runs the model.
+
+    Every engine scores the same stream and windows: ``score(stream, windows)`` returns the summed
+    negative log-likelihood (nats) of each window's last ``scored`` targets, ``stream[end + 1 - scored :
+    end + 1]`` given the tokens before them.
+    """
+    stride = seq_len if stride is None else stride
+    stream, n_bytes = encode_stream(tokenizer, texts, max_tokens)
+    windows = sliding_windows(len(stream), seq_len, stride)
+    start = time.perf_counter()
+    nll_sum = score(stream, windows)
+    return PerplexityResult.from_sum(
+        nll_sum, len(stream) - 1, n_bytes, seq_len=seq_len, stride=stride, windows=len(windows),
+        documents=len(texts), elapsed_s=time.perf_counter() - start,
+    )  # fmt: skip
+
+
 @torch.inference_mode()
 def perplexity(
     model,
@@ -239,7 +255,7 @@ def perplexity(
     max_tokens: int | None = None,
     progress: bool = True,
 ) -> PerplexityResult:
-    """Token-weighted perplexity and bits per byte of ``model`` on ``texts``.
+    """Token-weighted perplexity and bits per byte of ``model`` (transformers) on ``texts``.
 
     Args:
         model: a causal LM (any ``AutoModelForCausalLM``), on the device to run on.
@@ -251,54 +267,36 @@ def perplexity(
         batch_size: windows per forward pass.
         max_tokens: score only the first ``max_tokens`` tokens of the text.
         progress: show a progress bar.
-
-    Returns:
-        A :class:`PerplexityResult`.
     """
     stride = seq_len if stride is None else stride
-    problems = []
-    if seq_len < 1:
-        problems.append(f"--seq-len must be positive, got {seq_len}.")
-    elif not 1 <= stride <= seq_len:
-        problems.append(f"--stride must be between 1 and --seq-len {seq_len}, got {stride}.")
-    if batch_size < 1:
-        problems.append(f"--batch-size must be positive, got {batch_size}.")
-    if max_tokens is not None and max_tokens < 1:
-        problems.append(f"--max-tokens must be positive, got {max_tokens}.")
-    if problems:
-        raise GqakitError(" ".join(problems))
+    sliding_windows(0, seq_len, stride)  # checks seq_len and stride
+    if batch_size < 1 or (max_tokens is not None and max_tokens < 1):
+        raise GqakitError(f"batch_size and max_tokens must be positive, got {batch_size} and {max_tokens}.")
     check_seq_len(model.config, seq_len)
     if not texts:
         raise GqakitError("No evaluation text was given.")
-
-    stream, n_bytes = encode_stream(tokenizer, texts, max_tokens)
     device = next(model.parameters()).device
-    ids = torch.tensor(stream, dtype=torch.long)
-    windows = sliding_windows(len(stream), seq_len, stride)
-    # The first window scores every prediction; the rest score their last ``stride`` (the final one
-    # maybe fewer), so only their last ``stride`` positions go through the output layer.
-    head, rest = windows[:1], windows[1:]
     scorer = _Scorer(model)
-    # Summed on the device and read once at the end: a .cpu() per window would stall a GPU every batch.
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    start = time.perf_counter()
-    bar = tqdm(total=len(windows), desc="perplexity", unit="win", disable=not progress, leave=False)
-    for group, keep in [(head, None), (rest, stride)]:
-        for i in range(0, len(group), batch_size):
-            batch = group[i : i + batch_size]
-            inputs = torch.stack([ids[w.start : w.end] for w in batch]).to(device)
-            targets = torch.stack([ids[w.start + 1 : w.end + 1] for w in batch]).to(device)
-            nll = scorer(inputs, targets, keep)
-            # Each window scores its last ``scored`` positions: a mask keeps them, with no per-row loop.
-            scored = torch.tensor([w.scored for w in batch], device=device)
-            cols = torch.arange(nll.shape[1], device=device)
-            in_scope = cols[None, :] >= nll.shape[1] - scored[:, None]
-            total += torch.where(in_scope, nll, 0.0).sum(dtype=torch.float64)
-            bar.update(len(batch))
-    bar.close()
-    nll_sum = float(total)  # the one device sync
-    elapsed = time.perf_counter() - start
-    return PerplexityResult.from_sum(
-        nll_sum, len(stream) - 1, n_bytes, seq_len=seq_len, stride=stride, windows=len(windows),
-        documents=len(texts), elapsed_s=elapsed,
-    )  # fmt: skip
+
+    def score(stream: list[int], windows: list[Window]) -> float:
+        ids = torch.tensor(stream, dtype=torch.long)
+        # The first window scores every prediction; the rest score their last ``stride`` (the final one
+        # maybe fewer), so only their last ``stride`` positions go through the output layer.
+        # Summed on the device and read once at the end: a .cpu() per window would stall a GPU every batch.
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        bar = progress_bar(desc="perplexity", total=len(windows), enabled=progress, unit="win")
+        for group, keep in [(windows[:1], None), (windows[1:], stride)]:
+            for batch in (group[i : i + batch_size] for i in range(0, len(group), batch_size)):
+                inputs = torch.stack([ids[w.start : w.end] for w in batch]).to(device)
+                targets = torch.stack([ids[w.start + 1 : w.end + 1] for w in batch]).to(device)
+                nll = scorer(inputs, targets, keep)
+                # Each window scores its last ``scored`` positions: a mask keeps them, with no per-row loop.
+                scored = torch.tensor([w.scored for w in batch], device=device)
+                cols = torch.arange(nll.shape[1], device=device)
+                in_scope = cols[None, :] >= nll.shape[1] - scored[:, None]
+                total += torch.where(in_scope, nll, 0.0).sum(dtype=torch.float64)
+                bar.update(len(batch))
+        bar.close()
+        return float(total)  # the one device sync
+
+    return windowed_perplexity(tokenizer, texts, score, seq_len=seq_len, stride=stride, max_tokens=max_tokens)

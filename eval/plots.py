@@ -1,74 +1,124 @@
 """The PNG plots of ``gqakit eval``: decode tokens/s and KV-cache MiB against context, perplexity bars.
 
-Each plot draws only what :class:`~gqakit.eval.results.EvalResults` holds data for; the file names are
-in :data:`PLOTS`, and :func:`gqakit.eval.report.write_report` links them from report.md.
+Each plot draws only what :class:`~gqakit.eval.results.EvalResults` holds finite data for, names each
+model as the report's table does, and uses a log axis where the values span an order of magnitude or
+more (a 12.9 baseline beside a 17,395 would be a flat line on a linear one). A figure that is not
+finite (a nan perplexity) is left out of the plot; :func:`non_finite` lists it for the report. The file
+names are in :data:`PLOTS`; :func:`gqakit.eval.report.write_report` links them from report.md.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import operator
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gqakit.eval.options import DEFAULT_CONTEXTS
 
 if TYPE_CHECKING:
+    from gqakit.eval.decode import DecodePoint
     from gqakit.eval.results import EvalResults, ModelResult
 
 MIB = 1024**2
 PLOTS = {"decode": "decode_tokens_per_s.png", "kv": "kv_cache_mib.png", "quality": "perplexity.png"}
+LOG_SPAN = 10  # max / min of the values from which an axis is logarithmic
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X"]
+_LINES = ["-", "--", ":", "-."]
+# a plot's lines: (model label, batch) -> (context, value) points
+Lines = dict[tuple[str, int], list[tuple[int, float | None]]]
 
 
-def write_plots(results: EvalResults, out: Path) -> list[Path]:
-    """The PNGs this run has data for: decode tokens/s and KV MiB against context, perplexity bars."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend, without its font-cache chatter on the terminal."""
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
     # deferred: matplotlib takes a second to import
     import matplotlib
 
     matplotlib.use("Agg")
-    written = []
-    models = list(results.models.values())
-    if any(m.decode for m in models):
-        written.append(
-            _line_plot(
-                results,
-                out / PLOTS["decode"],
-                "tokens_per_s",
-                "decode tokens/s",
-                "Decode throughput (higher is better)",
-            )
-        )
-    written.append(_kv_plot(results, out / PLOTS["kv"]))
-    if any(m.perplexity for m in models):
-        written.append(_quality_plot(results, out / PLOTS["quality"]))
-    return written
-
-
-def _styles(models: list[ModelResult]):
-    # deferred: matplotlib takes a second to import
+    # deferred: after the backend is chosen
     import matplotlib.pyplot as plt
 
-    colors = plt.get_cmap("tab10").colors
-    return {m.label: colors[i % len(colors)] for i, m in enumerate(models)}
+    return plt
 
 
-_MARKERS = ["o", "s", "^", "D", "v", "P", "X"]
-_LINES = ["-", "--", ":", "-."]
+def wants_log(values: Sequence[float]) -> bool:
+    """Whether an axis over ``values`` should be logarithmic: its finite positive values span
+    :data:`LOG_SPAN` times or more."""
+    shown = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+    return len(shown) > 1 and max(shown) / min(shown) >= LOG_SPAN
+
+
+def non_finite(results: EvalResults) -> list[str]:
+    """The figures that are not finite (``"MQA's perplexity (nan)"``), which the plots leave out."""
+    out = []
+    for m in results.models.values():
+        for attr, name in (("ppl", "perplexity"), ("bits_per_byte", "bits per byte")):
+            value = getattr(m.perplexity, attr) if m.perplexity else 0.0
+            if not math.isfinite(value):
+                out.append(f"{m.label}'s {name} ({value})")
+    return out
+
+
+def write_plots(results: EvalResults, out: Path) -> list[Path]:
+    """The PNGs this run has data for: decode tokens/s and KV MiB against context, perplexity bars."""
+    models = list(results.models.values())
+    if any(m.decode for m in models):
+        tokens_per_s = _by_batch(results, lambda p: p.tokens_per_s if p.status == "ok" else None)
+        title = "Decode tokens/s (higher is better)"
+        written = [_grid_plot(results, out / PLOTS["decode"], tokens_per_s, "decode tokens/s", title)]
+        measured = all(p.kv_bytes is not None for m in models for p in m.decode if p.status == "ok")
+        # vLLM's paged cache (and a llama.cpp build whose log gqakit cannot read) give the prediction only;
+        # an OOM point has no measurement either: the prediction is drawn there
+        kv_mib = _by_batch(results, lambda p: (p.kv_bytes or p.kv_bytes_predicted) / MIB)
+        source = "measured on the cache" if measured else "measured, else predicted"
+        title = "KV-cache size after decoding (lower is better)"
+        written.append(_grid_plot(results, out / PLOTS["kv"], kv_mib, f"KV cache MiB ({source})", title))
+    else:  # KV MiB per sequence against the default contexts, from each model's KV bytes per token
+        predicted = {
+            (m.label, 1): [(c, m.kv_bytes_per_token * c / MIB) for c in DEFAULT_CONTEXTS] for m in models
+        }
+        title = "KV-cache size predicted from each config, batch 1"
+        written = [_grid_plot(results, out / PLOTS["kv"], predicted, "KV cache MiB per sequence", title)]
+    quality = _quality_plot(results, out / PLOTS["quality"])
+    return written + ([quality] if quality else [])
+
+
+def _by_batch(results: EvalResults, value: Callable[[DecodePoint], float | None]) -> Lines:
+    """Each (model, batch)'s ``value`` against context over the decode grid."""
+    by_context = operator.attrgetter("context")
+    return {
+        (m.label, b): [(p.context, value(p)) for p in sorted(m.decode, key=by_context) if p.batch == b]
+        for m in results.models.values()
+        for b in sorted({p.batch for p in m.decode})
+    }
 
 
 def _subtitle(results: EvalResults) -> str:
+    """What the figures ran on: the device and the dtypes."""
     dtypes = ", ".join(sorted({m.dtype for m in results.models.values()}))
     return f"{results.environment['device_name']} · {dtypes}"
 
 
-def _save(fig, ax, path: Path) -> Path:
-    """Legend outside the axes (the labels are long), then write the PNG and free the figure."""
-    # deferred: matplotlib takes a second to import
-    import matplotlib.pyplot as plt
-
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+def _save(plt, fig, path: Path, ax=None) -> Path:
+    """The legend of ``ax`` outside the axes (the labels are long), then write the PNG and free it."""
+    if ax is not None and ax.get_legend_handles_labels()[0]:  # every point out of memory: no line
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def _value_axis(ax, values: Sequence[float], label: str) -> None:
+    ax.set_ylabel(label)
+    if wants_log(values):
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0, top=max([v for v in values if math.isfinite(v)], default=1) * 1.15)
+    ax.grid(True, which="major", axis="y", alpha=0.3)
 
 
 def _context_axis(ax, contexts: list[int]) -> None:
@@ -77,139 +127,64 @@ def _context_axis(ax, contexts: list[int]) -> None:
     ax.set_xticklabels([str(c) for c in contexts])
     ax.minorticks_off()
     ax.set_xlabel("context length (tokens)")
-    ax.grid(True, which="major", alpha=0.3)
+    ax.grid(True, which="major", axis="x", alpha=0.3)
 
 
-def _line_plot(results: EvalResults, path: Path, attr: str, ylabel: str, title: str) -> Path:
-    # deferred: matplotlib takes a second to import
-    import matplotlib.pyplot as plt
+def _colors(plt, models: list[ModelResult]) -> dict[str, tuple]:
+    colors = plt.get_cmap("tab10").colors
+    return {m.label: colors[i % len(colors)] for i, m in enumerate(models)}
 
-    models = list(results.models.values())
-    color = _styles(models)
-    batches = sorted({p.batch for m in models for p in m.decode})
-    contexts = sorted({p.context for m in models for p in m.decode})
+
+def _grid_plot(results: EvalResults, path: Path, lines: Lines, ylabel: str, title: str) -> Path:
+    """A line per (model, batch) of its values against context (finite values only)."""
+    plt = _pyplot()
+    color = _colors(plt, list(results.models.values()))
+    batches = sorted({b for _, b in lines})
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for m in models:
-        for j, b in enumerate(batches):
-            pts = sorted((p for p in m.decode if p.batch == b and p.status == "ok"), key=lambda p: p.context)
-            if not pts:
-                continue
-            ax.plot(
-                [p.context for p in pts],
-                [getattr(p, attr) for p in pts],
-                color=color[m.label],
-                linestyle=_LINES[j % len(_LINES)],
-                marker=_MARKERS[j % len(_MARKERS)],
-                linewidth=2,
-                markersize=6,
-                label=f"{m.label} (G={m.num_kv_heads}), batch {b}",
-            )
-            ooms = [p.context for p in m.decode if p.batch == b and p.status != "ok"]
-            for c in ooms:
-                ax.annotate("OOM", (c, pts[-1].__dict__[attr]), color=color[m.label], fontsize=8)
-    _context_axis(ax, contexts)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{title}\n{_subtitle(results)}", fontsize=11)
-    return _save(fig, ax, path)
-
-
-def _kv_plot(results: EvalResults, path: Path) -> Path:
-    """KV MiB against context: measured per (model, batch) when the decode grid ran, else the formula
-    at batch 1 over the default contexts."""
-    # deferred: matplotlib takes a second to import
-    import matplotlib.pyplot as plt
-
-    models = list(results.models.values())
-    if any(m.decode for m in models):
-        return _kv_measured(results, path)
-    color = _styles(models)
-    contexts = list(DEFAULT_CONTEXTS)
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for m in models:
+    shown: list[float] = []
+    for (label, b), pts in lines.items():
+        pts = [(c, v) for c, v in pts if v is not None and math.isfinite(v)]
+        if not pts:
+            continue
+        shown += [v for _, v in pts]
+        j = batches.index(b)
         ax.plot(
-            contexts,
-            [m.kv_bytes_per_token * c / MIB for c in contexts],
-            color=color[m.label],
-            marker="o",
-            linewidth=2,
-            label=f"{m.label} (G={m.num_kv_heads})",
-        )
-    _context_axis(ax, contexts)
-    ax.set_ylabel("KV cache MiB per sequence (predicted)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"KV-cache size, batch 1 (lower is better)\n{_subtitle(results)}", fontsize=11)
-    return _save(fig, ax, path)
+            *zip(*pts, strict=True), color=color[label], linestyle=_LINES[j % len(_LINES)],
+            marker=_MARKERS[j % len(_MARKERS)], linewidth=2, markersize=6,
+            label=label if len(batches) == 1 else f"{label}, batch {b}",
+        )  # fmt: skip
+    _context_axis(ax, sorted({c for pts in lines.values() for c, _ in pts}))
+    _value_axis(ax, shown, ylabel)
+    ax.set_title(f"{title}\n{_subtitle(results)}", fontsize=10)
+    return _save(plt, fig, path, ax)
 
 
-def _kv_measured(results: EvalResults, path: Path) -> Path:
-    # deferred: matplotlib takes a second to import
-    import matplotlib.pyplot as plt
-
-    models = list(results.models.values())
-    color = _styles(models)
-    batches = sorted({p.batch for m in models for p in m.decode})
-    contexts = sorted({p.context for m in models for p in m.decode})
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for m in models:
-        for j, b in enumerate(batches):
-            pts = sorted((p for p in m.decode if p.batch == b), key=lambda p: p.context)
-            if not pts:
-                continue
-            # OOM points have no measurement: draw the prediction there, hollow.
-            ys = [(p.kv_bytes if p.kv_bytes is not None else p.kv_bytes_predicted) / MIB for p in pts]
-            ax.plot(
-                [p.context for p in pts],
-                ys,
-                color=color[m.label],
-                linestyle=_LINES[j % len(_LINES)],
-                marker=_MARKERS[j % len(_MARKERS)],
-                linewidth=2,
-                markersize=6,
-                label=f"{m.label} (G={m.num_kv_heads}), batch {b}",
-            )
-    _context_axis(ax, contexts)
-    ax.set_yscale("log")
-    measured = all(p.kv_bytes is not None for m in models for p in m.decode if p.status == "ok")
-    # vLLM's paged cache (and a llama.cpp build whose log gqakit cannot read) give the prediction only
-    ax.set_ylabel(
-        "KV cache MiB (measured on the cache object)"
-        if measured
-        else "KV cache MiB (measured where the engine reports it, else predicted)"
-    )
-    ax.set_title(f"KV-cache size after decoding (lower is better)\n{_subtitle(results)}", fontsize=11)
-    ax.grid(True, which="both", axis="y", alpha=0.3)
-    return _save(fig, ax, path)
-
-
-def _quality_plot(results: EvalResults, path: Path) -> Path:
-    # deferred: matplotlib takes a second to import
-    import matplotlib.pyplot as plt
-
-    models = [m for m in results.models.values() if m.perplexity]
-    color = _styles(list(results.models.values()))
+def _quality_plot(results: EvalResults, path: Path) -> Path | None:
+    """Perplexity and bits per byte bars of the models whose figures are finite; None when none is."""
+    models = [m for m in results.models.values() if m.perplexity and math.isfinite(m.perplexity.ppl)]
+    if not models:
+        return None
+    plt = _pyplot()
+    color = _colors(plt, list(results.models.values()))
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(models) + 4), 4.5), dpi=120)
-    for ax, attr, title in [(axes[0], "ppl", "perplexity"), (axes[1], "bits_per_byte", "bits per byte")]:
+    long_names = len(models) > 4 or max(len(m.label) for m in models) > 10
+    for ax, attr, name in [(axes[0], "ppl", "perplexity"), (axes[1], "bits_per_byte", "bits per byte")]:
         values = [getattr(m.perplexity, attr) for m in models]
         bars = ax.bar(range(len(models)), values, color=[color[m.label] for m in models])
         ax.bar_label(
-            bars, labels=[f"{v:.3f}" if v < 100 else f"{v:,.1f}" for v in values], fontsize=8, padding=2
+            bars, labels=[f"{v:.3f}" if v < 100 else f"{v:,.0f}" for v in values], fontsize=8, padding=2
         )
         ax.set_xticks(range(len(models)))
-        ax.set_xticklabels([f"{m.label}\nG={m.num_kv_heads}" for m in models], fontsize=8)
-        ax.set_title(f"{title} (lower is better)", fontsize=10)
-        ax.set_ylim(0, max(values) * 1.15)
-        ax.grid(True, axis="y", alpha=0.3)
+        # the table's names, slanted where they would run into each other
+        ax.set_xticklabels(
+            [m.label for m in models], fontsize=8, rotation=30 if long_names else 0,
+            ha="right" if long_names else "center",
+        )  # fmt: skip
+        _value_axis(ax, values, f"{name} (lower is better)" + (", log scale" if wants_log(values) else ""))
     p = models[0].perplexity
     fig.suptitle(
         f"{results.options.ppl_data}: {p.tokens:,} tokens, seq_len {p.seq_len}, stride {p.stride}\n"
         f"{_subtitle(results)}",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-__all__ = ["MIB", "PLOTS", "write_plots"]
+    return _save(plt, fig, path)

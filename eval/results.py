@@ -4,7 +4,6 @@ with the comparisons against the baseline and the environment they ran in."""
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
@@ -16,9 +15,86 @@ from gqakit import __version__
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import PerplexityResult
-from gqakit.eval.serving import ServingResult
 from gqakit.geometry import AttentionGeometry
-from gqakit.models import cpu_model
+from gqakit.models import device_name
+
+# ------------------------------------------------------------------------------------------ serving
+# What a serving engine adds to a model's result: the KV-cache capacity it allocates for a memory budget,
+# and whether its greedy text is transformers' text (the report's serving table compares them).
+#
+# A paged KV cache (vLLM's) holds ``budget / kv_bytes_per_token`` tokens, rounded down to whole blocks, so a
+# model with G K/V heads holds H/G times the tokens of its MHA original in the same memory: H/G times the
+# sequences at once. The throughput at each concurrency level is a :class:`~gqakit.eval.decode.DecodePoint`
+# (batch = concurrent sequences) with its rounds and spread, shown in the report's decode grid.
+
+
+@dataclass
+class GreedyAgreement:
+    """Greedy continuations of fixed prompts in the engine against transformers, token by token.
+
+    Attributes:
+        prompts: prompts compared.
+        tokens_per_prompt: tokens generated for each.
+        identical: tokens that match transformers' before each prompt's first divergence, summed.
+        first_divergence: ``[prompt, position]`` of the first differing token; None when all match.
+    """
+
+    prompts: int
+    tokens_per_prompt: int
+    identical: int
+    first_divergence: list[int] | None = None
+
+    @classmethod
+    def compare(cls, engine: list[list[int]], reference: list[list[int]]) -> GreedyAgreement:
+        """Compare the engine's continuations with transformers' (same prompts, same lengths)."""
+        identical, first = 0, None
+        for i, (a, b) in enumerate(zip(engine, reference, strict=True)):
+            same = next(
+                (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+            )
+            identical += same
+            if first is None and (same < len(b) or len(a) != len(b)):
+                first = [i, same]
+        return cls(len(reference), len(reference[0]) if reference else 0, identical, first)
+
+    def describe(self) -> str:
+        total = self.prompts * self.tokens_per_prompt
+        text = f"{self.identical}/{total}"
+        if self.first_divergence is not None:
+            prompt, token = self.first_divergence
+            text += f" (first divergence: prompt {prompt}, token {token})"
+        return text
+
+
+@dataclass
+class ServingResult:
+    """A model as a serving engine holds it.
+
+    Attributes:
+        engine: the engine and its version (``vllm 0.32.0``).
+        kv_budget_bytes: the KV-cache memory budget on a CPU (None on a GPU, where vLLM sizes it from
+            ``gpu_memory_utilization``).
+        kv_tokens: tokens the engine's KV cache holds.
+        block_size: tokens per KV-cache block.
+        context: the sequence length ``max_sequences`` is counted at.
+        max_sequences: sequences of ``context`` tokens the cache holds at once (whole blocks each).
+        greedy: greedy agreement with transformers.
+    """
+
+    engine: str
+    kv_budget_bytes: int | None
+    kv_tokens: int | None
+    block_size: int
+    context: int
+    max_sequences: int | None = None
+    greedy: GreedyAgreement | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.greedy, dict):
+            self.greedy = GreedyAgreement(**self.greedy)
+        if self.kv_tokens is not None and self.max_sequences is None:
+            blocks = -(-self.context // self.block_size)
+            self.max_sequences = self.kv_tokens // (blocks * self.block_size)
 
 
 @dataclass
@@ -69,14 +145,11 @@ class ModelResult:
         """A result for a model of attention geometry ``geom``, before anything is measured on it (every
         engine starts from this); its KV bytes per token are those of ``cached``, the heads the engine's
         cache holds, where they differ from the weights' (transformers' Falcon-40B layout)."""
+        shape = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim")
         return cls(
             label=label,
             path=str(path),
-            model_type=geom.model_type,
-            num_layers=geom.num_layers,
-            num_heads=geom.num_heads,
-            num_kv_heads=geom.num_kv_heads,
-            head_dim=geom.head_dim,
+            **{k: getattr(geom, k) for k in shape},
             parameters=parameters,
             dtype=dtype,
             kv_bytes_per_token=(cached or geom).kv_bytes_per_token(dtype_bytes=kv_dtype_bytes),
@@ -86,6 +159,26 @@ class ModelResult:
             if cached and cached.num_kv_heads != geom.num_kv_heads
             else None,
         )
+
+    def describe(self) -> str:
+        """What was measured, in one line: ``perplexity 12.9012 (1.0632 bits/byte, 2,048 tokens); ...``."""
+        parts = []
+        if p := self.perplexity:
+            parts.append(f"perplexity {p.ppl:.4f} ({p.bits_per_byte:.4f} bits/byte, {p.tokens:,} tokens)")
+        if self.lm_eval:
+            parts.append(f"{len(self.task_metrics())} lm-eval metrics")
+        if self.decode:
+            ok = [p.tokens_per_s for p in self.decode if p.status == "ok" and p.tokens_per_s]
+            parts.append(
+                f"{len(self.decode)} decode points" + (f", up to {max(ok):,.1f} tok/s" if ok else "")
+            )
+        if s := self.serving:
+            parts.append(
+                f"KV capacity {s.kv_tokens:,} tokens" if s.kv_tokens is not None else "KV capacity unknown"
+            )
+            if s.greedy:
+                parts.append(f"greedy tokens identical: {s.greedy.describe()}")
+        return "; ".join(parts)
 
     def point(self, batch: int, context: int) -> DecodePoint | None:
         return next((p for p in self.decode if p.batch == batch and p.context == context), None)
@@ -160,7 +253,7 @@ class EvalResults:
         return {
             "gqakit_version": __version__,
             "environment": self.environment,
-            "options": self.options.to_dict(),
+            "options": asdict(self.options),
             "baseline": self.baseline,
             "models": {label: asdict(m) for label, m in self.models.items()},
             "comparisons": self.comparisons(),
@@ -174,15 +267,14 @@ def environment(device: torch.device, command_line: str | None) -> dict[str, Any
     import lm_eval
     import transformers
 
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = f"{cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
+    name = device_name(device).split(": ", 1)[1]  # "cuda: NVIDIA H100": the device is given beside it
+    if device.type == "cpu":
+        name += f", {torch.get_num_threads()} torch threads"
     return {
         "command_line": command_line if command_line is not None else " ".join(sys.argv),
         "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),
-        "device_name": device_name,
+        "device_name": name,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": {
@@ -193,6 +285,3 @@ def environment(device: torch.device, command_line: str | None) -> dict[str, Any
             "datasets": datasets.__version__,
         },
     }
-
-
-__all__ = ["EvalResults", "ModelResult", "environment"]

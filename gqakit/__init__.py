@@ -1,3 +1,3 @@
 """gqakit: convert multi-head-attention checkpoints to grouped-query or multi-query attention."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

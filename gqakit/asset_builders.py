@@ -6,7 +6,7 @@ A builder takes the extracted file and an output directory and returns the asset
     build_model_from_gguf   SmolLM2-135M-Instruct.Q4_1.gguf -> model/ (safetensors, float32)
     build_wiki_splits       summaries_en-us.json -> train.txt / validation.txt / test.txt
 
-Builders do no downloading and no caching; :mod:`gqakit.asset_cache` runs them inside a temporary
+Builders do no downloading and no caching; :mod:`gqakit.assets` runs them inside a temporary
 directory that becomes the asset only when complete.
 """
 
@@ -69,11 +69,6 @@ def split_of(title: str) -> str:
     raise AssertionError("split percentages must add up to 100")
 
 
-def one_line(text: str) -> str:
-    """An extract as one line: line breaks inside it become single spaces."""
-    return re.sub(r"\s*\n\s*", " ", text.strip())
-
-
 def build_wiki_splits(summaries: Path, out: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """Split ``summaries_<lang>.json`` (title -> {title, extract, ...}) into three text files.
 
@@ -81,7 +76,11 @@ def build_wiki_splits(summaries: Path, out: Path) -> tuple[dict[str, str], dict[
     """
     try:
         data = json.loads(summaries.read_text(encoding="utf-8"))
-        articles = {str(title): one_line(str(entry.get("extract") or "")) for title, entry in data.items()}
+        # each extract on one line: line breaks inside it become single spaces
+        articles = {
+            str(title): re.sub(r"\s*\n\s*", " ", str(entry.get("extract") or "").strip())
+            for title, entry in data.items()
+        }
     except (json.JSONDecodeError, AttributeError) as e:
         raise GqakitError(
             f"{summaries.name} is not a JSON object of title -> {{extract: ...}} ({e}); "
@@ -102,14 +101,3 @@ def build_wiki_splits(summaries: Path, out: Path) -> tuple[dict[str, str], dict[
         "sha256 of each title: 90% train, 5% validation, 5% test; one article per line.\n"
     )
     return {s: f"{s}.txt" for s in SPLITS}, stats
-
-
-__all__ = [
-    "SPLITS",
-    "SPLIT_PERCENT",
-    "Builder",
-    "build_model_from_gguf",
-    "build_wiki_splits",
-    "one_line",
-    "split_of",
-]

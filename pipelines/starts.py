@@ -1,92 +1,104 @@
-"""The starts a pipeline can convert a model from: every conversion method, and the calibrated merge
-followed by layer-wise refinement (``refined``). ``gqakit replicate`` converts its MQA arms from them,
-``gqakit recovery`` draws one recovery curve per start."""
+"""The starts a pipeline converts a model from, named as ``gqakit convert`` names them: a preset (``mean``,
+``fast``, ``best``) or a method (``first``, ``random``, ``calibrated``). ``gqakit recovery`` draws one
+curve per start, ``gqakit replicate`` converts its MQA arms from them, the demo's variants name one.
+
+A pipeline's ``--set model.convert.FIELD=VALUE`` changes a conversion setting of every start that uses it
+(``calib_tokens`` of the starts that read text, ``refine_*`` of those that refine), as a recipe's
+``model.convert`` block would."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
+import yaml
+
+from gqakit.cli_options import Problems
+from gqakit.convert import PRESETS, ConvertOptions
 from gqakit.convert.methods import METHODS
-from gqakit.convert.options import ConvertOptions
 from gqakit.names import NameTable
 
-REFINED = "refined"
+METHOD_STARTS = ("first", "random", "calibrated")  # the methods that are no preset of their own
+CONVERT = "model.convert."  # the --set prefix of the conversion settings
+SETTABLE = ("calib_tokens", "refine_steps", "refine_target", "refine_lr", "refine_qk_lr")
+
+
+def _uses(r: ConvertOptions, field: str) -> bool:
+    """Whether the resolved conversion ``r`` uses the setting ``field`` (one of :data:`SETTABLE`)."""
+    return bool(r.refine_steps) if field.startswith("refine_") else r.needs_text
+
+
+# for --help: the summaries are in `gqakit convert --help` and docs/convert.md
+STARTS_HELP = f"a convert preset ({', '.join(PRESETS)}) or method ({', '.join(METHOD_STARTS)})"
 STARTS: NameTable[str] = NameTable(
-    "start",
-    {
-        **{name: method.summary for name, method in METHODS.items()},
-        REFINED: "calibrated, then layer-wise refinement (gqakit convert --refine-steps)",
-    },
+    "start", {**{n: p.summary for n, p in PRESETS.items()}, **{m: METHODS[m].summary for m in METHOD_STARTS}}
 )
 
 
-def start_convert_options(
+def split_sets(
+    sets: tuple[str, ...] | list[str], p: Problems | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """``--set`` items as (conversion settings by field, the other overrides as given). An unknown
+    conversion field is a problem added to ``p`` (raised at once without one)."""
+    convert: dict[str, Any] = {}
+    other: list[str] = []
+    problems = p if p is not None else Problems("")
+    for item in sets:
+        key, _, raw = item.partition("=")
+        if not key.startswith(CONVERT):
+            other.append(item)
+        elif key[len(CONVERT) :] in SETTABLE:
+            convert[key[len(CONVERT) :]] = yaml.safe_load(raw)
+        else:
+            problems.add(
+                f"--set {item!r}: a pipeline sets {CONVERT}{', '.join(SETTABLE)} of its starts (the start "
+                "names the preset or method, the pipeline the rest)."
+            )
+    if p is None:
+        problems.raise_if_any()
+    return convert, other
+
+
+def convert_options_for(
     start: str,
     groups: int,
     *,
     calib_data: str | None,
-    calib_tokens: int,
-    refine_steps: int,
+    settings: dict[str, Any] | None = None,
     device: str = "auto",
     seed: int = 0,
-    refine: dict[str, Any] | None = None,
 ) -> ConvertOptions:
     """The ``gqakit convert`` options that make ``start`` with ``groups`` K/V heads.
 
     Args:
         start: a name of :data:`STARTS`.
         groups: K/V heads after conversion.
-        calib_data: calibration text, used by the starts that calibrate.
-        calib_tokens: calibration tokens.
-        refine_steps: refinement steps per layer of the ``refined`` start (ignored by the others).
+        calib_data: the calibration text, given to the starts that read text.
+        settings: conversion settings by field (:func:`split_sets`); each goes to the starts that use it.
         device: where the calibrated conversions run.
         seed: the seed of ``random`` and of the refinement's batch order.
-        refine: the ``refined`` start's other refinement options, by their
-            :class:`~gqakit.convert.options.ConvertOptions` names (``refine_target``, ``refine_qk_lr``,
-            ``refine_schedule``, ``refine_loss``); the others take none.
     """
-    method = "calibrated" if start == REFINED else start
-    return ConvertOptions(
-        groups=groups,
-        method=method,
-        seed=seed,
-        force=True,
-        calib_data=calib_data if METHODS[method].needs_calibration else None,
-        calib_tokens=calib_tokens,
-        refine_steps=refine_steps if start == REFINED else 0,
-        device=device,
-        **((refine or {}) if start == REFINED else {}),
-    )
-
-
-# Defaults that changed after pipelines first cached conversions under :func:`conversion_key`, with the
-# value the old keys were written against: a conversion made with the old default must miss, one made
-# with the new default must not look like it.
-_KEYED_DEFAULTS: dict[str, Any] = {"refine_qk_lr": None, "refine_loss": "relative"}
+    kind = {"preset": start} if start in PRESETS else {"method": start}
+    opts = ConvertOptions(groups, **kind, device=device, seed=seed, force=True)
+    r = opts.resolved()
+    opts = replace(opts, **{k: v for k, v in (settings or {}).items() if _uses(r, k)})
+    return replace(opts, calib_data=str(calib_data)) if opts.needs_text else opts
 
 
 def conversion_key(opts: ConvertOptions) -> dict[str, Any]:
-    """The cache key of a conversion: its options that can change its output and differ from their
-    defaults, so an option added later, whose default keeps today's output, leaves cached conversions
-    valid. Left out: ``force``, the calibration size of a conversion that reads no calibration text, and
-    the refinement settings of one that is not refined (mean pooling stays cached when only the refined
-    start's budget changes), and the seed of one that draws nothing at random (neither ``random`` heads
-    nor the order of refinement batches)."""
-    unused = {"force"}
-    if not METHODS[opts.method].fresh and not opts.refine_steps:
+    """The cache key of a conversion: its resolved settings that can change its output (a preset keys as
+    the settings it stands for). Left out: ``force``, ``device`` (rounding only), the calibration of one
+    that reads no text, the refinement settings of one that is not refined, and the seed of one that draws
+    nothing at random (neither ``random`` heads nor the order of refinement batches)."""
+    r = opts.resolved()
+    unused = {"force", "device", "preset"}
+    if not METHODS[r.method].fresh and not r.refine_steps:
         unused.add("seed")
-    if opts.calib_data is None:
-        unused.add("calib_tokens")
-    if not opts.refine_steps:
-        unused.update(f.name for f in fields(opts) if f.name.startswith("refine_"))
-    key = {}
-    for f in fields(opts):
-        # the loss is keyed as used: None (the target's own) and the name it stands for are one output
-        value = opts.refine_loss_used if f.name == "refine_loss" else getattr(opts, f.name)
-        if f.name not in unused and value != _KEYED_DEFAULTS.get(f.name, f.default):
-            key[f.name] = value
-    return key
+    if not r.needs_text:
+        unused.update({"calib_data", "calib_tokens"})
+    if not r.refine_steps:
+        unused.update(f.name for f in fields(r) if f.name.startswith("refine_"))
+    return {f.name: getattr(r, f.name) for f in fields(r) if f.name not in unused}
 
 
-__all__ = ["REFINED", "STARTS", "conversion_key", "start_convert_options"]
+__all__ = ["STARTS", "STARTS_HELP", "conversion_key", "convert_options_for", "split_sets"]

@@ -1,20 +1,74 @@
-"""Progress of a multi-step pipeline: ``[k/N] title`` when a step starts, ``done in X s`` when it ends."""
+"""What every pipeline run shares: its common options, one line per step on the terminal, quiet libraries,
+and its working directory held with its result store."""
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gqakit.assets import fetch_asset
+from gqakit.cli_options import device_field, opt, progress_field
+from gqakit.console import quiet_transformers
+from gqakit.pipelines.store import ResultStore
+from gqakit.storage import working_directory
+
+
+def _stderr(message: str) -> None:
+    click.echo(message, err=True)
+
+
+WORK_DIR_HELP = (
+    "Checkpoints and cached results of every step; the next run reuses what is still valid. One run at a "
+    "time: a second run on it is refused."
+)
+
+
+def out_field(default: str, help: str = "Directory for report.md, results.json and the plots.") -> Any:
+    """A pipeline's ``--out``: where its report goes."""
+    return opt(Path(default), help)
+
+
+def work_dir_field(default: str) -> Any:
+    """A pipeline's ``--work-dir``: its checkpoints and cached results."""
+    return opt(Path(default), WORK_DIR_HELP)
+
+
+@dataclass(kw_only=True)
+class PipelineOptions:
+    """The options every cached pipeline takes (``demo``, ``replicate``, ``recovery``); each pipeline's
+    options extend it and give ``out`` and ``work_dir`` their defaults.
+
+    ``cache_dir`` and ``wheelhouse`` are the asset cache and a wheel directory for offline machines
+    (``$GQAKIT_CACHE`` and ``$GQAKIT_WHEELHOUSE`` on the command line); ``echo`` is where step lines go.
+    """
+
+    out: Path = out_field("report")
+    work_dir: Path = work_dir_field("work")
+    device: str = device_field()
+    fresh: bool = opt(False, "Recompute everything instead of reusing --work-dir.")
+    progress: bool = progress_field()
+    cache_dir: Path | None = opt(None, cli=False)
+    wheelhouse: Path | None = opt(None, cli=False)
+    echo: Callable[[str], None] = opt(_stderr, cli=False)
+
+
+def set_option(help: str) -> Callable[[Any], Any]:
+    """``--set KEY=VALUE`` (repeatable) into the ``sets`` field: recipe-style overrides, and
+    ``model.convert.*`` keys for the conversions (:func:`gqakit.pipelines.starts.split_sets`)."""
+    return click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=help)
 
 
 class Steps:
-    """Numbered step lines, with each step's duration and indented notes.
-
-    ::
+    """Numbered step lines, one per step, and indented notes with what a step measured::
 
         [2/7] Evaluate the original model (GQA-3, 9 query heads)
               original (GQA-3): perplexity 15.93, 0.912 bits/byte (41 s)
-              done in 41.3 s
 
     Args:
         total: the number of steps the pipeline announces (the ``N`` of ``[k/N]``).
@@ -28,25 +82,56 @@ class Steps:
 
     @contextmanager
     def step(self, title: str) -> Iterator[None]:
-        """Announce the next step, run the ``with`` body, then print how long it took."""
+        """Announce the next step, then run the ``with`` body."""
         self.n += 1
-        t0 = time.perf_counter()
         self.echo(f"[{self.n}/{self.total}] {title}")
         yield
-        self.echo(f"      done in {time.perf_counter() - t0:.1f} s")
 
     def note(self, text: str) -> None:
         """One indented line under the current step."""
         self.echo(f"      {text}")
 
 
-def quiet_transformers() -> None:
-    """Silence transformers' warnings and progress bars: a pipeline prints its own steps."""
-    # deferred: transformers takes seconds to import
-    from transformers.utils import logging as hf_logging
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Only the pipeline's own lines while it runs: no transformers or datasets warnings and bars, and no
+    INFO lines of the verbs it calls (they would repeat its step lines); warnings still show, and gqakit's
+    own progress bars follow ``--progress``."""
+    quiet_transformers()
+    gqakit_log = logging.getLogger("gqakit")
+    level = gqakit_log.level
+    gqakit_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        gqakit_log.setLevel(level)
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+
+def wiki_splits(o: PipelineOptions) -> tuple[Path, Path, Path]:
+    """The wiki-en asset's train, validation and test text (fetched once into the asset cache)."""
+    wiki = fetch_asset("wiki-en", o.cache_dir, wheelhouse=o.wheelhouse)
+    return wiki["train"], wiki["validation"], wiki["test"]
 
 
-__all__ = ["Steps", "quiet_transformers"]
+@contextmanager
+def pipeline_run(o: PipelineOptions) -> Iterator[tuple[Path, ResultStore]]:
+    """Hold ``o.work_dir`` (one run at a time), open its result store and quiet the libraries; yield the
+    working directory, resolved, and the store."""
+    with (
+        working_directory(o.work_dir) as work,
+        ResultStore(work / "results", o.fresh) as store,
+        quiet_libraries(),
+    ):
+        yield work, store
+
+
+__all__ = [
+    "PipelineOptions",
+    "out_field",
+    "work_dir_field",
+    "Steps",
+    "pipeline_run",
+    "quiet_libraries",
+    "set_option",
+    "wiki_splits",
+]

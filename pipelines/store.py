@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gqakit.files import fingerprint
+from gqakit.storage import fingerprint, write_json
 
 FILES = "files"  # the value field that holds an output directory's fingerprint
 TIME = "compute_s"  # the record field (beside key and value) with the result's own compute time
@@ -159,9 +159,7 @@ class ResultStore:
 
     def _save_pending(self, name: str) -> None:
         a = self._open[name]
-        tmp = self.root / f".{name}.pending.tmp"
-        tmp.write_text(json.dumps({"key": a.key, TIME: self._spent(a)[1]}))
-        tmp.replace(self._pending(name))
+        write_json(self._pending(name), {"key": a.key, TIME: self._spent(a)[1]})
 
     def _beat(self, stop: threading.Event) -> None:
         """Save the time of every result still being computed, every ``heartbeat_s``, until none is or
@@ -230,9 +228,7 @@ class ResultStore:
                 earlier = self._pending_time(name, key)
                 if earlier is not None:
                     record[TIME] = earlier
-            tmp = self.root / f".{path.name}.tmp"
-            tmp.write_text(json.dumps(record, indent=2) + "\n")
-            tmp.replace(path)
+            write_json(path, record)
             self._pending(name).unlink(missing_ok=True)
         self._written.add(name)
         self._used[name] = record.get(TIME)

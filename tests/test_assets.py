@@ -21,10 +21,13 @@ import torch
 from click.testing import CliRunner
 
 from gqakit import assets
-from gqakit.assets import ASSETS, fetch_asset, list_assets, split_of
+from gqakit.asset_builders import split_of
+from gqakit.assets import ASSETS, BUILD_VERSION, MANIFEST, fetch_asset, list_assets
+from gqakit.checkpoint import model_source
 from gqakit.cli import main
 from gqakit.errors import GqakitError
-from gqakit.locks import one_at_a_time
+from gqakit.storage import one_at_a_time, write_json
+from gqakit.testing import save_tiny_model
 
 WIKI = ASSETS["wiki-en"]
 SUMMARIES = {
@@ -244,6 +247,44 @@ def test_cli_fetch_and_list(tmp_path, monkeypatch):
     assert "fetched," in res.output
     res = runner.invoke(main, ["assets", "fetch", "wiki", "--cache-dir", cache])
     assert res.exit_code != 0 and 'Did you mean "wiki-en"?' in res.output
+
+
+@pytest.fixture
+def tiny_smollm2(tmp_path, monkeypatch) -> Path:
+    """The smollm2-135m asset as the cache holds it once fetched, with a tiny model inside (no network)."""
+    cache = tmp_path / "cache"
+    root = cache / "smollm2-135m"
+    save_tiny_model(root / "model", "llama", heads=4, kv_heads=2)
+    spec = ASSETS["smollm2-135m"]
+    write_json(root / MANIFEST, {"name": spec.name, "sha256": spec.sha256, "build_version": BUILD_VERSION,
+                                 "files": {"model": "model"}})  # fmt: skip
+    monkeypatch.setenv("GQAKIT_CACHE", str(cache))
+    return root.resolve()
+
+
+def test_every_command_takes_an_asset_by_its_name_or_the_directory_assets_list_prints(tiny_smollm2, tmp_path):
+    runner = CliRunner()
+    listed = runner.invoke(main, ["assets", "list"]).output
+    assert f" {tiny_smollm2 / 'model'}\n" in listed  # the directory `assets list` prints for the model
+    assert model_source("smollm2-135m") == model_source(tiny_smollm2) == str(tiny_smollm2 / "model")
+    for src in ("smollm2-135m", str(tiny_smollm2), str(tiny_smollm2 / "model")):
+        res = runner.invoke(main, ["inspect", src])
+        assert res.exit_code == 0 and "K/V heads         2" in res.output, res.output
+    res = runner.invoke(main, ["convert", "smollm2-135m", str(tmp_path / "mqa"), "--groups", "1"])
+    assert res.exit_code == 0 and (tmp_path / "mqa" / "config.json").is_file(), res.output
+
+
+def test_an_unknown_name_gets_the_closest_asset_and_a_text_asset_is_not_a_model(tiny_smollm2, tmp_path):
+    with pytest.raises(GqakitError, match=r'smollm2-135 does not exist: give .*Did you mean "smollm2-135m"'):
+        model_source("smollm2-135")
+    res = CliRunner().invoke(main, ["inspect", "smollm-135m"])
+    assert res.exit_code != 0 and 'Did you mean "smollm2-135m"?' in res.output
+    wiki = tmp_path / "cache" / "wiki-en"
+    wiki.mkdir()
+    write_json(wiki / MANIFEST, {"name": "wiki-en", "files": {"train": "train.txt"}})
+    for text_asset in (wiki, "wiki-en"):  # by its directory, or by name before any fetch
+        with pytest.raises(GqakitError, match="wiki-en holds text, not a model; the model assets are"):
+            model_source(text_asset)
 
 
 @pytest.mark.slow

@@ -133,22 +133,3 @@ def test_cli_bad_input_gives_one_clear_message(tmp_path, unwritable, argv, messa
     assert res.exit_code != 0
     assert message in res.output, res.output
     assert "Traceback" not in res.output
-
-
-def test_a_killed_runs_partial_output_is_removed_by_the_next_run(tmp_path):
-    from gqakit.outputs import OWNER_FILE, atomic_output_dir
-
-    dst = tmp_path / "out"
-    dead = tmp_path / ".out.abc123.partial"  # what kill -9 left: its owner process no longer exists
-    dead.mkdir()
-    (dead / "model.safetensors").write_bytes(b"x" * 1000)
-    (dead / OWNER_FILE).write_text(f"{os.uname().nodename} 999999999\n")
-    unknown = tmp_path / ".out.def456.partial"  # left by something that did not say who it was
-    unknown.mkdir()
-    other = tmp_path / ".other.aaa.partial"  # another DST's: none of this run's business
-    other.mkdir()
-    with atomic_output_dir(dst) as tmp:
-        (tmp / "f").write_text("ok")
-        assert tmp.exists()
-    assert not dead.exists() and unknown.exists() and other.exists()
-    assert (dst / "f").read_text() == "ok" and not (dst / OWNER_FILE).exists()

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from gqakit.cli import COMMANDS, load_command, main
 from gqakit.cli_options import Problems, command_flags, parse_list
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, PAPER_METHODS, POOLING_METHODS
-from gqakit.convert.options import ConvertOptions, check_groups
+from gqakit.convert.options import PRESETS, ConvertOptions, check_groups
 from gqakit.errors import GqakitError
 from gqakit.eval.engines import ENGINES
 from gqakit.eval.options import EvalOptions
@@ -121,14 +121,12 @@ def test_from_python_the_options_name_their_own_commands_flags():
     assert 'similarity. Did you mean "similarity"?' in probe
 
 
-def test_the_demo_reports_its_options_with_its_own_flags_and_keeps_report_dir_for_a_release(tmp_path):
+def test_the_demo_reports_its_options_with_its_own_flags(tmp_path):
     same = str(tmp_path / "same")
-    res = CliRunner().invoke(main, ["demo", "--work-dir", same, "--report-dir", same, "--decode-rounds", "0"])
+    res = CliRunner().invoke(main, ["demo", "--work-dir", same, "--out", same, "--decode-rounds", "0"])
     assert res.exit_code == 2
-    assert "--report-dir is deprecated" in res.output
     assert "--decode-rounds must be at least 1, got 0. --work-dir and --out must differ." in res.output
     assert not foreign_flags(res.output, load_command("demo"))
-    assert "--report-dir" not in CliRunner().invoke(main, ["demo", "--help"]).output
 
 
 def test_the_checker_catches_a_flag_the_command_lacks():
@@ -176,7 +174,7 @@ def test_the_name_tables_say_what_each_name_is_and_suggest_the_closest():
     assert METHODS.names == ("mean", "first", "random", "calibrated")
     assert POOLING_METHODS == PAPER_METHODS == ("mean", "first", "random")
     assert MERGE_METHODS == ("mean", "first", "calibrated")
-    assert ARMS.names == (*METHODS.names, "refined")
+    assert ARMS.names == (*PRESETS.names, "first", "random", "calibrated")  # starts: presets, then methods
     table = NameTable("colour", {"red": "warm", "blue": "cold"})
     assert table.describe() == "red: warm; blue: cold" and table.where(lambda e: e == "cold") == ("blue",)
 
@@ -184,7 +182,7 @@ def test_the_name_tables_say_what_each_name_is_and_suggest_the_closest():
 def test_the_choices_and_the_recipe_checks_read_the_tables():
     convert = {p.name: p for p in load_command("convert").params}
     assert tuple(convert["method"].type.choices) == METHODS.names
-    assert tuple(convert["grouping"].type.choices) == GROUPINGS.names
+    assert tuple(convert["preset"].type.choices) == PRESETS.names
     assert tuple({p.name: p for p in load_command("eval").params}["engine"].type.choices) == ENGINES.names
     from gqakit.uptrain.recipe import recipe_from_dict
 
@@ -201,7 +199,7 @@ def test_the_choices_and_the_recipe_checks_read_the_tables():
 
 def test_problems_outside_any_command_use_the_home_commands_flags():
     p = Problems("eval")
-    assert p.flag("batch_sizes") == "--batch-sizes" and p.flag("compile") == "--compile"
+    assert p.flag("batch_sizes") == "--batch-sizes" and p.flag("new_tokens") == "--new-tokens"
     assert p.flag("command_line") == "command_line"  # not a flag of gqakit eval
     assert not p
     p.add(None)
@@ -212,9 +210,13 @@ def test_problems_outside_any_command_use_the_home_commands_flags():
 
 
 @pytest.mark.parametrize(
-    ("doc", "flag", "table"), [("convert.md", "--method", METHODS), ("convert.md", "--grouping", GROUPINGS),
-                              ("eval.md", "--engine", ENGINES)]
-)  # fmt: skip
+    ("doc", "flag", "table"),
+    [
+        ("convert.md", "--method", METHODS),
+        ("convert.md", "--set grouping=", GROUPINGS),
+        ("eval.md", "--engine", ENGINES),
+    ],
+)
 def test_the_docs_list_each_table_as_the_help_does(doc, flag, table):
     text = (Path(__file__).resolve().parents[1] / "docs" / doc).read_text()
     rows = [f"| `{flag}` | what it does |", *(f"| `{n}` | {e.summary} |" for n, e in table.items())]

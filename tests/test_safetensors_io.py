@@ -1,4 +1,5 @@
-"""Our streaming safetensors reader and writer agree with the reference library, byte for byte."""
+"""Our streaming safetensors reader and writer agree with the reference library, byte for byte; the one
+dtype table spells each dtype as torch, config.json, safetensors and a recipe do."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gqakit.dtypes import config_dtype, dtype_name, safetensors_name, short_name, torch_dtype
 from gqakit.errors import GqakitError
 from gqakit.safetensors_io import SafetensorsFile, SafetensorsWriter, TensorSpec, save_state_dict
 
@@ -60,3 +62,14 @@ def test_truncated_files_are_reported(tmp_path, cut):
     (tmp_path / "x.safetensors").write_bytes(data[:cut])
     with pytest.raises(GqakitError, match="not a valid safetensors file"):
         SafetensorsFile(tmp_path / "x.safetensors")
+
+
+def test_one_table_spells_each_dtype_every_way():
+    for spelling in ("bfloat16", "torch.bfloat16", "BF16", "bf16", torch.bfloat16):
+        assert torch_dtype(spelling) is torch.bfloat16
+        names = (dtype_name(spelling), safetensors_name(spelling), short_name(spelling))
+        assert names == ("bfloat16", "BF16", "bf16")
+    assert config_dtype({"torch_dtype": "float16"}) is torch.float16 and config_dtype({}) is torch.float32
+    assert config_dtype({"dtype": "int8"}) is torch.float32  # not a dtype a model is loaded in
+    with pytest.raises(GqakitError, match="dtype 'bf32' is unknown; choose one of float32, bfloat16"):
+        torch_dtype("bf32")

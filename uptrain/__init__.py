@@ -5,28 +5,23 @@ Usage::
     from gqakit.uptrain import load_recipe, uptrain
 
     result = uptrain(load_recipe("recipes/smollm2-135m-mqa.yaml", ["budget.steps=20"]))
+
+The run reads top to bottom in :mod:`gqakit.uptrain.train`; the recipe and its validation are
+:mod:`gqakit.uptrain.recipe`, the checks before any work :mod:`gqakit.uptrain.preflight`.
 """
 
-from gqakit.uptrain.api import check_inputs, uptrain
-from gqakit.uptrain.loop import UptrainLoop, UptrainResult, validation_perplexity
-from gqakit.uptrain.objectives import Objective, distill_kl, lm_loss
+from gqakit.uptrain.preflight import resolve_precision
 from gqakit.uptrain.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
-from gqakit.uptrain.schedule import Budget, lr_multiplier, resolve_budget
+from gqakit.uptrain.train import UptrainResult, read_history, uptrain, validation_perplexity
 
 __all__ = [
-    "Budget",
-    "Objective",
     "Recipe",
     "RecipeError",
-    "UptrainLoop",
     "UptrainResult",
-    "check_inputs",
-    "distill_kl",
     "load_recipe",
-    "lm_loss",
-    "lr_multiplier",
+    "read_history",
     "recipe_from_dict",
-    "resolve_budget",
+    "resolve_precision",
     "uptrain",
     "validation_perplexity",
 ]

@@ -1,21 +1,39 @@
-"""``gqakit uptrain RECIPE [key.sub=value ...] [--resume | --force]``: parse, call ``uptrain``, print."""
+"""``gqakit uptrain RECIPE [key.sub=value ...] [--resume | --force]``: parse, call ``uptrain``, print.
+
+With ``--accelerate-config FILE`` it checks the accelerate config first and then hands over to
+``accelerate launch --config_file FILE -m gqakit.uptrain RECIPE ...``. A config that cannot run fails
+late or never under ``accelerate launch`` alone: a DeepSpeed config without DeepSpeed ends in an
+ImportError traceback, and a multi-machine config whose ``main_process_ip`` is still the shipped
+placeholder makes every machine retry the rendezvous forever; gqakit reports every such problem with
+the key to fill in or the package to install.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import click
+import yaml
 
 from gqakit.cli_options import force_option
 from gqakit.errors import GqakitError
-from gqakit.uptrain.api import process_state, uptrain
-from gqakit.uptrain.launch import accelerate_config_problems, launch_argv, read_accelerate_config
-from gqakit.uptrain.recipe import load_recipe
+from gqakit.uptrain.preflight import deepspeed_problems, process_state
+from gqakit.uptrain.recipe import Recipe, load_recipe
+from gqakit.uptrain.train import uptrain
+
+# The address recipes/accelerate/multi-node.yaml ships with: to be replaced by machine 0's.
+PLACEHOLDER_IPS = ("10.0.0.1", "", "MACHINE_0_ADDRESS")
 
 
-@click.command("uptrain", context_settings={"ignore_unknown_options": False})
+@click.command("uptrain")
 @click.argument("recipe")
 @click.argument("overrides", nargs=-1)
+@click.option(
+    "--set", "settings", multiple=True, metavar="KEY=VALUE",
+    help="A recipe override, as OVERRIDES are (repeatable): --set train.lr=3e-4.",
+)  # fmt: skip
 @click.option("--resume", is_flag=True, help="Continue the run in output_dir from its newest checkpoint.")
 @force_option("Delete a non-empty output_dir and start over.")
 @click.option("--print-recipe", is_flag=True, help="Print the resolved recipe (overrides applied) and exit.")
@@ -32,6 +50,7 @@ from gqakit.uptrain.recipe import load_recipe
 def uptrain_cmd(
     recipe: str,
     overrides: tuple[str, ...],
+    settings: tuple[str, ...],
     resume: bool,
     force: bool,
     print_recipe: bool,
@@ -49,19 +68,22 @@ def uptrain_cmd(
                           -m gqakit.uptrain recipes/llama2-7b-gqa8.yaml)
     After a kill:     gqakit uptrain recipes/smollm2-135m-mqa.yaml --resume
     """
-    rec = load_recipe(recipe, list(overrides))
+    overrides = (*overrides, *settings)
+    rec = load_recipe(recipe, overrides)
     if print_recipe:
         click.echo(rec.to_yaml(), nl=False)
         return
     if accelerate_config:
-        config = read_accelerate_config(accelerate_config)
-        problems = accelerate_config_problems(config, main_process_ip, rec)
+        problems = accelerate_config_problems(accelerate_config, main_process_ip, rec)
         if problems:
             raise GqakitError(f"--accelerate-config {accelerate_config}: " + " ".join(problems))
-        argv = launch_argv(
-            accelerate_config, recipe, overrides, resume=resume, force=force,
-            machine_rank=machine_rank, main_process_ip=main_process_ip,
-        )  # fmt: skip
+        argv = ["accelerate", "launch", "--config_file", accelerate_config]
+        if machine_rank is not None:
+            argv += ["--machine_rank", str(machine_rank)]
+        if main_process_ip is not None:
+            argv += ["--main_process_ip", main_process_ip]
+        argv += ["-m", "gqakit.uptrain", recipe, *overrides]
+        argv += (["--resume"] if resume else []) + (["--force"] if force else [])
         os.execvp(argv[0], argv)  # replaces this process; the return is for tests that stub it
         return
 
@@ -74,3 +96,34 @@ def uptrain_cmd(
             f"uptrained {res.steps:,} steps ({res.tokens:,} tokens{alpha}) in {res.elapsed_s:.0f}s; "
             f"validation perplexity {before}{res.final_val_ppl:.3f}; model in {res.output_dir}"
         )
+
+
+def accelerate_config_problems(path: str, main_process_ip: str | None, recipe: Recipe) -> list[str]:
+    """What stops the accelerate config ``path`` (with ``recipe``) from running here, each with its fix;
+    empty when it can be launched."""
+    try:
+        config = yaml.safe_load(Path(path).expanduser().read_text())
+    except (OSError, yaml.YAMLError) as e:
+        return [f"cannot be read as YAML ({getattr(e, 'strerror', None) or e})."]
+    if not isinstance(config, dict):
+        return ["is not a mapping of accelerate settings."]
+    problems = []
+    deepspeed = str(config.get("distributed_type", "")).upper() == "DEEPSPEED"
+    if deepspeed and not importlib.util.find_spec("deepspeed"):
+        problems.append(
+            "distributed_type DEEPSPEED needs DeepSpeed, which is not installed: pip install deepspeed."
+        )
+    if deepspeed:
+        problems += deepspeed_problems(recipe)
+    try:
+        machines = int(config.get("num_machines", 1) or 1)
+    except (TypeError, ValueError):
+        return [*problems, f"num_machines must be a whole number, got {config.get('num_machines')!r}."]
+    ip = main_process_ip if main_process_ip is not None else str(config.get("main_process_ip") or "")
+    if machines > 1 and ip in PLACEHOLDER_IPS:
+        problems.append(
+            f"num_machines is {machines} but main_process_ip is {ip or 'not set'!r}, the shipped "
+            "placeholder: pass --main-process-ip with machine 0's address (reachable from the others), "
+            "or set main_process_ip in the config. Also set --machine-rank on every machine."
+        )
+    return problems

@@ -45,10 +45,6 @@ class Blocks:
     seq_len: int
     source: str
 
-    @property
-    def train_tokens(self) -> int:
-        return len(self.train) * self.seq_len
-
 
 def resolve_files(patterns: list[str], key: str, problems: list[str]) -> list[str]:
     """Expand globs; record a problem for a pattern that matches nothing or an unsupported suffix."""
@@ -68,58 +64,58 @@ def resolve_files(patterns: list[str], key: str, problems: list[str]) -> list[st
     return files
 
 
-def _load_files(files: list[str], cfg: DataConfig, key: str):
+def _documents(cfg: DataConfig, val: bool = False) -> tuple[Any, str, str, str] | None:
+    """The training (``val``: validation) documents as a ``datasets`` table, with their text column, their
+    name for messages and their source for the log; None for validation held out of the training blocks.
+    """
     # deferred: datasets takes seconds to import
     import datasets
 
-    builders = {BUILDERS[Path(f).suffix.lower()] for f in files}
-    if len(builders) > 1:
-        raise GqakitError(f"{key} mixes file types ({', '.join(files)}); give files of one type.")
-    builder = builders.pop()
+    if cfg.hub:
+        split = cfg.val_split if val else cfg.split
+        if split is None:
+            return None
+        try:
+            ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split)
+        except Exception as e:  # datasets raises many types for what it cannot load
+            raise GqakitError(
+                f"data.hub {cfg.hub} (split {split!r}) could not be loaded ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}). Hub datasets need a network connection; "
+                "offline, download the text and give data.files."
+            ) from None
+        name = cfg.hub + (f"/{cfg.hub_config}" if cfg.hub_config else "")
+        return ds, cfg.text_field, f"data.hub {cfg.hub} [{split}]", f"{name} [{split}]"
+    key = "data.val_files" if val else "data.files"
+    problems: list[str] = []
+    files = resolve_files(cfg.val_files if val else cfg.files, key, problems)
+    if problems:
+        raise GqakitError(" ".join(problems))
+    if not files:
+        return None
+    builder = BUILDERS[Path(files[0]).suffix.lower()]  # one type: preflight refuses a mix
     kwargs = {"sample_by": _SAMPLE_BY[cfg.txt_docs]} if builder == "text" else {}
     try:
         ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
     except Exception as e:  # datasets raises many types for unreadable files
         raise GqakitError(f"{key} could not be read as {builder} ({type(e).__name__}: {e}).") from None
-    field = "text" if builder == "text" else cfg.text_field
-    return ds, field
+    return ds, "text" if builder == "text" else cfg.text_field, key, ", ".join(files)
 
 
-def _load_hub(cfg: DataConfig, split: str):
-    # deferred: datasets takes seconds to import
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split)
-    except Exception as e:
-        raise GqakitError(
-            f"data.hub {cfg.hub} (split {split!r}) could not be loaded ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}). Hub datasets need a network connection; offline, "
-            "download the text and give data.files."
-        ) from None
-    return ds, cfg.text_field
+def _tokenize(batch: dict[str, list], tokenizer: Any, field: str, eos: int | None) -> dict[str, list]:
+    """A batch of documents -> their token ids, each ended with ``eos`` (unless None); blank ones dropped."""
+    texts = [t for t in batch[field] if t and t.strip()]
+    ids = tokenizer(texts)["input_ids"] if texts else []
+    if eos is not None:
+        ids = [x if x and x[-1] == eos else [*x, eos] for x in ids]
+    return {"input_ids": ids}
 
 
-def _tokenize_fn(tokenizer: Any, field: str, add_eos: bool):
-    eos = tokenizer.eos_token_id if add_eos else None
-
-    def tokenize(batch: dict[str, list]) -> dict[str, list]:
-        texts = [t for t in batch[field] if t and t.strip()]
-        ids = tokenizer(texts)["input_ids"] if texts else []
-        if eos is not None:
-            ids = [x if x and x[-1] == eos else [*x, eos] for x in ids]
-        return {"input_ids": ids}
-
-    return tokenize
-
-
-def _pack_fn(seq_len: int):
-    def pack(batch: dict[str, list]) -> dict[str, list]:
-        stream = list(chain.from_iterable(batch["input_ids"]))
-        n = len(stream) // seq_len * seq_len
-        return {"input_ids": [stream[i : i + seq_len] for i in range(0, n, seq_len)]}
-
-    return pack
+def _pack(batch: dict[str, list], seq_len: int) -> dict[str, list]:
+    """A batch of token lists -> one stream cut into blocks of ``seq_len`` (the tail that does not fill
+    one is dropped)."""
+    stream = list(chain.from_iterable(batch["input_ids"]))
+    n = len(stream) // seq_len * seq_len
+    return {"input_ids": [stream[i : i + seq_len] for i in range(0, n, seq_len)]}
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
@@ -144,10 +140,10 @@ def pack_documents(ds: Any, field: str, tokenizer: Any, cfg: DataConfig, what: s
             f"{what} has no field {field!r}; its fields are {', '.join(ds.column_names)}."
             f"{did_you_mean(field, ds.column_names)} Set data.text_field."
         )
-    if len(ds) == 0:
-        raise GqakitError(f"{what} is empty: it holds no documents.")
+    eos = tokenizer.eos_token_id if cfg.add_eos else None
     tokens = ds.map(
-        _tokenize_fn(tokenizer, field, cfg.add_eos),
+        _tokenize,
+        fn_kwargs={"tokenizer": tokenizer, "field": field, "eos": eos},
         batched=True,
         remove_columns=ds.column_names,
         num_proc=cfg.num_proc,
@@ -156,10 +152,11 @@ def pack_documents(ds: Any, field: str, tokenizer: Any, cfg: DataConfig, what: s
             ("tokenize-v1", ds._fingerprint, tokenizer_digest(tokenizer), field, cfg.add_eos)
         ),
     )
-    if len(tokens) == 0:
+    if len(tokens) == 0:  # no documents, or only empty ones
         raise GqakitError(f"{what} holds no text: every document is empty.")
     blocks = tokens.map(
-        _pack_fn(cfg.seq_len),
+        _pack,
+        fn_kwargs={"seq_len": cfg.seq_len},
         batched=True,
         batch_size=_PACK_BATCH,
         num_proc=cfg.num_proc,
@@ -181,25 +178,12 @@ def build_blocks(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> Blocks:
     Raises:
         GqakitError: files missing or unreadable, no text field, no text, fewer tokens than one block.
     """
-    problems: list[str] = []
-    if cfg.hub:
-        raw, field = _load_hub(cfg, cfg.split)
-        source = f"{cfg.hub}" + (f"/{cfg.hub_config}" if cfg.hub_config else "") + f" [{cfg.split}]"
-    else:
-        files = resolve_files(cfg.files, "data.files", problems)
-        val_files = resolve_files(cfg.val_files, "data.val_files", problems)
-        if problems:
-            raise GqakitError(" ".join(problems))
-        raw, field = _load_files(files, cfg, "data.files")
-        source = ", ".join(files)
-    train = pack_documents(raw, field, tokenizer, cfg, "data.files" if not cfg.hub else f"data.hub {cfg.hub}")
-
-    if cfg.hub and cfg.val_split:
-        raw_val, vfield = _load_hub(cfg, cfg.val_split)
-        val = pack_documents(raw_val, vfield, tokenizer, cfg, f"data.hub {cfg.hub} [{cfg.val_split}]")
-    elif not cfg.hub and cfg.val_files:
-        raw_val, vfield = _load_files(val_files, cfg, "data.val_files")
-        val = pack_documents(raw_val, vfield, tokenizer, cfg, "data.val_files")
+    ds, field, what, source = _documents(cfg)
+    train = pack_documents(ds, field, tokenizer, cfg, what)
+    val_docs = _documents(cfg, val=True)
+    if val_docs is not None:
+        ds, field, what, _ = val_docs
+        val = pack_documents(ds, field, tokenizer, cfg, what)
     else:
         n_val = max(1, round(len(train) * cfg.val_fraction))
         if len(train) - n_val < 1:
@@ -218,6 +202,3 @@ def build_blocks(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> Blocks:
         seq_len=cfg.seq_len,
         source=source,
     )
-
-
-__all__ = ["BUILDERS", "Blocks", "build_blocks", "pack_documents", "resolve_files"]

@@ -1,18 +1,17 @@
-"""Everything an uptraining run checks before it converts, loads a model or trains: one message, every
-problem in it.
+"""``preflight(recipe)``: everything an uptraining run checks before it writes, converts, loads a model or
+trains, reported as one message with every problem in it.
 
-The recipe's own keys and types are checked when it is loaded (:mod:`gqakit.uptrain.recipe`); this
-module checks what the recipe points at and where it runs: the model and teacher (causal LMs, enough
-positions, one vocabulary), the data files (present, UTF-8 text, not empty), the output directory (free
-or resumable, writable), the machine (the precision it can run, what DeepSpeed allows) and, for
-``--resume``, that the run being continued is the one the recipe describes.
+The recipe's own keys, types and cross-field rules were checked when it was loaded
+(:mod:`gqakit.uptrain.recipe`); this checks what the recipe points at and where it runs: the model and
+teacher (causal LMs, enough positions, one vocabulary, a G the model can be converted to), the data files
+(present, UTF-8 text, not empty, one type), the machine (the device, the precision it can run, what a
+distributed launch and DeepSpeed allow), the output directory (free or resumable, writable, not holding
+the inputs) and, for ``--resume``, that the run being continued is the one the recipe describes.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,42 +19,57 @@ from typing import Any
 import torch
 import yaml
 
-from gqakit.convert.api import check_groups
-from gqakit.convert.retarget import RETARGETS, retarget_groups_problem
+from gqakit.checkpoint import model_source, read_config
+from gqakit.convert.retarget import groups_problem
 from gqakit.errors import GqakitError
-from gqakit.geometry import AttentionGeometry
-from gqakit.models import check_causal_lm, device_unavailable, max_positions, resolve_device
-from gqakit.outputs import writable_dir
+from gqakit.models import check_causal_lm, check_seq_len, device_unavailable, resolve_device
+from gqakit.storage import writable_dir
 from gqakit.text import load_texts
 from gqakit.uptrain.data import BUILDERS, resolve_files
 from gqakit.uptrain.recipe import Recipe, expand
-from gqakit.uptrain.run_checkpoints import latest_checkpoint, read_checkpoint_record
 from gqakit.uptrain.schedule import resolve_budget
-from gqakit.uptrain.state_io import deepspeed_problem
-
-PROVENANCE = "gqakit.json"  # its presence marks a finished run (gqakit.uptrain.loop writes it last)
+from gqakit.uptrain.state_io import PROVENANCE, latest_checkpoint, read_checkpoint_record
 
 # What a resumed run may change: how long it trains (a longer budget stretches the cosine schedule from
-# the resumed step on), how often it evaluates, logs and checkpoints, the saved dtype, tokenization
-# workers and where the run directory now lies. Anything else (data, batch, lr, schedule shape,
-# objective, model, seed...) would make the resumed run another run than its checkpoints', with wrong
-# token counts.
+# the resumed step on), how often it evaluates, logs and checkpoints, how fast it runs, the saved dtype,
+# tokenization workers and where the run directory now lies. Anything else (data, batch, lr, schedule
+# shape, objective, model, seed...) would make the resumed run another run than its checkpoints', with
+# wrong token counts.
 RESUME_SAFE: tuple[str, ...] = (
-    "budget.steps",
-    "budget.tokens",
-    "budget.alpha",
-    "eval.",
-    "log.",
-    "checkpoint.",
-    "speed.",  # how fast, not what: a run resumed on another machine may need other levers
-    "model.save_dtype",
-    "data.num_proc",
-    "output_dir",
-)
-_SAFE_TEXT = (
-    "only budget.steps/tokens/alpha, eval.*, log.*, checkpoint.*, speed.*, model.save_dtype, data.num_proc "
-    "and output_dir may change"
-)
+    "budget.steps", "budget.tokens", "budget.alpha", "eval.", "log.", "checkpoint.", "speed.",
+    "model.save_dtype", "data.num_proc", "output_dir",
+)  # fmt: skip
+
+
+def preflight(recipe: Recipe, *, resume: bool = False, force: bool = False) -> None:
+    """Check everything a run needs before any work, in every process of a launch: the model, teacher
+    and data files the recipe names, the machine, the output directory and (``resume``) the run being
+    continued.
+
+    Raises:
+        GqakitError: every problem, one per line.
+    """
+    missing = device_unavailable(recipe.speed.device)
+    # on the device the run will train on (one this machine lacks: reported with the other problems)
+    state = process_state(None if missing else recipe.speed.device)
+    out = Path(expand(recipe.output_dir)).resolve()
+    problems = [
+        *([missing] if missing else []),
+        *input_problems(recipe),
+        *environment_problems(recipe, state.distributed_type.value, state.device.type),
+        *output_problems(recipe, out, resume, force),
+    ]
+    if resume and out.is_dir():
+        problems += resume_problems(recipe, out, state.num_processes)
+    if problems:
+        lines = ["The recipe's inputs have problems:", *(f"  - {p}" for p in problems)]
+        cache = os.environ.get("GQAKIT_CACHE")
+        if any(".cache/gqakit" in p or (cache and cache in p) for p in problems):
+            lines.append(
+                "The shipped recipes read the demo assets: run `gqakit assets fetch` first, or override "
+                "the paths (model.path=DIR teacher=DIR data.files=[...] data.val_files=[...])."
+            )
+        raise GqakitError("\n".join(lines))
 
 
 # The device process_state() last put this single process on, if any, and the CUDA device that was
@@ -104,34 +118,18 @@ def process_state(device: str | None = None):
     return state
 
 
-# ---------------------------------------------------------------------------------------------------
-# Model, teacher, data
-# ---------------------------------------------------------------------------------------------------
-
-
-def _hub_like(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+# ------------------------------------------------------------------------------------- Model, teacher, data
 
 
 def _config(path: str, key: str, problems: list[str]) -> dict[str, Any] | None:
-    """``config.json`` of a local checkpoint (None for a hub id); record a problem when it is unusable."""
-    p = Path(expand(path))
-    if p.is_dir():
-        cfg = p / "config.json"
-        if not cfg.is_file():
-            problems.append(f"{key}: {p} has no config.json; point at a Hugging Face model directory.")
-            return None
-        try:
-            return json.loads(cfg.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            problems.append(f"{key}: {cfg} is not valid JSON ({e}).")
-            return None
-    if p.exists():
-        problems.append(f"{key}: {p} is a file; give a checkpoint directory.")
-    elif not _hub_like(path):
-        problems.append(f"{key}: {path} does not exist.")
-    return None
+    """``config.json`` of a local checkpoint (None for a hub id); record a problem when it is unusable.
+    ``path`` takes every form a command's SRC does (:func:`gqakit.checkpoint.model_source`)."""
+    try:
+        p = Path(model_source(expand(path)))
+        return read_config(p) if p.is_dir() else None  # None: a hub id
+    except GqakitError as e:
+        problems.append(f"{key}: {e.message}")
+        return None
 
 
 def input_problems(recipe: Recipe) -> list[str]:
@@ -141,22 +139,17 @@ def input_problems(recipe: Recipe) -> list[str]:
     model_cfg = _config(recipe.model.path, "model.path", problems)
     teacher_cfg = _config(recipe.teacher, "teacher", problems) if uses_teacher else None
     seq_len = recipe.data.seq_len
-    for cfg, key, what, path in (
-        (model_cfg, "model.path", "model", recipe.model.path),
-        (teacher_cfg, "teacher", "teacher", recipe.teacher),
+    for cfg, key, path in (
+        (model_cfg, "model.path", recipe.model.path),
+        (teacher_cfg, "teacher", recipe.teacher),
     ):
         if cfg is None:
             continue
         try:
-            check_causal_lm(cfg, path, what=what)
+            check_causal_lm(cfg, path, what=key.partition(".")[0])
+            check_seq_len(SimpleNamespace(**cfg), seq_len, "data.seq_len")
         except GqakitError as e:
             problems.append(f"{key}: {e.message}")
-        limit = max_positions(SimpleNamespace(**cfg))
-        if limit is not None and seq_len > limit:
-            problems.append(
-                f"data.seq_len {seq_len} is more than the {limit} positions of {path} "
-                f"(max_position_embeddings); set data.seq_len={limit} or less."
-            )
     if model_cfg and teacher_cfg and model_cfg.get("vocab_size") != teacher_cfg.get("vocab_size"):
         problems.append(
             f"teacher {recipe.teacher} has a vocabulary of {teacher_cfg.get('vocab_size')} tokens and the "
@@ -164,15 +157,10 @@ def input_problems(recipe: Recipe) -> list[str]:
             "logits token by token, so the teacher must share the model's tokenizer (use the checkpoint the "
             "model was converted from)."
         )
-    if model_cfg and recipe.model.convert is not None and model_cfg.get("model_type") in RETARGETS:
-        problem = retarget_groups_problem(model_cfg, recipe.model.convert.groups)
+    if model_cfg and recipe.model.convert is not None:
+        problem = groups_problem(model_cfg, recipe.model.convert.groups)
         if problem:
             problems.append(f"model.convert.groups: {problem}")
-    elif model_cfg and recipe.model.convert is not None:
-        try:
-            check_groups(AttentionGeometry.from_config(model_cfg), recipe.model.convert.groups)
-        except GqakitError as e:
-            problems.append(f"model.convert.groups: {e.message}")
     if not recipe.data.hub:
         d = recipe.data
         for key, patterns in (("data.files", d.files), ("data.val_files", d.val_files)):
@@ -187,9 +175,7 @@ def input_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
-# ---------------------------------------------------------------------------------------------------
-# The machine
-# ---------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------- The machine
 
 
 def precision_problem(precision: str, device_type: str) -> str | None:
@@ -201,9 +187,8 @@ def precision_problem(precision: str, device_type: str) -> str | None:
             "train.precision=fp16 needs a CUDA GPU; on a CPU set train.precision=fp32 (or bf16, which "
             "CPUs run through autocast)."
         )
-    if precision == "bf16" and device_type == "cuda":
-        if not torch.cuda.is_bf16_supported():
-            return "train.precision=bf16 needs a GPU with bfloat16 (Ampere or newer); use fp16 or fp32."
+    if precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "train.precision=bf16 needs a GPU with bfloat16 (Ampere or newer); use fp16 or fp32."
     return None
 
 
@@ -222,41 +207,49 @@ def resolve_precision(precision: str, device: str = "auto") -> str:
 
 def deepspeed_problems(recipe: Recipe) -> list[str]:
     """What of the recipe DeepSpeed cannot run: resumable checkpoints, a teacher."""
-    problems = [deepspeed_problem(recipe.checkpoint.every)]
+    problems = []
+    if recipe.checkpoint.every:
+        problems.append(
+            f"checkpoint.every={recipe.checkpoint.every} under DeepSpeed: DeepSpeed's checkpoints can only "
+            "be read back by DeepSpeed's own loader, which unpickles them (code in a run directory would "
+            "run), and gqakit never loads code from a run directory. Set checkpoint.every=0 (no --resume, "
+            "no rollback), or use recipes/accelerate/fsdp.yaml (sharded like ZeRO-3, resumable)."
+        )
     if recipe.objective.kind != "lm":
         problems.append(
             f"objective.kind={recipe.objective.kind} is not supported under DeepSpeed (ZeRO-3 would "
             "partition the teacher too). Use recipes/accelerate/fsdp.yaml or ddp.yaml, or objective.kind=lm."
         )
-    return [p for p in problems if p]
+    return problems
 
 
 def environment_problems(recipe: Recipe, distributed_type: str, device_type: str) -> list[str]:
     """What this machine and launch cannot run of the recipe (precision, DeepSpeed's limits, a device
     for a distributed launch)."""
-    problems = deepspeed_problems(recipe) if distributed_type == "DEEPSPEED" else []
+    # (auto always resolves to a precision the device runs)
+    problems = [p for p in [precision_problem(recipe.train.precision, device_type)] if p]
+    if distributed_type == "DEEPSPEED":
+        problems += deepspeed_problems(recipe)
     if recipe.speed.device != "auto" and distributed_type != "NO":
         problems.append(
             f"speed.device={recipe.speed.device} puts a single process on a device; this run was launched "
             f"as {distributed_type}, whose processes take their devices from accelerate launch (--cpu, "
             "--gpu_ids): set speed.device=auto."
         )
-    precision = precision_problem(recipe.train.precision, device_type)
-    return [precision, *problems] if precision else problems
+    return problems
 
 
-# ---------------------------------------------------------------------------------------------------
-# The run directory, and the run a --resume continues
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------ The run directory, and the run a --resume continues
 
 
-def output_problems(out: Path, resume: bool, force: bool, inputs: Sequence[str] = ()) -> list[str]:
+def output_problems(recipe: Recipe, out: Path, resume: bool, force: bool) -> list[str]:
     """Refuse a non-empty run directory unless resuming or forcing, a finished run to resume, inputs
     inside it (``force`` would delete them) and a directory that cannot be written."""
     if out.exists() and not out.is_dir():
         return [f"output_dir {out} is a file: choose a directory path."]
     problems = []
-    for item in inputs:
+    d = recipe.data
+    for item in [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *d.files, *d.val_files]:
         path = Path(expand(item)).resolve()
         if path == out or out in path.parents:
             problems.append(f"{item} is inside output_dir {out}: choose an output_dir outside the inputs.")
@@ -278,10 +271,11 @@ def output_problems(out: Path, resume: bool, force: bool, inputs: Sequence[str] 
     return problems
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested recipe as ``{"train.lr": 1e-4, ...}``."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
@@ -293,23 +287,24 @@ def resume_problems(recipe: Recipe, out: Path, processes: int) -> list[str]:
     saved_file = out / "recipe.yaml"
     if saved_file.is_file():
         try:
-            saved = _flat(yaml.safe_load(saved_file.read_text()) or {})
+            saved = flat(yaml.safe_load(saved_file.read_text()) or {})
         except (yaml.YAMLError, UnicodeDecodeError, AttributeError):
-            saved = None
+            saved = {}
             problems.append(f"{saved_file} is not the recipe gqakit wrote: start over with --force.")
-        now = _flat(recipe.to_dict())
+        now = flat(recipe.to_dict())
         changed = sorted(
             k
-            for k in (saved or {}).keys() | now.keys()
-            if saved is not None and saved.get(k) != now.get(k) and not k.startswith(RESUME_SAFE)
+            for k in (saved.keys() | now.keys() if saved else ())
+            if saved.get(k) != now.get(k) and not k.startswith(RESUME_SAFE)
         )
         if changed:
             diffs = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in changed)
+            safe = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_SAFE)
             problems.append(
                 f"--resume continues the run in {out}, but the recipe differs from the one it started with "
                 f"in {diffs}: the resumed run would not be the run its checkpoints belong to. Resume with "
-                f"the same recipe ({_SAFE_TEXT}; a longer budget stretches the cosine schedule from the "
-                "resumed step on), or start over with --force or another output_dir."
+                f"the same recipe (only {safe} may change; a longer budget stretches the cosine schedule "
+                "from the resumed step on), or start over with --force or another output_dir."
             )
     ckpt = latest_checkpoint(out)
     if ckpt is None:
@@ -327,52 +322,10 @@ def resume_problems(recipe: Recipe, out: Path, processes: int) -> list[str]:
             "start over with --force."
         )
     t = recipe.train
-    per_step = t.batch_size * t.grad_accum * processes * recipe.data.seq_len
-    steps = resolve_budget(recipe.budget, per_step).steps
+    steps = resolve_budget(recipe.budget, t.batch_size * t.grad_accum * processes * recipe.data.seq_len).steps
     if steps < record["step"]:
         problems.append(
             f"The budget is {steps} steps but the checkpoint {ckpt.name} has already trained "
             f"{record['step']}: raise the budget (budget.steps={record['step'] + 1} or more) to go on."
         )
     return problems
-
-
-def check_inputs(recipe: Recipe, *, resume: bool = False, force: bool = False) -> None:
-    """Check everything a run needs before any work: the model, teacher and data files the recipe names,
-    the machine, the output directory and (``resume``) the run being continued. All problems in one
-    :class:`~gqakit.errors.GqakitError`."""
-    missing = device_unavailable(recipe.speed.device)
-    # on the device the run will train on (one this machine lacks: reported with the other problems)
-    state = process_state(None if missing else recipe.speed.device)
-    out = Path(expand(recipe.output_dir)).resolve()
-    inputs = [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *recipe.data.files]
-    problems = [
-        *([missing] if missing else []),
-        *input_problems(recipe),
-        *environment_problems(recipe, state.distributed_type.value, state.device.type),
-        *output_problems(out, resume, force, [*inputs, *recipe.data.val_files]),
-    ]
-    if resume and out.is_dir():
-        problems += resume_problems(recipe, out, state.num_processes)
-    if problems:
-        lines = ["The recipe's inputs have problems:", *(f"  - {p}" for p in problems)]
-        cache = os.environ.get("GQAKIT_CACHE")
-        if any(".cache/gqakit" in p or (cache and cache in p) for p in problems):
-            lines.append(
-                "The shipped recipes read the demo assets: run `gqakit assets fetch` first, or override "
-                "the paths (model.path=DIR teacher=DIR data.files=[...] data.val_files=[...])."
-            )
-        raise GqakitError("\n".join(lines))
-
-
-__all__ = [
-    "RESUME_SAFE",
-    "check_inputs",
-    "deepspeed_problems",
-    "environment_problems",
-    "input_problems",
-    "output_problems",
-    "precision_problem",
-    "process_state",
-    "resume_problems",
-]

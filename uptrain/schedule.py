@@ -39,16 +39,15 @@ class Budget:
         a = f", alpha {alpha:.3g}" if alpha is not None else ""
         return f"step {step:,}/{self.steps:,}, {self.tokens(step):,} tokens{a}"
 
-    def describe(self, step: int | None = None) -> str:
+    def describe(self) -> str:
         """``500 steps = 2,048,000 tokens = alpha 1.02e-06 of 2e+12 pretraining tokens``."""
-        steps = self.steps if step is None else step
-        alpha = self.alpha(step)
+        alpha = self.alpha()
         a = (
             f"alpha {alpha:.3g} of {self.pretraining_tokens:.3g} pretraining tokens"
             if alpha is not None
             else "alpha n/a (set budget.pretraining_tokens)"
         )
-        return f"{steps:,} steps = {self.tokens(step):,} tokens = {a}"
+        return f"{self.steps:,} steps = {self.tokens():,} tokens = {a}"
 
 
 def _exact(x: float) -> Fraction:
@@ -67,10 +66,8 @@ def resolve_budget(cfg: BudgetConfig, tokens_per_step: int) -> Budget:
         steps = cfg.steps
     elif cfg.tokens is not None:
         steps = math.ceil(_exact(cfg.tokens) / tokens_per_step)
-    elif cfg.alpha is not None and cfg.pretraining_tokens:
+    else:  # alpha, with pretraining_tokens: the recipe's validation has refused anything else
         steps = math.ceil(_exact(cfg.alpha) * _exact(cfg.pretraining_tokens) / tokens_per_step)
-    else:  # load_recipe has already refused this
-        raise ValueError("budget needs steps, tokens, or alpha with pretraining_tokens")
     return Budget(max(1, steps), tokens_per_step, cfg.pretraining_tokens)
 
 
@@ -91,6 +88,3 @@ def lr_multiplier(step: int, total: int, warmup: int, min_ratio: float) -> float
         return 1.0
     progress = min(1.0, (step - warmup) / (total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-__all__ = ["Budget", "lr_multiplier", "resolve_budget", "warmup_steps"]

@@ -12,19 +12,20 @@ therefore writes and reads the pieces itself::
       optimizer.pt               torch.save of the optimizer state; read with torch.load(weights_only=True)
       scaler.json                fp16 only: the gradient scaler's numbers
       rng_state_<rank>.json      Python, NumPy, torch and accelerator RNG states, as numbers
-      trainer_state.json         gqakit's counters (:mod:`gqakit.uptrain.run_checkpoints`)
+      trainer_state.json         gqakit's counters (:class:`TrainState`), checked plain numbers
 
 Under FSDP the model and optimizer go through accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``
 with ``use_dcp=False``: per-rank ``torch.save`` files that ``load_fsdp_*`` read with
 ``torch.load(weights_only=True)``. DeepSpeed's checkpoints can only be read by DeepSpeed's unpickling
-loader, so gqakit does not checkpoint under DeepSpeed (:func:`deepspeed_problem`). The learning-rate
-schedule is a pure function of the step and needs no file.
+loader, so gqakit does not checkpoint under DeepSpeed (preflight refuses ``checkpoint.every`` there). The
+learning-rate schedule is a pure function of the step and needs no file.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,47 +35,82 @@ from safetensors.torch import load_model, save_model
 
 from gqakit.errors import GqakitError
 
+# The run directory: the final model at its root, with these beside it.
+PROVENANCE = "gqakit.json"  # written last: its presence marks a finished run
+CHECKPOINTS = "checkpoints"  # checkpoints/step-NNNNNNNN/, renamed into place whole
+STATE_FILE = "trainer_state.json"
+
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.pt"
 SCALER = "scaler.json"
-# What accelerate's save_state wrote (gqakit before pickle-free checkpoints): never read.
-LEGACY = ("optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")
 
 
 # The accelerators whose RNG states a checkpoint keeps besides the CPU's: name -> torch module.
 _ACCELERATOR_RNG = {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None)}
 
 
+@dataclass
+class TrainState:
+    """The loop's counters, saved in every checkpoint as JSON (``trainer_state.json``).
+
+    ``batches_seen`` is the data position: micro-batches this process has drawn, across epochs. It is
+    not rolled back with the weights, so a rollback goes on with fresh data.
+    """
+
+    step: int = 0
+    batches_seen: int = 0
+    lr_scale: float = 1.0
+    rollbacks: int = 0
+    skipped: int = 0
+    initial_val_ppl: float | None = None
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The newest complete checkpoint directory (``checkpoints/step-00000100``), or None."""
+    found = sorted((Path(output_dir) / CHECKPOINTS).glob("step-*"))
+    return found[-1] if found else None
+
+
+def _counter_ok(value: Any, default: Any) -> bool:
+    """A non-negative number of the counter's kind (an int where the default is one), or None."""
+    if value is None:
+        return default is None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return False
+    return isinstance(value, int) or not isinstance(default, int)
+
+
+def read_checkpoint_record(path: Path) -> dict[str, Any]:
+    """``trainer_state.json`` of the checkpoint ``path``, checked: the counters are plain numbers."""
+    file, want = path / STATE_FILE, vars(TrainState())
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        why = f"is not a gqakit training state (non-negative numbers under {', '.join(want)})"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data, why = None, f"cannot be read ({type(e).__name__}): the checkpoint is incomplete or damaged"
+    if isinstance(data, dict) and all(k in data and _counter_ok(data[k], d) for k, d in want.items()):
+        return data
+    raise GqakitError(
+        f"{file} {why}. Remove {path} to resume from the one before it, or start over without --resume."
+    )
+
+
 def rng_file(rank: int) -> str:
     return f"rng_state_{rank}.json"
-
-
-_NO_DEEPSPEED = (
-    "DeepSpeed's checkpoints can only be read back by DeepSpeed's own loader, which unpickles them (code "
-    "in a run directory would run), and gqakit never loads code from a run directory. Set "
-    "checkpoint.every=0 (no --resume, no rollback), or use recipes/accelerate/fsdp.yaml (sharded like "
-    "ZeRO-3, resumable)."
-)
-
-
-def deepspeed_problem(every: int) -> str | None:
-    """Why a DeepSpeed run cannot checkpoint every ``every`` steps (None when it does not try to)."""
-    return f"checkpoint.every={every} under DeepSpeed: {_NO_DEEPSPEED}" if every else None
 
 
 def _is(acc: Any, kind: str) -> bool:
     return acc.distributed_type.value == kind
 
 
-# ---------------------------------------------------------------------------------------------------
-# Writing (every process calls these; each writes its own part)
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------- Writing (every process calls these; each writes its own part)
 
 
-def save_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -> None:
-    """Write the model, optimizer, gradient scaler and this process's RNG state into ``directory``."""
-    if _is(acc, "DEEPSPEED"):
-        raise GqakitError(f"No resumable checkpoints under DeepSpeed: {_NO_DEEPSPEED}")
+def save_training_state(
+    acc: Any, model: Any, optimizer: Any, directory: Path, record: dict[str, Any]
+) -> None:
+    """Write the model, optimizer, gradient scaler and this process's RNG state into ``directory``, and
+    (main process) ``record``, the counters, as ``trainer_state.json``."""
     if _is(acc, "FSDP"):
         # deferred: accelerate takes seconds to import
         from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
@@ -87,6 +123,8 @@ def save_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -
         torch.save(optimizer.state_dict(), directory / OPTIMIZER)
     if acc.is_main_process and acc.scaler is not None:
         (directory / SCALER).write_text(json.dumps(acc.scaler.state_dict()))
+    if acc.is_main_process:
+        (directory / STATE_FILE).write_text(json.dumps(record))
     (directory / rng_file(acc.process_index)).write_text(json.dumps(rng_state()))
 
 
@@ -105,12 +143,13 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-# ---------------------------------------------------------------------------------------------------
-# Reading: safetensors, torch.load(weights_only=True) and JSON only
-# ---------------------------------------------------------------------------------------------------
+# ---------------------------------------- Reading: safetensors, torch.load(weights_only=True) and JSON only
 
 
-def _unreadable(directory: Path, name: str, why: str) -> GqakitError:
+def _unreadable(directory: Path, name: str, why: str, e: BaseException | None = None) -> GqakitError:
+    """The refusal of a checkpoint file: ``name`` ``why`` (with the first line of ``e``, when given)."""
+    if e is not None:
+        why += f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return GqakitError(
         f"The checkpoint {directory} could not be loaded safely: {name} {why}. gqakit loads checkpoints "
         "without running code from them; remove the checkpoint to resume from an earlier one, or start "
@@ -118,30 +157,18 @@ def _unreadable(directory: Path, name: str, why: str) -> GqakitError:
     )
 
 
-def required_files(acc: Any) -> list[str]:
-    """The files of a checkpoint that this process reads, besides ``trainer_state.json``."""
-    files = [rng_file(acc.process_index)]
-    if not _is(acc, "FSDP"):
-        files += [MODEL, OPTIMIZER]
-    if acc.scaler is not None:
-        files.append(SCALER)
-    return files
-
-
-def load_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -> None:
-    """Read back what :func:`save_training_state` wrote; any other file in ``directory`` is ignored."""
-    if _is(acc, "DEEPSPEED"):
-        raise GqakitError(f"No resumable checkpoints under DeepSpeed: {_NO_DEEPSPEED}")
-    missing = [n for n in required_files(acc) if not (directory / n).is_file()]
-    if missing:
-        legacy = [n for n in LEGACY if (directory / n).is_file()]
-        why = (
-            f"was written by an older gqakit in accelerate's pickle format ({', '.join(legacy)}), which "
-            "gqakit no longer reads: start over with --force"
-            if legacy
-            else "is incomplete: remove it to resume from the one before it, or start over with --force"
+def load_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -> dict[str, Any]:
+    """Read back what :func:`save_training_state` wrote, the counters first (checked: plain numbers) and
+    returned; any other file in ``directory`` is ignored."""
+    record = read_checkpoint_record(directory)
+    # the files this process reads, besides trainer_state.json
+    files = [rng_file(acc.process_index), *([] if _is(acc, "FSDP") else [MODEL, OPTIMIZER])]
+    missing = [n for n in files + ([SCALER] if acc.scaler else []) if not (directory / n).is_file()]
+    if missing:  # (accelerate's pickled files, which a checkpoint of another tool may hold, are never read)
+        raise GqakitError(
+            f"The checkpoint {directory} lacks {', '.join(missing)}: it is incomplete. Remove it to resume "
+            "from the one before it, or start over with --force."
         )
-        raise GqakitError(f"The checkpoint {directory} lacks {', '.join(missing)}: it {why}.")
     if _is(acc, "FSDP"):
         # deferred: accelerate takes seconds to import
         from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
@@ -151,29 +178,25 @@ def load_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -
             load_fsdp_model(plugin, acc, model, str(directory), use_dcp=False)
             load_fsdp_optimizer(plugin, acc, optimizer, model, str(directory), use_dcp=False)
         except Exception as e:  # a missing file, or torch refusing a pickle with code in it
-            first = str(e).splitlines()[0] if str(e) else ""
-            why = f"cannot be read as plain tensors ({type(e).__name__}: {first})"
-            raise _unreadable(directory, "the FSDP model or optimizer files", why) from None
+            raise _unreadable(directory, "the FSDP model or optimizer files", "cannot be read", e) from None
     else:
         try:
             load_model(acc.unwrap_model(model), str(directory / MODEL))
         except Exception as e:
-            raise _unreadable(directory, MODEL, f"is not a safetensors file of this model ({e})") from None
+            raise _unreadable(directory, MODEL, "is not a safetensors file of this model", e) from None
         try:
             state = torch.load(directory / OPTIMIZER, map_location="cpu", weights_only=True)
             optimizer.load_state_dict(state)
         except Exception as e:  # torch refuses a pickle with code in it: UnpicklingError and friends
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise _unreadable(
-                directory, OPTIMIZER, f"is not plain optimizer state ({type(e).__name__}: {first})"
-            ) from None
+            raise _unreadable(directory, OPTIMIZER, "is not plain optimizer state", e) from None
     if acc.scaler is not None:
         acc.scaler.load_state_dict(_json(directory, SCALER))
     name = rng_file(acc.process_index)
     try:
         set_rng_state(_json(directory, name))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise _unreadable(directory, name, f"is not what gqakit writes ({type(e).__name__}: {e})") from None
+        raise _unreadable(directory, name, "is not what gqakit writes", e) from None
+    return record
 
 
 def _json(directory: Path, name: str) -> Any:
@@ -194,17 +217,3 @@ def set_rng_state(state: Any) -> None:
     for kind, module in _ACCELERATOR_RNG.items():
         if module is not None and module.is_available() and kind in state:
             module.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state[kind]])
-
-
-__all__ = [
-    "MODEL",
-    "OPTIMIZER",
-    "SCALER",
-    "deepspeed_problem",
-    "load_training_state",
-    "required_files",
-    "rng_file",
-    "rng_state",
-    "save_training_state",
-    "set_rng_state",
-]

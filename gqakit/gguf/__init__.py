@@ -1,22 +1,6 @@
-"""GGUF files: reading their header, and exporting gqakit's checkpoints for llama.cpp.
+"""GGUF files: reading their header (:mod:`.header`), exporting gqakit's checkpoints for llama.cpp
+(:mod:`.export`), and reading a ``.gguf`` as a checkpoint (:mod:`.dequantize`, :mod:`.readback`).
 
-``export_gguf(src, dst, out_type)`` writes a checkpoint (MHA, GQA or MQA) with its tokenizer as a GGUF
-file llama.cpp loads; ``read_gguf_header(path)`` reads a GGUF's geometry without touching its weights.
+The package imports nothing itself: each family's GGUF layout (:mod:`.arch`) is part of
+:data:`gqakit.families.FAMILIES`, which the rest of this package reads.
 """
-
-from gqakit.gguf.arch import ARCHS, get_arch
-from gqakit.gguf.export import ExportResult, export_gguf
-from gqakit.gguf.header import GgufHeader, read_gguf_header
-from gqakit.gguf.tensors import OUT_TYPES, ggml_to_hf_rotary, hf_to_ggml_rotary
-
-__all__ = [
-    "ARCHS",
-    "OUT_TYPES",
-    "ExportResult",
-    "GgufHeader",
-    "export_gguf",
-    "get_arch",
-    "ggml_to_hf_rotary",
-    "hf_to_ggml_rotary",
-    "read_gguf_header",
-]

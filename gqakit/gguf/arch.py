@@ -1,28 +1,21 @@
-"""Which GGUF architecture each Hugging Face family becomes, and the metadata llama.cpp reads for it.
+"""How a Hugging Face family is laid out in GGUF, and the metadata llama.cpp reads for it.
 
-One :class:`GgufArch` per ``config.model_type``; adding a family is adding an entry to :data:`ARCHS`.
-The key names are gguf-py's ``gguf.Keys`` templates (the GGUF spec as llama.cpp ships it), and what each
-family needs beyond the common keys follows what llama.cpp's loader reads for that architecture
-(``src/models/<arch>.cpp``: ``load_arch_hparams``) and what its ``convert_hf_to_gguf.py`` writes.
+Each family's :class:`GgufArch` is part of its entry in :data:`gqakit.families.FAMILIES`. The key names are
+gguf-py's ``gguf.Keys`` templates (the GGUF spec as llama.cpp ships it), and what each family needs beyond
+the common keys follows what llama.cpp's loader reads for that architecture (``src/models/<arch>.cpp``:
+``load_arch_hparams``) and what its ``convert_hf_to_gguf.py`` writes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFValueType, Keys
 
-from gqakit.errors import GqakitError, did_you_mean
-from gqakit.gguf.arch_gemma import (
-    attention_scale_check,
-    gemma3_rename,
-    gemma3_text_view,
-    softcap_check,
-    swa_pattern,
-)
-from gqakit.gguf.arch_layernorm import bigcode_view, gelu_only, gelu_problem
+from gqakit.errors import GqakitError
 
 if TYPE_CHECKING:
     import torch
@@ -53,11 +46,6 @@ def rope(cfg: Config, layer_kind: str = "full_attention") -> dict[str, Any]:
     return out
 
 
-def rotary_dims(cfg: Config) -> int:
-    frac = cfg.get("partial_rotary_factor") or rope(cfg).get("partial_rotary_factor") or 1.0
-    return int(head_dim(cfg) * float(frac))
-
-
 @dataclass(frozen=True)
 class HParam:
     """One GGUF metadata key and how to read its value from ``config.json``.
@@ -67,7 +55,7 @@ class HParam:
         vtype: the GGUF value type (arrays: the element type).
         get: config -> value; ``None`` means the config does not state it and the key is not written.
         required: a config without it cannot be exported (every missing one is reported at once).
-        config_name: the Hugging Face field, named in errors and used by the header reader to map back.
+        config_name: the Hugging Face field, named in errors.
     """
 
     key: str
@@ -77,12 +65,12 @@ class HParam:
     config_name: str = ""
 
 
-def _field(name: str) -> Callable[[Config], Any]:
+def field_of(name: str) -> Callable[[Config], Any]:
     return lambda cfg: cfg.get(name)
 
 
 def _required(key: str, vtype: GGUFValueType, name: str) -> HParam:
-    return HParam(key, vtype, _field(name), required=True, config_name=name)
+    return HParam(key, vtype, field_of(name), required=True, config_name=name)
 
 
 # Every family: the keys llama.cpp's common loader (llama_model::load_hparams) reads for a transformer.
@@ -102,7 +90,7 @@ COMMON: tuple[HParam, ...] = (
     # stated explicitly: llama.cpp otherwise derives hidden / heads, wrong for gemma's head_dim 256
     HParam(Keys.Attention.KEY_LENGTH, _U32, head_dim, config_name="head_dim"),
     HParam(Keys.Attention.VALUE_LENGTH, _U32, head_dim, config_name="head_dim"),
-    HParam(Keys.Rope.DIMENSION_COUNT, _U32, rotary_dims),
+    # Keys.Rope.DIMENSION_COUNT: from the family's rotary width (gqakit.families.rotary_dims), see metadata
     HParam(Keys.Rope.FREQ_BASE, _F32, lambda c: rope(c).get("rope_theta"), config_name="rope_theta"),
     _required(Keys.Attention.LAYERNORM_RMS_EPS, _F32, "rms_norm_eps"),
 )
@@ -113,23 +101,11 @@ COMMON_LAYERNORM: tuple[HParam, ...] = (
 )
 
 
-def _sliding_window_check(cfg: Config) -> str | None:
-    # llama.cpp's llama architecture has no sliding window: mistral v0.1's 4096-token window is not applied.
-    window, ctx = cfg.get("sliding_window"), cfg.get("max_position_embeddings") or 0
-    if window and window < ctx:
-        return (
-            f"sliding_window={window} is smaller than the context ({ctx}): llama.cpp's llama architecture "
-            f"attends to all tokens, so outputs differ from transformers' beyond {window} tokens."
-        )
-    return None
-
-
 @dataclass(frozen=True)
 class GgufArch:
     """How one Hugging Face family is laid out in GGUF.
 
     Attributes:
-        model_type: ``config.model_type``.
         arch: the gguf-py architecture; its name is ``general.architecture``.
         permute_qk: llama.cpp applies "normal" rotary to this architecture (pairs of adjacent channels,
             ``llama_model_rope_type``), while Hugging Face's checkpoints are laid out for ``rotate_half``
@@ -154,9 +130,10 @@ class GgufArch:
             head per query head (gpt_bigcode without ``multi_query``); llama.cpp reads ``q | k | v``.
         rename: a checkpoint tensor name -> the name the text model has, or None for a tensor the GGUF
             leaves out (the multimodal Gemma 3's vision tower, which llama.cpp reads from an mmproj file).
+        wide_layers: the layer count at which llama.cpp scales queries by 1/sqrt(hidden / heads) instead
+            of 1/sqrt(head_dim) (gemma2 and gemma3: their 27B model's, which it recognises by it).
     """
 
-    model_type: str
     arch: MODEL_ARCH
     permute_qk: bool = False
     norm_plus_one: bool = False
@@ -170,6 +147,7 @@ class GgufArch:
     qkv_per_head: bool = False
     problems: tuple[Callable[[Config], str | None], ...] = ()
     rename: Callable[[str], str | None] | None = None
+    wide_layers: int | None = None
 
     def config(self, cfg: Config) -> Config:
         """``cfg`` under the names the common keys read."""
@@ -185,101 +163,22 @@ class GgufArch:
         return COMMON_LAYERNORM if self.layer_norm else COMMON
 
 
-_GEMMA2_KEYS = (
-    HParam(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, _F32, _field("attn_logit_softcapping")),
-    HParam(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _F32, _field("final_logit_softcapping")),
-    HParam(Keys.Attention.SLIDING_WINDOW, _U32, _field("sliding_window"), config_name="sliding_window"),
-    HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, swa_pattern(2)),
-)
-_GEMMA3_KEYS = (
-    HParam(Keys.Attention.SLIDING_WINDOW, _U32, _field("sliding_window"), config_name="sliding_window"),
-    HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, swa_pattern(6)),
-    # local layers rotate with their own base (10k), global ones with rope_theta (1M)
-    HParam(Keys.Rope.FREQ_BASE_SWA, _F32, lambda c: rope(c, "sliding_attention").get("rope_theta")),
-    HParam(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _F32, _field("final_logit_softcapping")),
-)
-# Every form of Gemma 3 config (legacy names, multimodal) is read as transformers 5's text config.
-_GEMMA3: dict[str, Any] = dict(
-    arch=MODEL_ARCH.GEMMA3,
-    norm_plus_one=True,
-    hparams=_GEMMA3_KEYS,
-    layer_kinds=("full_attention", "sliding_attention"),
-    checks=(attention_scale_check,),
-    view=gemma3_text_view,
-)
-_PHI3_KEYS = (
-    HParam(Keys.Rope.SCALING_ORIG_CTX_LEN, _U32, _field("original_max_position_embeddings")),
+def sliding_window_check(cfg: Config) -> str | None:
+    """A warning for a sliding window llama.cpp's llama architecture does not apply (mistral v0.1's)."""
+    window, ctx = cfg.get("sliding_window"), cfg.get("max_position_embeddings") or 0
+    if window and window < ctx:
+        return (
+            f"sliding_window={window} is smaller than the context ({ctx}): llama.cpp's llama architecture "
+            f"attends to all tokens, so outputs differ from transformers' beyond {window} tokens."
+        )
+    return None
+
+
+PHI3_KEYS = (
+    HParam(Keys.Rope.SCALING_ORIG_CTX_LEN, _U32, field_of("original_max_position_embeddings")),
     # llama.cpp reads 0 as "no window" (phi-4); phi-3's window is read but disabled by llama.cpp
     HParam(Keys.Attention.SLIDING_WINDOW, _U32, lambda c: c.get("sliding_window") or 0),
 )
-
-
-ARCHS: dict[str, GgufArch] = {
-    a.model_type: a
-    for a in (
-        GgufArch("llama", MODEL_ARCH.LLAMA, permute_qk=True),
-        # convert_hf_to_gguf.py writes MistralForCausalLM as the llama architecture
-        GgufArch("mistral", MODEL_ARCH.LLAMA, permute_qk=True, checks=(_sliding_window_check,)),
-        GgufArch("qwen2", MODEL_ARCH.QWEN2),
-        GgufArch("gemma", MODEL_ARCH.GEMMA, norm_plus_one=True, has_output=False),
-        GgufArch(
-            "gemma2",
-            MODEL_ARCH.GEMMA2,
-            norm_plus_one=True,
-            has_output=False,
-            hparams=_GEMMA2_KEYS,
-            checks=(attention_scale_check, softcap_check),
-        ),
-        # registered before gemma3 so that a gemma3 GGUF reads back as this text model
-        GgufArch("gemma3_text", **_GEMMA3),
-        # the multimodal Gemma 3 (4B and up): its text model, as convert_hf_to_gguf.py writes it
-        GgufArch("gemma3", **_GEMMA3, rename=gemma3_rename),
-        GgufArch("phi3", MODEL_ARCH.PHI3, hparams=_PHI3_KEYS),
-        # phi (and GPT-NeoX / Pythia, which convert into phi): LayerNorm, biases, partial NeoX-style
-        # rotary, lm_head with a bias; llama.cpp's phi2 graph reads n_head_kv (GQA/MQA) and takes q/k/v
-        # as separate tensors or fused.
-        GgufArch(
-            "phi",
-            MODEL_ARCH.PHI2,
-            layer_norm=True,
-            output_required=True,  # a tied phi (e.g. from a tied GPT-NeoX) gets output.weight written
-            checks=(gelu_only("hidden_act"),),
-            problems=(gelu_problem("hidden_act"),),
-        ),
-        # gpt_bigcode (and GPT-2 / OPT, which convert into it): learned positions, LayerNorm, fused c_attn;
-        # llama.cpp's starcoder graph reads n_head_kv, so MQA keeps its one K/V head.
-        GgufArch(
-            "gpt_bigcode",
-            MODEL_ARCH.STARCODER,
-            layer_norm=True,
-            view=bigcode_view,
-            qkv_per_head=True,
-            checks=(gelu_only("activation_function"),),
-            problems=(gelu_problem("activation_function"),),
-        ),
-    )
-}
-
-# GGUF architecture name -> Hugging Face model_type, for reading a header back. The first family
-# registered for an architecture wins (a mistral exports as llama and reads back as llama); a few
-# architectures outside the export table are named here so that inspect can still name them.
-ARCH_TO_MODEL_TYPE: dict[str, str] = {
-    "command-r": "cohere",
-    "gptneox": "gpt_neox",
-}
-for _a in ARCHS.values():
-    ARCH_TO_MODEL_TYPE.setdefault(_a.name, _a.model_type)
-
-
-def get_arch(model_type: str) -> GgufArch:
-    """The export rules for ``model_type``, or a :class:`GqakitError` naming the supported families."""
-    if model_type in ARCHS:
-        return ARCHS[model_type]
-    hint = did_you_mean(model_type, list(ARCHS))
-    raise GqakitError(
-        f"model_type {model_type!r} cannot be exported to GGUF: gqakit does not know llama.cpp's layout "
-        f"for it.{hint} Supported families: {', '.join(sorted(ARCHS))}."
-    )
 
 
 # Rotary scaling: rope_type -> the metadata it needs. A type missing here is refused rather than
@@ -295,8 +194,9 @@ ROPE_KEYS: dict[str, Callable[[dict[str, Any]], list[tuple[str, GGUFValueType, A
 }
 
 
-def rope_freq_factors(cfg: Config) -> torch.Tensor | None:
-    """For llama3 rotary scaling, the ``rope_freqs`` tensor: plain inverse frequency / scaled one.
+def rope_freq_factors(cfg: Config, dims: int) -> torch.Tensor | None:
+    """For llama3 rotary scaling, the ``rope_freqs`` tensor: plain inverse frequency / scaled one (``dims``:
+    the rotary channels of a head).
 
     llama.cpp divides each rotary frequency by this factor. The scaled frequencies come from transformers'
     own llama3 rule, so the GGUF rotates exactly as the Hugging Face model does.
@@ -310,14 +210,17 @@ def rope_freq_factors(cfg: Config) -> torch.Tensor | None:
 
     kw = {k: v for k, v in cfg.items() if k != "model_type"}
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.for_model(cfg["model_type"], **kw), "cpu")
-    dims = rotary_dims(cfg)
     theta = float(rope(cfg)["rope_theta"])
     plain = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
     return (plain / scaled.double()).float()
 
 
-def metadata(arch: GgufArch, cfg: Config) -> tuple[list[tuple[str, GGUFValueType, Any]], list[str]]:
-    """The architecture's metadata as ``(key, type, value)``, and warnings; every problem raised at once."""
+def metadata(
+    arch: GgufArch, cfg: Config, rotary_dims: int
+) -> tuple[list[tuple[str, GGUFValueType, Any]], list[str]]:
+    """The architecture's metadata as ``(key, type, value)``, and warnings; every problem raised at once.
+    ``rotary_dims``: the rotary channels of a head, which the family decides
+    (:func:`gqakit.families.rotary_dims`)."""
     missing = [p.config_name for p in arch.common + arch.hparams if p.required and p.get(cfg) is None]
     problems = [f"config.json lacks {name!r}" for name in missing]
     problems += [p for problem in arch.problems if (p := problem(cfg))]
@@ -330,12 +233,43 @@ def metadata(arch: GgufArch, cfg: Config) -> tuple[list[tuple[str, GGUFValueType
     if any(r["rope_type"] != "default" for r in rotary[1:]):
         problems.append("sliding layers must use default rotary: llama.cpp scales only full-attention ones")
     if problems:
-        raise GqakitError(f"Cannot export this {arch.model_type} checkpoint to GGUF: {'; '.join(problems)}.")
-    out = []
+        what = cfg.get("model_type")
+        raise GqakitError(f"Cannot export this {what} checkpoint to GGUF: {'; '.join(problems)}.")
+    out = [(Keys.Rope.DIMENSION_COUNT.format(arch=arch.name), _U32, rotary_dims)]
     for p in arch.common + arch.hparams:
         value = p.get(cfg)
         if value is not None:
             out.append((p.key.format(arch=arch.name), p.vtype, value))
     out += [(k.format(arch=arch.name), t, v) for k, t, v in ROPE_KEYS[rotary[0]["rope_type"]](rotary[0])]
-    warnings = [w for check in arch.checks if (w := check(cfg))]
+    # the query scale is checked where llama.cpp has a rule of its own (gemma2, gemma3)
+    scale = (partial(attention_scale_check, arch),) if arch.wide_layers else ()
+    warnings = [w for check in (*arch.checks, *scale) if (w := check(cfg))]
     return out, warnings
+
+
+def llama_cpp_query_scalar(arch: GgufArch | None, layers: int, hidden: int, heads: int, head_dim: int) -> int:
+    """The ``query_pre_attn_scalar`` llama.cpp applies to a model of ``arch`` (gemma2 / gemma3), whatever
+    it states.
+
+    llama.cpp scales queries by 1/sqrt(head_dim), or by 1/sqrt(hidden/heads) when the layer count is the
+    27B model's (``llama_model::load_hparams``; :attr:`GgufArch.wide_layers`): right for every released
+    Gemma, not for other shapes.
+    """
+    wide = arch is not None and layers == arch.wide_layers
+    return hidden // heads if wide else head_dim
+
+
+def attention_scale_check(arch: GgufArch, cfg: Config) -> str | None:
+    """A warning when llama.cpp will scale attention otherwise than ``query_pre_attn_scalar`` says."""
+    scalar = cfg.get("query_pre_attn_scalar")
+    if scalar is None:
+        return None
+    layers, hidden, heads = int(cfg["num_hidden_layers"]), cfg["hidden_size"], cfg["num_attention_heads"]
+    used = llama_cpp_query_scalar(arch, layers, hidden, heads, head_dim(cfg))
+    if int(scalar) != used:
+        rule = "hidden/heads" if layers == arch.wide_layers else "head_dim"
+        return (
+            f"query_pre_attn_scalar={scalar}, but llama.cpp scales attention of this {layers}-layer model by "
+            f"1/sqrt({used}) ({rule}), so its logits will differ from transformers'."
+        )
+    return None

@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from gguf import MODEL_ARCH, GGUFValueType, Keys
+
 from gqakit.errors import GqakitError
+from gqakit.gguf.arch import GgufArch, HParam, field_of, rope
 
 Config = dict[str, Any]
 
-# The layer counts of the 27B gemma2 / gemma3 models, which llama.cpp recognises by them.
-_WIDTH_SCALED_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 # The multimodal Gemma 3's text weights, under the names the text model has (transformers 4.5x saves
 # ``language_model.model.*``; 5.x loads ``model.language_model.*`` as well), and what is not text.
 GEMMA3_TEXT_RENAMES: tuple[tuple[str, str], ...] = (
@@ -39,34 +40,6 @@ GEMMA3_NOT_TEXT: tuple[str, ...] = (
     "multi_modal_projector.",
     "model.multi_modal_projector.",
 )
-
-
-def llama_cpp_query_scalar(model_type: str, layers: int, hidden: int, heads: int, head_dim: int) -> int:
-    """The ``query_pre_attn_scalar`` llama.cpp applies to a gemma2 / gemma3 model, whatever it states.
-
-    llama.cpp scales queries by 1/sqrt(head_dim), or by 1/sqrt(hidden/heads) when the layer count is the
-    27B model's (``llama_model::load_hparams``): right for every released Gemma, not for other shapes.
-    """
-    wide = layers == _WIDTH_SCALED_LAYERS.get(model_type)
-    return hidden // heads if wide else head_dim
-
-
-def attention_scale_check(cfg: Config) -> str | None:
-    """A warning when llama.cpp will scale attention otherwise than ``query_pre_attn_scalar`` says."""
-    scalar = cfg.get("query_pre_attn_scalar")
-    if scalar is None:
-        return None
-    layers, hidden, heads = int(cfg["num_hidden_layers"]), cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    used = llama_cpp_query_scalar(str(cfg.get("model_type")), layers, hidden, heads, head_dim)
-    if int(scalar) != used:
-        wide = layers == _WIDTH_SCALED_LAYERS.get(str(cfg.get("model_type")))
-        return (
-            f"query_pre_attn_scalar={scalar}, but llama.cpp scales attention of this {layers}-layer model by "
-            f"1/sqrt({used}) ({'hidden/heads' if wide else 'head_dim'}), so its logits will differ from "
-            "transformers'."
-        )
-    return None
 
 
 def softcap_check(cfg: Config) -> str | None:
@@ -102,28 +75,29 @@ def swa_pattern(default_period: int) -> Callable[[Config], list[bool] | None]:
 
 
 def gemma3_text_view(cfg: Config) -> Config:
-    """A Gemma 3 config (any form in the module docstring) as the text model's, in transformers 5's names.
+    """A Gemma 3 text config (either form in the module docstring) in transformers 5's names.
 
     Without this a legacy config exported its sliding layers with the full-attention base (1M instead of
     10k: ``rope_local_base_freq`` was not read), refused its linear scaling as if it applied to sliding
-    layers too, and lost a ``sliding_window_pattern`` other than llama.cpp's 6; a multimodal one was not
-    exported at all.
+    layers too, and lost a ``sliding_window_pattern`` other than llama.cpp's 6.
     """
     # deferred: transformers takes seconds to import, and only gemma3 exports need its config class
     from transformers import Gemma3TextConfig
 
-    multimodal = cfg.get("model_type") == "gemma3"
-    text = dict((cfg.get("text_config") or {}) if multimodal else cfg)
-    text.pop("model_type", None)
+    text = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
-        out = Gemma3TextConfig.from_dict(text).to_dict()
+        return Gemma3TextConfig.from_dict(text).to_dict()
     except Exception as e:  # transformers' validation: ValueError, TypeError, huggingface_hub's strict errors
         reason = " ".join(str(e).split())  # one line: the strict validators' messages span several
         raise GqakitError(f"This Gemma 3 config is not one transformers can load: {reason}") from None
-    if multimodal:
-        # the multimodal model ties its lm_head by its own flag (Gemma3Config's default: tied), not the
-        # text config's
-        out["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
+
+
+def gemma3_multimodal_view(cfg: Config) -> Config:
+    """The multimodal Gemma 3's text model config (its ``text_config``, often sparse)."""
+    out = gemma3_text_view(cfg.get("text_config") or {})
+    # the multimodal model ties its lm_head by its own flag (Gemma3Config's default: tied), not the text
+    # config's
+    out["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
     return out
 
 
@@ -135,3 +109,38 @@ def gemma3_rename(hf_name: str) -> str | None:
         if hf_name.startswith(old):
             return new + hf_name[len(old) :]
     return hf_name
+
+
+_U32, _F32, _BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
+_WINDOW = HParam(
+    Keys.Attention.SLIDING_WINDOW, _U32, field_of("sliding_window"), config_name="sliding_window"
+)
+GEMMA2 = GgufArch(
+    MODEL_ARCH.GEMMA2,
+    norm_plus_one=True,
+    has_output=False,  # llama.cpp's gemma and gemma2 always project with token_embd
+    wide_layers=46,
+    hparams=(
+        HParam(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, _F32, field_of("attn_logit_softcapping")),
+        HParam(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _F32, field_of("final_logit_softcapping")),
+        _WINDOW,
+        HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, swa_pattern(2)),
+    ),
+    checks=(softcap_check,),
+)
+# Every form of Gemma 3 config (legacy names; the multimodal one with its own view) is read as
+# transformers 5's text config.
+GEMMA3 = GgufArch(
+    MODEL_ARCH.GEMMA3,
+    norm_plus_one=True,
+    hparams=(
+        _WINDOW,
+        HParam(Keys.Attention.SLIDING_WINDOW_PATTERN, _BOOL, swa_pattern(6)),
+        # local layers rotate with their own base (10k), global ones with rope_theta (1M)
+        HParam(Keys.Rope.FREQ_BASE_SWA, _F32, lambda c: rope(c, "sliding_attention").get("rope_theta")),
+        HParam(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _F32, field_of("final_logit_softcapping")),
+    ),
+    layer_kinds=("full_attention", "sliding_attention"),
+    wide_layers=62,
+    view=gemma3_text_view,
+)

@@ -13,26 +13,28 @@ fingerprint and the reader's version; in a subfolder, which neither a checkpoint
 conversion's copy of the small files takes in). Each time a copy is written or reused, the copies it
 supersedes are removed: those of the same file (by that record) from before it changed or from an older
 reader, those whose recorded file is gone (orphans), and copies an older gqakit wrote without a record
-(see :func:`superseded`). A copy that another process is dequantizing into holds its lock and is kept,
+(see :func:`remove_superseded`). A copy that another process is dequantizing into holds its lock and is kept,
 and so is one that another process was handed and may still open: each process holds the copies it gets
-in use until it exits (:func:`gqakit.cache_copies.in_use`).
+in use until it exits (:func:`gqakit.storage.in_use`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gqakit import cache_copies
-from gqakit.cache_copies import CopyKind, superseded_by_record, write_record
+from gqakit import storage
 from gqakit.errors import GqakitError
-from gqakit.files import cache_root, fingerprint, writable_cache
 from gqakit.gguf.readback import gguf_config
-from gqakit.locks import one_at_a_time
-from gqakit.outputs import atomic_output_dir
+from gqakit.storage import (
+    CopyKind,
+    atomic_output_dir,
+    cache_root,  # noqa: F401 - where the copies are, read by tests
+    fingerprint,
+    write_record,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -91,26 +93,14 @@ def dequantize_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None = 
 
 def cache_name(path: Path) -> str:
     """The cached copy's folder name: the file's stem and fingerprint, and the reader's version."""
-    return _name(path, fingerprint(path))
-
-
-def _name(path: Path, fp: str) -> str:
-    return f"{path.stem}-{fp}-r{READER_VERSION}"
-
-
-def _record(path: Path, fp: str) -> dict[str, Any]:
-    """The :data:`SOURCE_RECORD` of the copy of ``path`` (resolved) at fingerprint ``fp``."""
-    return {"source": str(path), "fingerprint": fp, "reader": READER_VERSION}
+    return storage.copy_name(_COPIES, path, fingerprint(path))
 
 
 def dequantized_gguf(gguf_path: str | Path) -> Path:
-    """A ``.gguf`` model as a checkpoint directory, dequantized once and cached.
-
-    Later calls return the cached directory at once. Each call, whether it writes the copy or reuses it,
-    then removes the copies it supersedes (:func:`superseded`) that no other process holds (a listing and
-    a few small records when there are none); failing to remove one only logs a warning. The copy
-    returned is held in use until this process exits, so that no other process removes it
-    (:func:`gqakit.cache_copies.in_use`).
+    """A ``.gguf`` model as a checkpoint directory, dequantized once and cached, and held in use until
+    this process exits (:func:`gqakit.storage.cached_copy`). Later calls return the cached directory at
+    once; each call, whether it writes the copy or reuses it, then removes the copies it supersedes
+    (:func:`remove_superseded`: a listing and a few small records when there are none).
 
     Args:
         gguf_path: the ``.gguf`` file.
@@ -118,87 +108,31 @@ def dequantized_gguf(gguf_path: str | Path) -> Path:
     Returns:
         The cached checkpoint directory.
     """
-    return cache_copies.in_use(lambda: _dequantized(gguf_path), _complete)
-
-
-def _complete(copy: Path) -> bool:
-    return (copy / "config.json").is_file()
-
-
-def _dequantized(gguf_path: str | Path) -> Path:
-    """:func:`dequantized_gguf`'s copy, found or written, before it is held in use."""
     path = Path(gguf_path).expanduser().resolve()
-    fp = fingerprint(path)
-    out = writable_cache(cache_root() / CACHE) / _name(path, fp)
-    if not (out / "config.json").is_file():
 
-        def waiting(owner: str) -> None:
-            log.warning("waiting for %s, which is dequantizing %s into %s", owner, path.name, out)
+    def build(out: Path, record: dict[str, Any]) -> None:
+        with atomic_output_dir(out, force=True) as tmp:
+            dequantize_gguf(path, tmp)
+            write_record(tmp / SOURCE_RECORD, record)
 
-        # a second command on the same .gguf waits for the first's copy instead of writing its own over it
-        with one_at_a_time(out.parent / f".{out.name}.lock", waiting):
-            if not (out / "config.json").is_file():
-                with atomic_output_dir(out, force=True) as tmp:
-                    dequantize_gguf(path, tmp)
-                    write_record(tmp / SOURCE_RECORD, _record(path, fp))
-    # on reuse too: a copy kept while another process held it goes once none does
-    remove_superseded(path, out)
-    return out
-
-
-def superseded(path: Path, fp: str, copy: Path) -> bool:
-    """Whether ``copy``, a folder in the cache, is superseded by the current copy of ``path``.
-
-    A copy with a record is superseded when it records ``path`` (resolved) and either another fingerprint
-    (the file has changed since) or an older reader. So is an orphan, whatever file it records: one whose
-    recorded file no longer exists (:func:`gqakit.cache_copies.orphaned`); nothing asks for it again
-    unless that file reappears, which costs a dequantization. A copy that a newer gqakit wrote (a later
-    reader) is left to that gqakit.
-
-    A copy without a record cannot be matched to its file, only to the file's stem: it is superseded
-    when its name is exactly ``<stem>-<16 hex digits>`` (before reader 2) or ``<stem>-<16 hex>-r<N>``
-    with N older than this reader. Every copy this reader (3 and up) writes has a record, so a copy
-    without one is an older gqakit's, which this gqakit never opens: removing it costs no later command
-    a dequantization, even where it belonged to another file with the same stem in another directory
-    (that file's current copy, with its record, is never touched). A copy without a record named with
-    this reader's version or a newer one is kept. An unreadable record keeps its copy.
-
-    Args:
-        path: the ``.gguf`` file, resolved.
-        fp: its fingerprint now.
-        copy: a folder of the cache other than the current copy.
-    """
-
-    def legacy() -> bool:
-        match = re.fullmatch(re.escape(path.stem) + r"-[0-9a-f]{16}(?:-r(\d+))?", copy.name)
-        return match is not None and int(match.group(1) or 1) < READER_VERSION
-
-    return superseded_by_record(copy / SOURCE_RECORD, _record(path, fp), "reader", legacy)
+    return storage.cached_copy(_COPIES, path, build, f"dequantizing {path.name} into {{copy}}")
 
 
 def remove_superseded(path: Path, current: Path) -> list[Path]:
-    """Remove the copies in ``current``'s cache folder that its copy of ``path`` supersedes.
+    """Remove the copies in ``current``'s cache folder that its copy of ``path`` supersedes, by the rules of
+    :func:`gqakit.storage.sweep` (the reader's version is the writer's), and return them.
 
-    Nothing is removed when ``path`` has changed again since ``current`` was dequantized (the copy of
-    its new contents removes the others). A copy whose lock another process holds (it is dequantizing
-    into that folder), or that another process holds in use, is kept. Each removal is logged with its
-    size; a failure is logged as a warning, never raised.
+    A copy without a record cannot be matched to its file, only to the file's stem (``_COPIES.legacy``).
+    Every copy this reader (3 and up) writes has a record, so a copy without one is an older gqakit's,
+    which this gqakit never opens: removing it costs no later command a dequantization, even where it
+    belonged to another file with the same stem in another directory (that file's current copy, with its
+    record, is never touched).
 
     Args:
         path: the ``.gguf`` file, resolved.
         current: its cached copy, just written or reused.
-
-    Returns:
-        The copies removed.
     """
-
-    def candidates() -> list[Path]:
-        fp = fingerprint(path)
-        if _name(path, fp) != current.name:
-            return []
-        return [p for p in cache_copies.siblings(current, "*", Path.is_dir) if superseded(path, fp, p)]
-
-    return cache_copies.remove_superseded(_COPIES, path.name, current, candidates)
+    return storage.sweep(_COPIES, path, current)
 
 
 def _remove_copy(copy: Path) -> int | None:
@@ -212,7 +146,11 @@ def _remove_copy(copy: Path) -> int | None:
     return size
 
 
-# how cache_copies.remove_superseded names the copies in messages and removes one
+def _complete(copy: Path) -> bool:
+    return (copy / "config.json").is_file()
+
+
+# the cache's copies: how storage.remove_superseded names them in messages and removes one
 _COPIES = CopyKind(
     ("copy", "copies"),
     "a dequantized copy",
@@ -220,6 +158,12 @@ _COPIES = CopyKind(
     _remove_copy,
     lambda c: f"rm -rf {c}",
     lambda c: c / SOURCE_RECORD,
+    folder=CACHE,
+    complete=_complete,
+    version_key="reader",
+    version=lambda: READER_VERSION,
+    name="{stem}-{fp}-r{version}",
+    legacy=r"{stem}-[0-9a-f]{{16}}(?:-r(\d+))?",  # before reader 2: <stem>-<16 hex digits>
 )
 
 
@@ -227,16 +171,3 @@ def local_model(src: str) -> str:
     """``src`` as ``from_pretrained`` takes it: a ``.gguf`` file becomes its cached dequantized
     directory (:func:`dequantized_gguf`); a directory or hub id is returned as given."""
     return str(dequantized_gguf(src)) if is_gguf(src) else src
-
-
-__all__ = [
-    "CACHE",
-    "SOURCE_RECORD",
-    "cache_name",
-    "dequantize_gguf",
-    "dequantized_gguf",
-    "is_gguf",
-    "local_model",
-    "remove_superseded",
-    "superseded",
-]

@@ -9,24 +9,25 @@ near one tensor. The file appears under its name only when complete.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from gqakit import __version__
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
+from gqakit.console import progress as progress_bar
 from gqakit.errors import GqakitError
-from gqakit.gguf.arch import GgufArch, get_arch, metadata, rope_freq_factors
+from gqakit.families import get_arch, rotary_dims
+from gqakit.gguf.arch import GgufArch, metadata, rope_freq_factors
 from gqakit.gguf.readback import RECORDED_CONFIG, recorded_config
 from gqakit.gguf.tensors import OUT_TYPES, GgufTensor, check_out_type, plan_tensors, rope_freqs_tensor
 from gqakit.gguf.vocab import Vocab, load_vocab
+from gqakit.storage import atomic_write
 
 # Raised whenever the file written for the same checkpoint changes, so caches of exports (the llama.cpp
 # engine's) do not serve an older gqakit's file (2: the recorded config, Gemma 3's legacy configs).
@@ -104,13 +105,6 @@ def _provenance(ckpt: Checkpoint, cfg: dict[str, Any]) -> list[tuple[str, gguf.G
     return out
 
 
-def _write_kv(writer: gguf.GGUFWriter, key: str, vtype: gguf.GGUFValueType, value: Any) -> None:
-    if isinstance(value, list):
-        writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=vtype)
-    else:
-        writer.add_key_value(key, value, vtype)
-
-
 def _embedding_rows(
     arch: GgufArch, cfg: dict[str, Any], infos: dict[str, tuple[str, tuple[int, ...]]]
 ) -> int:
@@ -148,19 +142,18 @@ def _write(
         writer.add_file_type(int(OUT_TYPES[out_type][1]))
         if out_type == "q8_0":
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for key, vtype, value in kv:
-            _write_kv(writer, key, vtype, value)
+        for key, vtype, value in kv:  # a list (per-layer flags) is an array of vtype
+            array = isinstance(value, list)
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY if array else vtype, sub_type=vtype)
         writer.add_vocab_size(len(vocab.tokens))
         vocab.add_to(writer)
         for t in plan:
-            writer.add_tensor_info(t.name, t.byte_shape(), t.np_dtype, t.nbytes, raw_dtype=t.qtype)
+            writer.add_tensor_info(t.name, t.byte_shape(), np.dtype(np.uint8), t.nbytes, raw_dtype=t.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        bar = tqdm(
-            total=sum(t.nbytes for t in plan), desc=f"export -> {out_type}", unit="B", unit_scale=True,
-            disable=not progress, leave=False,
-        )  # fmt: skip
+        total = sum(t.nbytes for t in plan)
+        bar = progress_bar(desc=f"export -> {out_type}", total=total, enabled=progress, unit="B")
         with ckpt.reader() as reader, bar:
             for t in plan:
                 source = t.data if t.source is None else reader.read(t.source)
@@ -197,7 +190,8 @@ def export_gguf(
     with resolve_checkpoint(src) as ckpt:
         arch = get_arch(ckpt.model_type)
         cfg = arch.config(ckpt.config)
-        kv, warnings = metadata(arch, cfg)
+        dims = rotary_dims(cfg)
+        kv, warnings = metadata(arch, cfg, dims)
         infos = ckpt.tensor_infos()
 
         def lm_head_is_embedding() -> bool:
@@ -205,22 +199,14 @@ def export_gguf(
                 return torch.equal(r.read("lm_head.weight"), r.read("model.embed_tokens.weight"))
 
         plan = plan_tensors(arch, cfg, infos, out_type, lm_head_is_embedding)
-        factors = rope_freq_factors(cfg)
+        factors = rope_freq_factors(cfg, dims)
         if factors is not None:
             plan.append(rope_freqs_tensor(factors))
         vocab = load_vocab(ckpt.path, _embedding_rows(arch, cfg, infos))
         warnings = warnings + _left_out(arch, infos) + vocab.warnings
         dst.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent)
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
+        with atomic_write(dst) as tmp:
             _write(ckpt, arch, out_type, kv + _provenance(ckpt, cfg), vocab, plan, tmp, progress)
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, dst)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
     return ExportResult(
         path=dst,
         model_type=ckpt.model_type,
@@ -235,9 +221,3 @@ def export_gguf(
         tokenizer=f"{vocab.model}/{vocab.pre}",
         warnings=warnings,
     )
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -15,25 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gguf import GGMLQuantizationType, GGUFValueType, Keys
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, Keys
 
 from gqakit.errors import GqakitError
+from gqakit.families import model_type_of_gguf
 from gqakit.geometry import AttentionGeometry
-from gqakit.gguf.arch import ARCH_TO_MODEL_TYPE
 
-_SCALARS: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
+# GGUF's scalar types, little-endian, as gguf-py's reader maps them.
+_SCALARS = {t: np.dtype(n).newbyteorder("<") for t, n in GGUFReader.gguf_scalar_to_np.items()}
 # Arrays longer than this (token lists, merges, scores) are skipped: only their length is kept.
 _KEEP_ARRAY = 4096
 
@@ -54,9 +44,10 @@ class GgufHeader:
         path: the file.
         version: GGUF version.
         arch: ``general.architecture`` (llama.cpp's name).
-        model_type: the Hugging Face ``model_type`` it corresponds to (the arch name when unknown).
         name: ``general.name``, or ''.
-        num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size: the geometry.
+        geometry: the attention geometry, its ``model_type`` the Hugging Face family the arch corresponds
+            to (the arch name when unknown).
+        intermediate_size: the MLP's width.
         context_length: trained context length.
         vocab_size: token count (``{arch}.vocab_size``, else the token list's length).
         parameters: elements over all tensors.
@@ -68,13 +59,8 @@ class GgufHeader:
     path: Path
     version: int
     arch: str
-    model_type: str
     name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    geometry: AttentionGeometry
     intermediate_size: int | None
     context_length: int | None
     vocab_size: int | None
@@ -82,12 +68,6 @@ class GgufHeader:
     dtypes: dict[str, int]
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(repr=False)
     metadata: dict[str, Any] = field(repr=False)
-
-    def geometry(self) -> AttentionGeometry:
-        return AttentionGeometry(
-            self.model_type, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads,
-            self.head_dim,
-        )  # fmt: skip
 
 
 class _Cursor:
@@ -104,15 +84,15 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.unpack("<Q")
-        raw = self.buf[self.pos : self.pos + n]
-        if len(raw) != n:
-            raise GqakitError(f"{self.path} ends inside its GGUF header: the file is truncated.")
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        return self.unpack(f"<{n}s").decode("utf-8", errors="replace")
 
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype in _SCALARS:
-            return self.unpack(_SCALARS[vtype])
+            dtype = _SCALARS[vtype]
+            if self.pos + dtype.itemsize > len(self.buf):
+                raise GqakitError(f"{self.path} ends inside its GGUF header: the file is truncated.")
+            self.pos += dtype.itemsize
+            return np.frombuffer(self.buf, dtype, 1, self.pos - dtype.itemsize)[0].item()
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
@@ -124,7 +104,7 @@ class _Cursor:
                     length = self.unpack("<Q")
                     self.pos += length
             elif etype in _SCALARS:
-                self.pos += n * struct.calcsize(_SCALARS[etype])
+                self.pos += n * _SCALARS[etype].itemsize
             else:  # arrays of arrays: walk them
                 for _ in range(n):
                     self.value(etype)
@@ -206,13 +186,15 @@ def _parse(cur: _Cursor, path: Path) -> GgufHeader:
         path=path,
         version=version,
         arch=arch,
-        model_type=ARCH_TO_MODEL_TYPE.get(arch, arch),
         name=str(meta.get(Keys.General.NAME, "")),
-        num_layers=int(layers),
-        hidden_size=int(hidden),
-        num_heads=int(heads),
-        num_kv_heads=int(key(Keys.Attention.HEAD_COUNT_KV) or heads),
-        head_dim=int(key(Keys.Attention.KEY_LENGTH) or hidden // heads),
+        geometry=AttentionGeometry(
+            model_type=model_type_of_gguf(arch),
+            num_layers=int(layers),
+            hidden_size=int(hidden),
+            num_heads=int(heads),
+            num_kv_heads=int(key(Keys.Attention.HEAD_COUNT_KV) or heads),
+            head_dim=int(key(Keys.Attention.KEY_LENGTH) or hidden // heads),
+        ),
         intermediate_size=key(Keys.LLM.FEED_FORWARD_LENGTH),
         context_length=key(Keys.LLM.CONTEXT_LENGTH),
         vocab_size=vocab,

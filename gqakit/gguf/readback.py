@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gqakit.errors import GqakitError
-from gqakit.gguf.arch_gemma import llama_cpp_query_scalar
+from gqakit.families import family_of
+from gqakit.geometry import AttentionGeometry
+from gqakit.gguf.arch import llama_cpp_query_scalar
 from gqakit.gguf.header import GgufHeader, read_gguf_header
 
 if TYPE_CHECKING:
@@ -42,6 +44,14 @@ _FILE_DECIDES = frozenset(
 # Not recorded: a local path (``general.source.url`` states it), and the name transformers' GGUF reader
 # gives a config (``general.name``).
 _WHERE_FROM = ("_name_or_path", "_model_name_or_path")
+# The geometry a record must share with its file: AttentionGeometry's names -> config.json's.
+_GEOMETRY = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+}
 # Bias flags of a config -> the GGUF tensors they give a bias: transformers builds all of them or none.
 _BIASES = {
     "attention_bias": ("attn_q", "attn_k", "attn_v", "attn_output"),
@@ -112,23 +122,16 @@ def _record(header: GgufHeader) -> tuple[Config | None, list[str]]:
         record = None
     if not isinstance(record, dict):
         return None, [f"{header.path}'s {RECORDED_CONFIG} is not a JSON object: it is ignored."]
-    heads = record.get("num_attention_heads")
-    hidden = record.get("hidden_size")
-    recorded = {
-        "num_hidden_layers": record.get("num_hidden_layers"),
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_key_value_heads": record.get("num_key_value_heads") or heads,
-        "head_dim": record.get("head_dim") or (hidden // heads if hidden and heads else None),
-    }
-    stated = {
-        "num_hidden_layers": header.num_layers,
-        "hidden_size": header.hidden_size,
-        "num_attention_heads": header.num_heads,
-        "num_key_value_heads": header.num_kv_heads,
-        "head_dim": header.head_dim,
-    }
-    differ = [f"{k} {recorded[k]} (file: {v})" for k, v in stated.items() if recorded[k] != v]
+    stated = header.geometry
+    try:
+        recorded = AttentionGeometry.from_config(record)
+    except (GqakitError, TypeError, ValueError, ZeroDivisionError):  # a record without the geometry
+        recorded = None
+    differ = [
+        f"{name} {getattr(recorded, n, None)} (file: {getattr(stated, n)})"
+        for n, name in _GEOMETRY.items()
+        if getattr(recorded, n, None) != getattr(stated, n)
+    ]
     if differ:
         # the file was rewritten after the export (or the record copied into another): its own keys win
         return None, [
@@ -148,12 +151,14 @@ def _derived(header: GgufHeader, fields: Config, cls: str) -> tuple[Config, list
     updates: Config = {}
     if "query_pre_attn_scalar" in fields:
         # the scale llama.cpp applies is the only one a file made for it can mean
+        g = header.geometry
+        arch = family_of(g.model_type).gguf
         updates["query_pre_attn_scalar"] = llama_cpp_query_scalar(
-            header.model_type, header.num_layers, header.hidden_size, header.num_heads, header.head_dim
+            arch, g.num_layers, g.hidden_size, g.num_heads, g.head_dim
         )
     rope, dims = fields.get("rope_parameters"), key("rope.dimension_count")
     if isinstance(rope, dict) and "partial_rotary_factor" in rope and dims:
-        updates["rope_parameters"] = {**rope, "partial_rotary_factor": int(dims) / header.head_dim}
+        updates["rope_parameters"] = {**rope, "partial_rotary_factor": int(dims) / header.geometry.head_dim}
     for flag, kinds in _BIASES.items():
         if flag not in fields:
             continue

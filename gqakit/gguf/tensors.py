@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import gguf
 import numpy as np
@@ -50,13 +51,6 @@ def hf_to_ggml_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return halves.transpose(1, 2).reshape(w.shape)  # [head, i, which half, ...] = interleaved
 
 
-def ggml_to_hf_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of :func:`hf_to_ggml_rotary`: GGUF llama rows back to Hugging Face's layout."""
-    d = w.shape[0] // n_heads
-    pairs = w.reshape(n_heads, d // 2, 2, *w.shape[1:])
-    return pairs.transpose(1, 2).reshape(w.shape)
-
-
 def plus_one(w: torch.Tensor) -> torch.Tensor:
     """Gemma's RMSNorm multiplies by ``1 + w``: store ``w + 1`` (computed in float32)."""
     return w.float() + 1.0
@@ -82,35 +76,19 @@ class GgufTensor:
     transforms: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
     data: torch.Tensor | None = None
 
+    def byte_shape(self) -> tuple[int, ...]:
+        """The shape of the bytes handed to the writer (each row's bytes, for every type)."""
+        return tuple(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
+
     @property
     def nbytes(self) -> int:
-        if self.qtype == QT.F32:
-            return 4 * int(np.prod(self.shape))
-        if self.qtype == QT.F16:
-            return 2 * int(np.prod(self.shape))
-        return int(np.prod(gguf.quant_shape_to_byte_shape(self.shape, self.qtype)))
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        """The dtype of the array handed to the writer: bytes (uint8) for quantized types."""
-        return np.dtype({QT.F32: np.float32, QT.F16: np.float16}.get(self.qtype, np.uint8))
-
-    def byte_shape(self) -> tuple[int, ...]:
-        """The shape of the array handed to the writer (bytes per row for quantized types)."""
-        if self.qtype in (QT.F32, QT.F16):
-            return self.shape
-        return tuple(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
+        return int(np.prod(self.byte_shape()))
 
     def encode(self, t: torch.Tensor) -> np.ndarray:
         """Apply the rewrites and store as :attr:`qtype` (f16 by round-to-nearest-even, like torch)."""
         for _, fn in self.transforms:
             t = fn(t)
-        arr = t.detach().to(torch.float32).contiguous().numpy()
-        if self.qtype == QT.F32:
-            return arr
-        if self.qtype == QT.F16:
-            return arr.astype(np.float16)
-        return gguf.quants.quantize(arr, self.qtype)
+        return gguf.quants.quantize(t.detach().to(torch.float32).contiguous().numpy(), self.qtype)
 
 
 def _stored_type(shape: tuple[int, ...], matrix_type: QT) -> QT:
@@ -164,8 +142,9 @@ def plan_tensors(
             # tied: llama.cpp uses token_embd when output.weight is absent (TENSOR_DUPLICATED in its loader)
             if not tied and not lm_head_is_embedding():
                 raise GqakitError(
-                    f"This {arch.model_type} checkpoint has its own lm_head, but llama.cpp's {arch.name} "
-                    "architecture always projects with the token embedding; it cannot be exported faithfully."
+                    f"This {cfg.get('model_type')} checkpoint has its own lm_head, but llama.cpp's "
+                    f"{arch.name} architecture always projects with the token embedding; it cannot be "
+                    "exported faithfully."
                 )
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -176,16 +155,18 @@ def plan_tensors(
         module = hf_name.rsplit(".", 1)[0]
         for suffix, n in rotary_rules.items():
             if arch.permute_qk and module.endswith(suffix):
-                t.transforms.append((f"rotary rows -> llama.cpp pairwise order ({n} heads)", _rotary(n)))
+                why = f"rotary rows -> llama.cpp pairwise order ({n} heads)"
+                t.transforms.append((why, partial(hf_to_ggml_rotary, n_heads=n)))
         if arch.qkv_per_head and kv_heads == heads and module.endswith("attn.c_attn"):
-            t.transforms.append((f"per-head q|k|v rows -> q, k, v blocks ({heads} heads)", _blocks(heads)))
+            why = f"per-head q|k|v rows -> q, k, v blocks ({heads} heads)"
+            t.transforms.append((why, partial(per_head_to_blocks, n_heads=heads)))
         if arch.norm_plus_one and hf_name.endswith("norm.weight"):
             t.transforms.append(("gemma RMSNorm weight stored as 1 + w", plus_one))
         plan.append(t)
     if unknown:
         raise GqakitError(
             f"{len(unknown)} tensor(s) have no place in llama.cpp's {arch.name} layout (first: "
-            f"{', '.join(unknown[:5])}). Is this checkpoint really a plain {arch.model_type} causal LM?"
+            f"{', '.join(unknown[:5])}). Is this checkpoint really a plain {cfg.get('model_type')} causal LM?"
         )
     output = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
     embedding = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
@@ -200,14 +181,6 @@ def per_head_to_blocks(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Fused rows ``q_0 k_0 v_0 q_1 k_1 v_1 ...`` (gpt_bigcode MHA) as ``q_0 q_1 ... | k_0 ... | v_0 ...``."""
     rest = tuple(w.shape[1:])
     return w.reshape(n_heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape).contiguous()
-
-
-def _blocks(n_heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda w: per_head_to_blocks(w, n_heads)
-
-
-def _rotary(n_heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda w: hf_to_ggml_rotary(w, n_heads)
 
 
 def rope_freqs_tensor(factors: torch.Tensor) -> GgufTensor:

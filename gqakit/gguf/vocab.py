@@ -111,9 +111,10 @@ def _merges(model: dict[str, Any]) -> list[str]:
 
 
 def _base_tokens(
-    spec: dict[str, Any], n_vocab: int, added_type: Callable[[dict], int]
+    spec: dict[str, Any], n_vocab: int, unk: str | None = None
 ) -> tuple[list[str], list[int], list[str]]:
-    """Token texts and types for ids ``0..n_vocab-1``, and warnings.
+    """Token texts and types for ids ``0..n_vocab-1``, and warnings; an added token is a control token
+    when special, else user-defined, and ``unk`` (given for SentencePiece-style vocabularies) is UNKNOWN.
 
     Ids the tokenizer does not use become ``[PADi]`` / UNUSED, as llama.cpp's converter pads a
     vocabulary smaller than the embedding. An added token past the embedding (transformers' Qwen2
@@ -135,7 +136,9 @@ def _base_tokens(
         filler = text == tokens[i]
         tokens[i], types[i] = text, int(TokenType.UNUSED if filler else TokenType.NORMAL)
     for a in added:
-        tokens[a["id"]], types[a["id"]] = a["content"], added_type(a)
+        kind = TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED
+        unknown = unk is not None and a["content"] == unk
+        tokens[a["id"]], types[a["id"]] = a["content"], int(TokenType.UNKNOWN if unknown else kind)
     warnings = []
     if dropped:
         warnings.append(
@@ -146,9 +149,7 @@ def _base_tokens(
 
 
 def _byte_level(spec: dict[str, Any], n_vocab: int) -> dict[str, Any]:
-    tokens, types, warnings = _base_tokens(
-        spec, n_vocab, lambda a: int(TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED)
-    )
+    tokens, types, warnings = _base_tokens(spec, n_vocab)
     pre = pre_tokenizer_name(spec)
     if pre is None:
         pre = "default"
@@ -163,13 +164,7 @@ def _byte_level(spec: dict[str, Any], n_vocab: int) -> dict[str, Any]:
 
 def _byte_fallback(spec: dict[str, Any], n_vocab: int) -> dict[str, Any]:
     unk = spec["model"].get("unk_token")
-
-    def added_type(a: dict) -> int:
-        if a["content"] == unk:
-            return int(TokenType.UNKNOWN)
-        return int(TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED)
-
-    tokens, types, warnings = _base_tokens(spec, n_vocab, added_type)
+    tokens, types, warnings = _base_tokens(spec, n_vocab, unk)
     for i, text in enumerate(tokens):
         if types[i] == TokenType.NORMAL and _BYTE_TOKEN.fullmatch(text):
             types[i] = int(TokenType.BYTE)
@@ -215,21 +210,20 @@ def _prepends_space(spec: dict[str, Any]) -> bool:
     return False
 
 
-def _is_byte_fallback_bpe(spec: dict[str, Any]) -> bool:
-    return spec["model"].get("type") == "BPE" and bool(spec["model"].get("byte_fallback"))
-
-
-def _is_byte_level_bpe(spec: dict[str, Any]) -> bool:
+def _builder(spec: dict[str, Any]) -> Callable[[dict, int], dict] | None:
+    """The builder of a tokenizer.json's model: byte-fallback BPE, byte-level BPE, or None (another kind)."""
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        return None
+    if model.get("byte_fallback"):
+        return _byte_fallback
     # a BPE without byte fallback works on the byte-level alphabet only with a ByteLevel step
     byte_level = "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
-    return spec["model"].get("type") == "BPE" and not spec["model"].get("byte_fallback") and byte_level
+    return _byte_level if byte_level else None
 
 
-# tokenizer.json -> (name, does this builder apply, builder); the first that applies is used.
-KINDS: tuple[tuple[str, Callable[[dict], bool], Callable[[dict, int], dict]], ...] = (
-    ("byte-fallback BPE (SentencePiece style)", _is_byte_fallback_bpe, _byte_fallback),
-    ("byte-level BPE (GPT-2 style)", _is_byte_level_bpe, _byte_level),
-)
+# The kinds _builder lays out, as errors name them.
+_SUPPORTED = "byte-fallback BPE (SentencePiece style) or byte-level BPE (GPT-2 style)"
 
 
 def _declared_class(path: Path) -> str:
@@ -253,31 +247,30 @@ def load_vocab(path: Path, n_vocab: int) -> Vocab:
     # deferred: transformers takes seconds to import
     from transformers import AutoTokenizer
 
-    supported = " or ".join(name for name, _, _ in KINDS)
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         raise GqakitError(
             f"{path} has no tokenizer gqakit can embed in a GGUF ({_declared_class(path)}: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). The exporter needs a "
-            f"tokenizer.json with a {supported} model."
+            f"tokenizer.json with a {_SUPPORTED} model."
         ) from None
     cls = type(tok).__name__
     backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
     if backend is None:
         raise GqakitError(
             f"The tokenizer of {path} is {cls}, a slow tokenizer: the exporter reads tokenizer.json "
-            f"({supported}). Save a fast tokenizer with the checkpoint."
+            f"({_SUPPORTED}). Save a fast tokenizer with the checkpoint."
         )
     spec = json.loads(backend.to_str())
     model = spec.get("model", {})
     if not model.get("unk_token") and tok.unk_token:
         model["unk_token"] = tok.unk_token  # a tokenizer rebuilt from GGUF declares it only here
-    builder = next((b for _, applies, b in KINDS if applies(spec)), None)
+    builder = _builder(spec)
     if builder is None:
         raise GqakitError(
             f"The tokenizer of {path} is {cls} with a {model.get('type')} model, which gqakit cannot embed "
-            f"in a GGUF. Supported: {supported} from tokenizer.json."
+            f"in a GGUF. Supported: {_SUPPORTED} from tokenizer.json."
         )
     parts = builder(spec, n_vocab)
     special = gguf.SpecialVocab(path, load_merges=False, n_vocab=n_vocab)

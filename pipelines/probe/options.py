@@ -5,41 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.cli_options import Problems, device_problem
+from gqakit.cli_options import Problems, device_field, device_problem, opt
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS
 
 
 @dataclass(frozen=True)
 class ProbeOptions:
-    """Options of ``gqakit probe``.
+    """Options of ``gqakit probe``. The fields without a flag are for Python callers and tests: the
+    calibration tokens, the held-out tokens of the attention-output errors, the perplexity window (also
+    the length of the error sequences), windows per forward pass, and the column of ``.jsonl`` /
+    ``.parquet`` data."""
 
-    Attributes:
-        groups: the G values to try.
-        methods: conversion methods to try (:data:`~gqakit.convert.methods.METHODS`).
-        groupings: head groupings to try (:data:`~gqakit.convert.methods.GROUPINGS`).
-        eval_data: held-out text for perplexity and attention errors.
-        calib_data: calibration text (needed for ``calibrated`` and ``similarity``).
-        calib_tokens: calibration tokens.
-        eval_tokens: held-out tokens scored for perplexity.
-        error_tokens: held-out tokens for the attention-output errors.
-        seq_len: perplexity window (tokens); also the length of error sequences.
-        batch_size: windows per forward pass.
-        text_field: column of ``.jsonl`` / ``.parquet`` data.
-        device: ``auto``, ``cpu``, ``cuda``...
-    """
-
-    groups: tuple[int, ...]
-    eval_data: str
-    methods: tuple[str, ...] = ("mean", "first", "calibrated")
-    groupings: tuple[str, ...] = ("contiguous",)
-    calib_data: str | None = None
-    calib_tokens: int = 4096
-    eval_tokens: int = 16384
-    error_tokens: int = 2048
-    seq_len: int = 256
-    batch_size: int = 8
-    text_field: str = "text"
-    device: str = "auto"
+    groups: tuple[int, ...] = opt(help="Comma-separated G values to try, e.g. 1,3.", short="-g", kind=int)
+    eval_data: str = opt(help="Held-out text, for perplexity and the attention-output errors.")
+    methods: tuple[str, ...] = opt(
+        ("mean", "first", "calibrated"), f"Comma-separated conversion methods ({', '.join(METHODS)})."
+    )
+    groupings: tuple[str, ...] = opt(
+        ("contiguous",), f"Comma-separated head groupings ({', '.join(GROUPINGS)}).", flag="--grouping"
+    )
+    calib_data: str | None = opt(None, "Calibration text, for calibrated and similarity.")
+    eval_tokens: int = opt(16384, "Held-out tokens scored for perplexity.")
+    device: str = device_field()
+    calib_tokens: int = opt(4096, cli=False)
+    error_tokens: int = opt(2048, cli=False)
+    seq_len: int = opt(256, cli=False)
+    batch_size: int = opt(8, cli=False)
+    text_field: str = opt("text", cli=False)
 
     def validate(self) -> None:
         p = Problems("probe")

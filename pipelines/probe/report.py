@@ -1,15 +1,73 @@
-"""The probe's output: ``probe.json``, ``probe.md`` (the table) and ``probe.png``."""
+"""What ``gqakit probe`` measured (one row per combination) and its output: ``probe.json``, ``probe.md``
+(the table) and ``probe.png``."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gqakit.convert.methods import METHODS
-from gqakit.pipelines.probe.results import ProbeResult
-from gqakit.pipelines.reporting import pyplot, save_figure
+from gqakit.pipelines.reporting import log_if_wide, pyplot, save_figure
 
 ERROR_FLOOR = 1e-6  # the plot's lower limit: exact merges give 0 (or float noise)
+
+
+@dataclass
+class ProbeRow:
+    """One measured combination (G = None: the original)."""
+
+    groups: int | None
+    method: str
+    grouping: str
+    ppl: float
+    ppl_ratio: float
+    attn_error: list[float] = field(default_factory=list)
+    key_error: float | None = None
+    value_error: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def mean_attn_error(self) -> float | None:
+        return sum(self.attn_error) / len(self.attn_error) if self.attn_error else None
+
+
+@dataclass
+class ProbeResult:
+    source: str
+    num_heads: int
+    num_kv_heads: int
+    rows: list[ProbeRow]
+    settings: dict[str, Any]
+    out_dir: Path | None = None
+
+    def to_table(self) -> str:
+        head = (
+            "| G | method | grouping | perplexity | x original | attn-out error (mean) | key err "
+            "| value err |"
+        )
+        lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+
+        def f(x: float | None) -> str:
+            return "" if x is None else f"{x:.4f}"
+
+        for r in self.rows:
+            g = "orig" if r.groups is None else str(r.groups)
+            lines.append(
+                f"| {g} | {r.method} | {r.grouping} | {r.ppl:,.2f} | {r.ppl_ratio:,.2f} | "
+                f"{f(r.mean_attn_error)} | {f(r.key_error)} | {f(r.value_error)} |"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "settings": self.settings,
+            "rows": [{**asdict(r), "mean_attn_error": r.mean_attn_error} for r in self.rows],
+        }
 
 
 def write_probe(result: ProbeResult, out_dir: Path) -> None:
@@ -23,11 +81,13 @@ def write_probe(result: ProbeResult, out_dir: Path) -> None:
         f"windows; attention-output error on {result.settings['error_tokens']} tokens.\n\n"
         f"{result.to_table()}\n"
     )
-    _plot(result, out_dir / "probe.png")
+    save_figure(probe_figure(result), out_dir / "probe.png")
     result.out_dir = out_dir
 
 
-def _plot(result: ProbeResult, path: Path) -> None:
+def probe_figure(result: ProbeResult) -> Any:
+    """Zero-shot perplexity per combination (a log axis when they span ten times or more) and the
+    per-layer attention-output errors (always log)."""
     plt = pyplot()
     rows = [r for r in result.rows if r.groups is not None]
     colors = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:gray", "tab:green"), strict=False))
@@ -43,9 +103,7 @@ def _plot(result: ProbeResult, path: Path) -> None:
         edgecolor=["black" if r.grouping == "similarity" else "none" for r in rows],
     )
     ax1.axhline(result.rows[0].ppl, color="black", ls="--", lw=1, label=f"original {result.rows[0].ppl:.1f}")
-    values = [r.ppl for r in rows] + [result.rows[0].ppl]
-    if max(values) / min(values) > 10:
-        ax1.set_yscale("log")
+    log_if_wide(ax1, [r.ppl for r in rows] + [result.rows[0].ppl])
     ax1.set_xticks(range(len(rows)), labels, fontsize=8, rotation=45, ha="right")
     ax1.set_ylabel("held-out perplexity")
     ax1.set_title("zero-shot perplexity (outlined: similarity grouping)")
@@ -81,7 +139,7 @@ def _plot(result: ProbeResult, path: Path) -> None:
         fontsize=10,
     )
     fig.tight_layout()
-    save_figure(fig, path)
+    return fig
 
 
-__all__ = ["ERROR_FLOOR", "write_probe"]
+__all__ = ["ERROR_FLOOR", "ProbeResult", "ProbeRow", "probe_figure", "write_probe"]

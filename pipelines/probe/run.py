@@ -18,15 +18,13 @@ from gqakit.convert.calibrate import calibrate, calibration_ids, load_model_for_
 from gqakit.convert.merge_fit import fit_layer_merges
 from gqakit.convert.methods import MERGE_METHODS, METHODS
 from gqakit.convert.plan import RegroupSpec, plan_regroup
-from gqakit.convert.registry import ArchAdapter, get_adapter
-from gqakit.convert.retarget import RETARGETS
 from gqakit.errors import GqakitError
 from gqakit.eval import load_texts, perplexity
+from gqakit.families import ArchAdapter, Retarget, family_of, get_adapter
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_tokenizer
 from gqakit.pipelines.probe.options import ProbeOptions
-from gqakit.pipelines.probe.report import write_probe
-from gqakit.pipelines.probe.results import ProbeResult, ProbeRow
+from gqakit.pipelines.probe.report import ProbeResult, ProbeRow, write_probe
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +62,9 @@ def attention_errors(original, converted, adapter: ArchAdapter, num_layers: int,
     return [n / d if d > 0 else 0.0 for n, d in zip(num, den, strict=True)]
 
 
-def _retargeted_hint(model_type: str, config: dict) -> str:
+def _retargeted_hint(model_type: str, retarget: Retarget, config: dict) -> str:
     """What to do instead of probing a family that converts by an exact rewrite into another class."""
-    retarget = RETARGETS[model_type]
-    heads = retarget.geometry(config).num_heads
+    heads = AttentionGeometry.from_config(config).num_heads
     head = (
         f"gqakit probe measures the families it converts directly; {model_type} converts by an exact "
         f"rewrite into {retarget.target}."
@@ -87,8 +84,9 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
     """Measure every combination of ``options`` on ``src``; write the table, JSON and plot to ``out_dir``."""
     options.validate()
     with resolve_checkpoint(src) as ckpt:
-        if ckpt.model_type in RETARGETS:
-            raise GqakitError(_retargeted_hint(ckpt.model_type, ckpt.config))
+        retarget = family_of(ckpt.model_type).retarget
+        if retarget is not None:
+            raise GqakitError(_retargeted_hint(ckpt.model_type, retarget, ckpt.config))
         adapter = get_adapter(ckpt.model_type)
         geom = AttentionGeometry.from_config(ckpt.config)
         for g in options.groups:

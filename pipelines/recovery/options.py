@@ -1,98 +1,77 @@
-"""The options of ``gqakit recovery``: the source, the starts, the data and the uptraining run."""
+"""The options of ``gqakit recovery``: the source, the starts, the data and the uptraining runs.
+
+The runs' recipe (:func:`gqakit.pipelines.recovery.run.recipe_data`) has the defaults below; ``--set``
+changes any of its keys (``data.seq_len=128``, ``train.batch_size=16``, ``objective.kind=lm``,
+``train.precision=fp32``) and, as ``model.convert.*``, the starts' conversion settings.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
+import yaml
 
-from gqakit.cli_options import Problems, device_problem, finite_positive, rate_problem
-from gqakit.convert.refine import REFINE_QK_LR
-from gqakit.convert.refine_names import REFINE_LOSSES, REFINE_SCHEDULES, REFINE_TARGETS
-from gqakit.files import fingerprint
-from gqakit.pipelines.starts import REFINED, STARTS
+from gqakit.cli_options import Problems, device_problem, finite_positive, opt, rate_problem
+from gqakit.convert import ConvertOptions
+from gqakit.pipelines.starts import STARTS, STARTS_HELP, convert_options_for, split_sets
+from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
+from gqakit.storage import fingerprint
 from gqakit.uptrain.schedule import warmup_steps
 
 LR = 2e-4  # the uptraining rate every start shares unless --start-lr gives it its own
+# the runs' recipe where --set does not change it: 256-token blocks, 4 per step, 8,192 held-out tokens
+SEQ_LEN, BATCH_SIZE, EVAL_TOKENS = 256, 4, 8192
+WARMUP_STEPS = 10  # linear warmup, at most half the run, then a constant rate
 
-DEFAULT_STARTS = ("mean", "calibrated", REFINED)
-OBJECTIVES = ("distill", "lm")
-PRECISIONS = ("auto", "bf16", "fp32")
 
+@dataclass(kw_only=True)
+class RecoveryOptions(PipelineOptions):
+    """Options of ``gqakit recovery`` (and the common ones of
+    :class:`~gqakit.pipelines.steps.PipelineOptions`).
 
-@dataclass
-class RecoveryOptions:
-    """Options of ``gqakit recovery``.
-
-    Attributes:
-        src: the original checkpoint (directory, ``.gguf`` or hub id).
-        groups: K/V heads after conversion (1 = MQA).
-        data: one text file (one document per line), split by document into training, calibration
-            and held-out text; None: the wiki-en asset's train / validation / test splits.
-        tokens: uptraining tokens per start (rounded up to whole steps).
-        starts: the starts (:data:`~gqakit.pipelines.starts.STARTS`), one curve each; the first
-            is the reference the savings are computed against (mean pooling by default).
-        lr: peak learning rate of every start.
-        start_lr: a start's own learning rates, ``START=LR[,LR...]`` (``refined=1e-4``); several rates
-            for one start make one run each, and the savings compare each start at its best measured
-            rate per threshold (``refined=1e-4,2e-4,4e-4``).
-        objective: ``distill`` (KL to the original, the default) or ``lm``.
-        precision: ``auto`` (bf16 autocast where the CPU or GPU has bf16 instructions, else fp32),
-            ``bf16`` or ``fp32``; the weights stay float32.
-        seq_len, batch_size: the packed blocks and blocks per step (one step = their product in tokens).
-        warmup_steps: linear warmup, then a constant learning rate, so that the point at N tokens is
-            what a run stopped at N tokens gives; at most half the run (:attr:`warmup_run`).
-        evals_per_decade: log-spaced held-out evaluations per factor of ten tokens.
-        eval_tokens: held-out tokens per evaluation.
-        calib_tokens, refine_steps: the calibrated and refined conversions.
-        refine_target, refine_qk_lr, refine_schedule, refine_loss: the refined start's refinement
-            (``gqakit convert --refine-target`` and the others of those names).
-        checkpoint_every: steps between resumable checkpoints of each run.
-        out, work_dir: the report, and the checkpoints and cached results (a rerun reuses them).
-        fresh: recompute everything.
-        device, seed: where to run, and the seed of data order and initialisation.
-        cache_dir, wheelhouse: the asset cache and a wheel directory (offline machines).
-        progress: progress bars.
-        echo: where step lines go.
+    ``start_lr`` gives a start its own rates, ``START=LR[,LR...]``: several rates for one start make one
+    run each, and the savings compare each start at its best measured rate per threshold.
     """
 
-    src: str
-    groups: int
-    data: Path | None = None
-    tokens: int = 200_000
-    starts: tuple[str, ...] = DEFAULT_STARTS
-    lr: float = LR
-    start_lr: tuple[str, ...] = ()
-    objective: str = "distill"
-    precision: str = "auto"
-    seq_len: int = 256
-    batch_size: int = 4
-    warmup_steps: int = 10
-    evals_per_decade: int = 4
-    eval_tokens: int = 8192
-    calib_tokens: int = 4096
-    refine_steps: int = 200
-    refine_target: str = "attention"
-    refine_qk_lr: float = REFINE_QK_LR
-    refine_schedule: str = "constant"
-    refine_loss: str | None = None
-    checkpoint_every: int = 25
-    out: Path = Path("recovery-report")
-    work_dir: Path = Path("recovery-work")
-    fresh: bool = False
-    device: str = "auto"
-    seed: int = 0
-    cache_dir: Path | None = None
-    wheelhouse: Path | None = None
-    progress: bool = True
-    echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
+    src: str = opt(help="The original checkpoint.")
+    groups: int = opt(help="K/V heads after conversion (1 = MQA).")
+    starts: tuple[str, ...] = opt(
+        ("mean", "calibrated", "fast"),
+        f"Starts, one curve each: {STARTS_HELP}; the first is the reference of the savings.",
+    )
+    data: Path | None = opt(
+        None,
+        "One text file, one document per line, split into training, calibration and held-out text "
+        "[default: the wiki-en asset's train / validation / test splits].",
+    )
+    tokens: int = opt(200_000, "Uptraining tokens per start.")
+    lr: float = opt(LR, "Peak learning rate.")
+    start_lr: tuple[str, ...] = opt((), cli=False)  # --start-lr, declared by the command (repeatable)
+    sets: tuple[str, ...] = opt((), cli=False)  # --set, declared by the command (repeatable)
+    evals_per_decade: int = opt(4, "Held-out evaluations per factor of ten tokens.")
+    seed: int = opt(0, "Seed of the data order, the random start and the refinement.")
+    out: Path = out_field("recovery-report", "Directory for recovery.png, report.md and results.json.")
+    work_dir: Path = work_dir_field("recovery-work")
+
+    @property
+    def recipe_sets(self) -> list[str]:
+        """The ``--set`` items that change the recipe (the others change the starts' conversions)."""
+        return split_sets(self.sets)[1]
+
+    def recipe_value(self, key: str, default: Any) -> Any:
+        """The recipe value ``key`` as the last ``--set`` of it gives it, else ``default``."""
+        given = [yaml.safe_load(v) for k, _, v in (s.partition("=") for s in self.recipe_sets) if k == key]
+        return given[-1] if given else default
+
+    @property
+    def seq_len(self) -> int:
+        return self.recipe_value("data.seq_len", SEQ_LEN)
 
     @property
     def tokens_per_step(self) -> int:
-        return self.seq_len * self.batch_size
+        return self.seq_len * self.recipe_value("train.batch_size", BATCH_SIZE)
 
     @property
     def steps(self) -> int:
@@ -101,24 +80,15 @@ class RecoveryOptions:
 
     @property
     def warmup_fraction(self) -> float:
-        """The recipe's ``warmup_fraction``: ``warmup_steps`` of the run, at most half of it (a longer
+        """The recipe's ``warmup_fraction``: :data:`WARMUP_STEPS` of the run, at most half of it (a longer
         warmup would leave too little of a short run at the peak rate to measure it)."""
-        if not self.warmup_steps:
-            return 0.0
-        # the half step makes the fraction round down to exactly warmup_steps whole steps
-        return min((self.warmup_steps + 0.5) / self.steps, 0.5)
+        # the half step makes the fraction round down to exactly WARMUP_STEPS whole steps
+        return self.recipe_value("train.warmup_fraction", min((WARMUP_STEPS + 0.5) / self.steps, 0.5))
 
     @property
     def warmup_run(self) -> int:
-        """The warmup steps each run actually takes: ``warmup_steps``, or half the run where that is
-        fewer; what the report states."""
+        """The warmup steps each run takes; what the report states."""
         return warmup_steps(self.warmup_fraction, self.steps)
-
-    @property
-    def refine(self) -> dict[str, Any]:
-        """The refined start's refinement options, by their ``gqakit convert`` option names."""
-        names = ("refine_target", "refine_qk_lr", "refine_schedule", "refine_loss")
-        return {name: getattr(self, name) for name in names}
 
     def rates_of(self, start: str) -> tuple[float, ...]:
         """The peak learning rates ``start`` is uptrained at, one run each: its own from ``start_lr``
@@ -139,6 +109,9 @@ class RecoveryOptions:
         p = Problems("recovery")
         f = p.flag
         p.add(device_problem(self.device, f("device")))
+        split_sets(self.sets, p)
+        if self.evals_per_decade < 1:
+            p.add(f"{f('evals_per_decade')} must be at least 1, got {self.evals_per_decade}.")
         if self.groups < 1:
             p.add(f"{f('groups')} must be a positive number of K/V heads, got {self.groups}.")
         if not self.starts:
@@ -150,8 +123,7 @@ class RecoveryOptions:
         if self.tokens < self.tokens_per_step:
             p.add(
                 f"{f('tokens')} {self.tokens:,} is smaller than the first evaluation point, one step of "
-                f"{self.tokens_per_step:,} tokens ({f('batch_size')} {self.batch_size} x {f('seq_len')} "
-                f"{self.seq_len}); give at least {self.tokens_per_step:,}."
+                f"{self.tokens_per_step:,} tokens; give at least {self.tokens_per_step:,}."
             )
         given: dict[str, list[float]] = {}
         for item in self.start_lr:
@@ -159,8 +131,8 @@ class RecoveryOptions:
                 start, rates = _rates(item)
             except ValueError:
                 p.add(
-                    f"{f('start_lr')} {item!r} must be START=LR or START=LR,LR,..., e.g. refined=1e-4 "
-                    "or refined=1e-4,4e-4."
+                    f"{f('start_lr')} {item!r} must be START=LR or START=LR,LR,..., e.g. fast=1e-4 "
+                    "or fast=1e-4,4e-4."
                 )
                 continue
             p.add(STARTS.unknown(start, f"{f('start_lr')} start", among=self.starts))
@@ -177,23 +149,6 @@ class RecoveryOptions:
                     "than once; list each rate once."
                 )
         p.add(rate_problem(f("lr"), self.lr, LR))
-        if self.objective not in OBJECTIVES:
-            p.add(f"{f('objective')} {self.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}.")
-        p.add(REFINE_TARGETS.unknown(self.refine_target, f("refine_target")))
-        p.add(REFINE_SCHEDULES.unknown(self.refine_schedule, f("refine_schedule")))
-        if self.refine_loss is not None:
-            p.add(REFINE_LOSSES.unknown(self.refine_loss, f("refine_loss")))
-        p.add(rate_problem(f("refine_qk_lr"), self.refine_qk_lr, REFINE_QK_LR))
-        if self.precision not in PRECISIONS:
-            p.add(f"{f('precision')} {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
-        for name in (
-            "seq_len", "batch_size", "evals_per_decade", "eval_tokens", "calib_tokens", "refine_steps",
-        ):  # fmt: skip
-            if getattr(self, name) < 1:
-                p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
-        for name in ("warmup_steps", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                p.add(f"{f(name)} must be >= 0, got {getattr(self, name)}.")
         if self.data is not None and not Path(self.data).expanduser().is_file():
             p.add(f"{f('data')} {self.data} does not exist or is not a file.")
         if Path(self.out).resolve() == Path(self.work_dir).resolve():
@@ -218,7 +173,7 @@ class Inputs:
 
 
 def _rates(item: str) -> tuple[str, tuple[float, ...]]:
-    """``"refined=1e-4,4e-4"`` -> ``("refined", (1e-4, 4e-4))``; ValueError when it is not
+    """``"fast=1e-4,4e-4"`` -> ``("fast", (1e-4, 4e-4))``; ValueError when it is not
     START=NUMBER[,NUMBER...]."""
     name, sep, values = item.partition("=")
     if not sep:
@@ -226,4 +181,12 @@ def _rates(item: str) -> tuple[str, tuple[float, ...]]:
     return name.strip(), tuple(float(v) for v in values.split(","))
 
 
-__all__ = ["DEFAULT_STARTS", "OBJECTIVES", "PRECISIONS", "Inputs", "RecoveryOptions"]
+__all__ = ["LR", "Inputs", "RecoveryOptions"]
+
+
+def start_options(o: RecoveryOptions, start: str, calibration: Path | str) -> ConvertOptions:
+    """The ``gqakit convert`` options of ``start`` in this recovery run."""
+    settings = split_sets(o.sets)[0]
+    return convert_options_for(
+        start, o.groups, calib_data=str(calibration), settings=settings, device=o.device, seed=o.seed
+    )

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,26 +11,28 @@ import torch
 import transformers
 
 from gqakit import __version__
-from gqakit.convert import ConvertOptions
 from gqakit.models import cpu_model
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, best_rates, savings
-from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
-from gqakit.pipelines.reporting import fmt_duration, fmt_ppl, pyplot, save_figure
-from gqakit.pipelines.starts import REFINED, start_convert_options
+from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions, start_options
+from gqakit.pipelines.reporting import (
+    command_line,
+    fmt_duration,
+    fmt_ppl,
+    md_table,
+    pyplot,
+    save_figure,
+    write_report,
+)
+from gqakit.pipelines.starts import conversion_key
 from gqakit.pipelines.store import ResultStore
 
 PLOT = "recovery.png"
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _axes(ax, plt, curves: list[Curve], original: float, first: float, low: float, high: float) -> None:
     """One panel: the curves between ``low`` and ``high`` times the original, the thresholds as ticks.
-    A start's rates share its colour and differ in line style."""
+    A start's rates share its colour and differ in line style; the legend names each curve as the tables
+    do."""
     starts = list(dict.fromkeys(c.start for c in curves))
     styles = ("-", "--", ":", "-.")
     for c in curves:
@@ -41,7 +40,7 @@ def _axes(ax, plt, curves: list[Curve], original: float, first: float, low: floa
         nth = [d.lr for d in curves if d.start == c.start].index(c.lr)
         ax.plot(
             xs, ys, marker="o", markersize=3.5, color=f"C{starts.index(c.start) % 10}",
-            linestyle=styles[nth % len(styles)], label=f"{c.start} (lr {c.lr:g})",
+            linestyle=styles[nth % len(styles)], label=c.label,
         )  # fmt: skip
     ax.axhline(1.0, color="black", linewidth=1.2, label=f"original ({fmt_ppl(original)})")
     for t in THRESHOLDS:
@@ -58,7 +57,7 @@ def _axes(ax, plt, curves: list[Curve], original: float, first: float, low: floa
     ax.grid(True, which="major", alpha=0.3)
 
 
-def plot_curves(original: float, curves: list[Curve], path: Path, title: str) -> Path:
+def recovery_figure(original: float, curves: list[Curve], title: str) -> Any:
     """Perplexity / the original's against uptraining tokens, with an x axis that is log from the first
     step on and linear below it, so the start itself (0 tokens) is on the plot. A start far above the
     original gets a second panel: the whole range, beside the thresholds' range (0.95x-2.2x) enlarged."""
@@ -76,67 +75,64 @@ def plot_curves(original: float, curves: list[Curve], path: Path, title: str) ->
         axes[0][1].set_title("the whole range", fontsize=10)
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    return save_figure(fig, path)
+    return fig
 
 
-def write_report(
+def _start_settings(o: RecoveryOptions, inputs: Inputs) -> dict[str, dict[str, Any]]:
+    """Each start's conversion, as its cache keys it: the settings that made it."""
+    out = {}
+    for start in o.starts:
+        key = conversion_key(start_options(o, start, inputs.calibration))
+        out[start] = {k: v for k, v in key.items() if k not in ("groups", "calib_data", "seed")}
+    return out
+
+
+def write_recovery_report(
     o: RecoveryOptions,
     inputs: Inputs,
-    precision: str,
+    recipe,
     original: float,
     curves: list[Curve],
     elapsed_s: float,
     store: ResultStore,
 ) -> tuple[Path, Path, Path]:
-    """Write the three files into ``o.out``; return their paths (report, results, plot)."""
+    """Write the three files into ``o.out``; return their paths (report, results, plot).
+
+    Args:
+        recipe: the runs' recipe (a start's, ``--set`` applied): what the settings section states.
+    """
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     tokens = o.steps * o.tokens_per_step
-    plot = plot_curves(original, curves, out / PLOT, f"{o.src} -> {o.groups} K/V heads: recovery by start")
+    title = f"{o.src} -> {o.groups} K/V heads: held-out perplexity during uptraining, by start"
+    plot = save_figure(recovery_figure(original, curves, title), out / PLOT)
     saved = savings(curves)
     best = best_rates({(c.start, c.lr): c.reach for c in curves})
     swept = any(c.swept for c in curves)
     ref = curves[0].start
-    command = "gqakit recovery " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else ""
+    command = command_line("")
     machine = f"{cpu_model()}, {os.cpu_count()} CPUs"
-    # the rates the refined start is converted with: those of the options that convert it
-    refined = start_convert_options(
-        REFINED, o.groups, calib_data=None, calib_tokens=o.calib_tokens, refine_steps=o.refine_steps,
-        refine=o.refine,
-    )  # fmt: skip
-    rates = f"{refined.refine_lr:g}, query/key {refined.refine_qk_lr or refined.refine_lr:g}"
-    # named only where they differ from a default conversion's, so that reports of default runs render as
-    # before (a target's own loss is named: it is not the default target's)
-    default = ConvertOptions(o.groups)
-    choices = "".join(
-        f", {what}" for what, on in (
-            (f"fitted to {refined.refine_target}", refined.refine_target != default.refine_target),
-            (f"{refined.refine_schedule} schedule", refined.refine_schedule != default.refine_schedule),
-            (f"{refined.refine_loss_used} loss", refined.refine_loss_used != default.refine_loss_used),
-        ) if on
-    )  # fmt: skip
     versions = {
         "gqakit": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+    starts = _start_settings(o, inputs)
+    t_heads = [f"{t:g}x" for t in THRESHOLDS]
 
-    head = "| start | lr | at 0 tokens | at " + f"{tokens:,}" + " tokens | " + " | ".join(
-        f"{t:g}x" for t in THRESHOLDS
-    ) + " |"  # fmt: skip
-    rows = [head, "|---|---:|---:|---:|" + "---:|" * len(THRESHOLDS)]
+    rows = []
     for c in curves:
         p0, pn = c.points[0][1], c.points[-1][1]
-        cells = " | ".join(c.reach[t].label() for t in THRESHOLDS)
         rows.append(
-            f"| {c.label} | {c.lr:g} | {fmt_ppl(p0)} ({p0 / original:.2f}x) | {fmt_ppl(pn)} "
-            f"({pn / original:.3f}x) | {cells} |"
-        )
-    save_rows = ["| start | " + " | ".join(f"{t:g}x" for t in THRESHOLDS) + " |",
-                 "|---|" + "---:|" * len(THRESHOLDS)]  # fmt: skip
-    for start, by_t in saved.items():
-        save_rows.append(f"| {start} | " + " | ".join(by_t[t].label() for t in THRESHOLDS) + " |")
+            [c.label, f"{c.lr:g}", f"{fmt_ppl(p0)} ({p0 / original:.2f}x)",
+             f"{fmt_ppl(pn)} ({pn / original:.3f}x)", *(c.reach[t].label() for t in THRESHOLDS)]
+        )  # fmt: skip
+    reach_table = md_table(["start", "lr", "at 0 tokens", f"at {tokens:,} tokens", *t_heads], rows)
+    save_table = md_table(
+        ["start", *t_heads],
+        [[start, *(by_t[t].label() for t in THRESHOLDS)] for start, by_t in saved.items()],
+    )
     at_best = (
         " (each start at its best\nmeasured rate for that threshold, in the table below)" if swept else ""
     )
@@ -144,33 +140,25 @@ def write_report(
         f"How many times fewer uptraining tokens than {ref} each start needs to reach the "
         f'threshold{at_best}; ">=" is a lower\nbound ({ref} never got there within the run, or the start '
         f'got there by its first point); "n/a" where the start never got there, or {ref} got there by '
-        f"its\nfirst point (its tokens are then an upper bound).\n\n{chr(10).join(save_rows)}"
+        f"its\nfirst point (its tokens are then an upper bound).\n\n{save_table}"
         if saved
         else "Only one start was run: nothing to compare it with (list two or more in --starts; the first "
         "is the reference)."
     )
-    point_rows = ["| tokens | " + " | ".join(c.label for c in curves) + " |"]
-    point_rows.append("|---:|" + "---:|" * len(curves))
     by_tokens: dict[int, dict[str, float]] = {}
     for c in curves:
         for t, p in c.points:
             by_tokens.setdefault(t, {})[c.label] = p
-    for t in sorted(by_tokens):
-        cells = [
-            f"{fmt_ppl(by_tokens[t][c.label])} ({by_tokens[t][c.label] / original:.3f}x)"
-            if c.label in by_tokens[t] else "" for c in curves
-        ]  # fmt: skip
-        point_rows.append(f"| {t:,} | " + " | ".join(cells) + " |")
+    point_table = md_table(
+        ["tokens", *(c.label for c in curves)],
+        [[f"{t:,}", *(f"{fmt_ppl(by_tokens[t][c.label])} ({by_tokens[t][c.label] / original:.3f}x)"
+                      if c.label in by_tokens[t] else "" for c in curves)] for t in sorted(by_tokens)],
+    )  # fmt: skip
     converted = {c.start: c.convert_s for c in curves}  # a start's rates share its one conversion
     time_rows = []
     for start, convert_s in converted.items():
-        runs = [
-            ("" if not c.swept else f"at lr {c.lr:g} ")
-            + fmt_duration(c.train_s)
-            + (" (after a resume; the part before it is not counted)" if c.resumed else "")
-            for c in curves
-            if c.start == start
-        ]
+        runs = [("" if not c.swept else f"at lr {c.lr:g} ") + fmt_duration(c.train_s) for c in curves
+                if c.start == start]  # fmt: skip
         time_rows.append(f"- {start}: conversion {fmt_duration(convert_s)}, uptraining {', '.join(runs)}")
     figures_s = sum(converted.values()) + sum(c.train_s for c in curves)
     if swept:
@@ -181,35 +169,31 @@ def write_report(
         lr_note = "each start at its own peak learning rate (the lr column), set with --start-lr"
     best_text = ""
     if swept:
-        best_rows = [
-            "| start | " + " | ".join(f"{t:g}x" for t in THRESHOLDS) + " |",
-            "|---|" + "---:|" * len(THRESHOLDS),
-        ]
-        for start, by_t in best.items():
-            # a start already there needs no rate; one never there has no best rate
-            cells = [
-                f"{r.label()} (lr {lr:g})" if r.reached and r.tokens > 0 else r.label()
-                for r, lr in by_t.values()
-            ]
-            best_rows.append(f"| {start} | " + " | ".join(cells) + " |")
+        # a start already there needs no rate; one never there has no best rate
+        best_rows = [[start, *(f"{r.label()} (lr {lr:g})" if r.reached and r.tokens > 0 else r.label()
+                               for r, lr in by_t.values())] for start, by_t in best.items()]  # fmt: skip
         best_text = (
             "\n\nEach start at its best measured rate for each threshold: the fewest tokens any of its runs "
             "needed, and\nthat run's rate. A rate that gets there first can level off before a lower "
-            f"threshold.\n\n{chr(10).join(best_rows)}"
+            f"threshold.\n\n{md_table(['start', *t_heads], best_rows)}"
         )
     once = "once per rate" if swept else "once"
-    # the warmup each run took: a --warmup-steps over half the run is cut to half (RecoveryOptions)
-    warmup = f"{o.warmup_run} steps"
-    if o.warmup_run != o.warmup_steps:
-        warmup += f" (--warmup-steps {o.warmup_steps}, cut to half the run)"
+    # the warmup each run took: at most half the run (RecoveryOptions.warmup_fraction)
+    objective, seq_len, batch = recipe.objective.kind, recipe.data.seq_len, recipe.train.batch_size
+    eval_tokens = recipe.data.max_val_blocks * seq_len
+    conversions = "\n".join(
+        f"- start {s}: " + ", ".join(f"{k} {v}" for k, v in settings.items())
+        for s, settings in starts.items()
+    )
+    overrides = ", ".join(o.recipe_sets) or "none"
     text = f"""# gqakit recovery: {o.src} -> {o.groups} K/V heads
 
 How many uptraining tokens each start needs to come back to the original's quality. Each start is
-converted from the original, then uptrained {once} for {tokens:,} tokens ({o.steps} steps of {o.batch_size} x
-{o.seq_len} tokens; objective {o.objective}{" from the original" if o.objective == "distill" else ""};
-{lr_note}: a warmup of {warmup}, then constant, so each point is what a run stopped there
+converted from the original, then uptrained {once} for {tokens:,} tokens ({o.steps} steps of {batch} x
+{seq_len} tokens; objective {objective}{" from the original" if objective == "distill" else ""};
+{lr_note}: a warmup of {o.warmup_run} steps, then constant, so each point is what a run stopped there
 gives), and scored on the held-out text at log-spaced token counts during that run. Perplexity on
-{max(1, o.eval_tokens // o.seq_len) * o.seq_len:,} held-out tokens in {o.seq_len}-token blocks, {precision};
+{eval_tokens:,} held-out tokens in {seq_len}-token blocks, {recipe.train.precision};
 the original scores **{fmt_ppl(original)}** the same way.
 
 ![recovery]({PLOT})
@@ -219,7 +203,7 @@ the original scores **{fmt_ppl(original)}** the same way.
 Interpolated between measured points in log tokens; "<= N": reached by the first point, "> N": not reached
 within the run.
 
-{chr(10).join(rows)}
+{reach_table}
 
 ## Savings over {ref}
 
@@ -229,14 +213,14 @@ within the run.
 
 Held-out perplexity (and its multiple of the original's) after each number of uptraining tokens.
 
-{chr(10).join(point_rows)}
+{point_table}
 
 ## Settings
 
-- source: `{inputs.src}`; groups {o.groups}; starts {", ".join(o.starts)} (calibration {o.calib_tokens:,}
-  tokens, refinement {o.refine_steps} steps per layer at {rates}{choices})
+- source: `{inputs.src}`; groups {o.groups}; starts {", ".join(o.starts)}
+{conversions}
 - text: train `{inputs.train}`, calibration `{inputs.calibration}`, held out `{inputs.heldout}`
-- seed {o.seed}; precision {precision}; device {o.device}
+- seed {o.seed}; precision {recipe.train.precision}; device {o.device}; recipe overrides: {overrides}
 - wall time: the conversions and uptraining runs took {fmt_duration(figures_s)} together; this run of the
   command {fmt_duration(elapsed_s)} ({store.reused} results reused from `{o.work_dir}`)
 {chr(10).join(time_rows)}
@@ -245,8 +229,6 @@ Held-out perplexity (and its multiple of the original's) after each number of up
 
 Machine-readable figures: `results.json`.
 """
-    report = out / "report.md"
-    _write(report, text)
     results: dict[str, Any] = {
         "command": command,
         "source": str(inputs.src),
@@ -255,20 +237,14 @@ Machine-readable figures: `results.json`.
             "tokens": tokens,
             "steps": o.steps,
             "tokens_per_step": o.tokens_per_step,
-            "seq_len": o.seq_len,
-            "batch_size": o.batch_size,
-            "objective": o.objective,
-            "precision": precision,
-            "warmup_steps": o.warmup_steps,
+            "seq_len": seq_len,
+            "batch_size": batch,
+            "objective": objective,
+            "precision": recipe.train.precision,
             "warmup_steps_run": o.warmup_run,
-            "eval_tokens": o.eval_tokens,
-            "calib_tokens": o.calib_tokens,
-            "refine_steps": o.refine_steps,
-            "refine_lr": refined.refine_lr,
-            "refine_qk_lr": refined.refine_qk_lr,
-            "refine_target": refined.refine_target,
-            "refine_schedule": refined.refine_schedule,
-            "refine_loss": refined.refine_loss_used,
+            "eval_tokens": eval_tokens,
+            "starts": starts,
+            "recipe_overrides": list(o.recipe_sets),
             "seed": o.seed,
             "data": o.data and str(o.data),
         },  # fmt: skip
@@ -282,7 +258,6 @@ Machine-readable figures: `results.json`.
                 "reach": {f"{t:g}": c.reach[t].as_dict() for t in THRESHOLDS},
                 "convert_s": round(c.convert_s, 1),
                 "train_s": round(c.train_s, 1),
-                "resumed": c.resumed,
             }
             for c in curves
         },
@@ -296,9 +271,8 @@ Machine-readable figures: `results.json`.
         "machine": machine,
         "versions": versions,
     }
-    results_json = out / "results.json"
-    _write(results_json, json.dumps(results, indent=2) + "\n")
+    report, results_json = write_report(out, text, results)
     return report, results_json, plot
 
 
-__all__ = ["PLOT", "plot_curves", "write_report"]
+__all__ = ["PLOT", "recovery_figure", "write_recovery_report"]

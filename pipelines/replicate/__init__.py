@@ -12,7 +12,7 @@
 
 Every checkpoint and measurement is cached in ``--work-dir`` (:class:`~gqakit.pipelines.store.ResultStore`),
 keyed by exactly what it depends on, so a second run takes seconds and a changed setting reruns only
-what depends on it. Pretraining and uptraining are gqakit's own loop (:func:`gqakit.uptrain.api.uptrain`)
+what depends on it. Pretraining and uptraining are gqakit's own loop (:func:`gqakit.uptrain.train.uptrain`)
 with the LM objective, every run from the same data order for a given seed.
 
 The package's parts: ``options`` (the model, the arms, the options), ``train`` (each cached training and

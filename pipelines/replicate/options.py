@@ -3,9 +3,10 @@ options.
 
 The arms, as in the GQA paper (Ainslie et al. 2023):
 
-* Fig. 4: MQA (G = 1) from every conversion method (mean, first, random, and gqakit's calibrated merge,
-  with and without layer-wise refinement), uptrained for each proportion alpha of the pretraining
-  tokens; the paper's three methods at the middle alpha over every seed (the headline comparison);
+* Fig. 4: MQA (G = 1) from every start (the paper's mean, first and random, and gqakit's calibrated
+  merge alone and as the ``fast`` preset, refined layer by layer), uptrained for each proportion alpha
+  of the pretraining tokens; the paper's three methods at the middle alpha over every seed (the headline
+  comparison);
 * Fig. 6 / Table 1: mean-pooled GQA at every G, uptrained at the largest alpha, beside MHA (G = H);
 * trained from scratch: an MQA, a GQA and an MHA model pretrained on the MHA model's tokens plus the
   largest alpha's, the paper's same-budget comparison (the MHA one shows what the tokens alone buy).
@@ -14,19 +15,16 @@ The arms, as in the GQA paper (Ainslie et al. 2023):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import click
-
-from gqakit.cli_options import Problems, device_problem, rate_problem
+from gqakit.cli_options import Problems, device_problem, opt, rate_problem
 from gqakit.convert.methods import PAPER_METHODS
 from gqakit.names import NameTable
-from gqakit.pipelines.starts import REFINED, STARTS
+from gqakit.pipelines.starts import STARTS, STARTS_HELP, split_sets
+from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
 
-# The conversions an MQA arm can start from (gqakit.pipelines.starts): every conversion method, and the
-# calibrated merge followed by layer-wise refinement.
+# The conversions an MQA arm can start from (gqakit.pipelines.starts): the presets and the other methods.
 ARMS = STARTS
 
 # The architectures of the MHA model pretrained here.
@@ -64,68 +62,59 @@ class ModelShape:
         )
 
 
-@dataclass
-class ReplicateOptions:
-    """Options of ``gqakit replicate``.
+@dataclass(kw_only=True)
+class ReplicateOptions(PipelineOptions):
+    """Options of ``gqakit replicate`` (and the common ones of
+    :class:`~gqakit.pipelines.steps.PipelineOptions`).
 
-    Attributes:
-        out: where ``report.md``, ``results.json`` and the figures go.
-        work_dir: checkpoints and cached results; a second run reuses them.
-        scale: multiply the model's width (and its depth by the root) and every token budget: 1 is the
-            CPU default (under an hour on 2 cores); 4 or more for a GPU.
-        device: ``auto``, ``cpu``, ``cuda``.
-        seeds: seeds of the headline comparison (Fig. 4's methods at the middle alpha).
-        alphas: uptraining tokens as a fraction of the pretraining tokens; 0 = the conversion alone.
-        groups: the K/V head counts of the G sweep (G = H, the MHA model itself, is always shown).
-        methods: conversion methods of the MQA arms.
-        shape: the model pretrained from scratch.
-        arch: its architecture (:data:`ARCHES`): ``llama``, or ``neox`` (GPT-NeoX, Pythia's block:
-            LayerNorm, parallel attention + MLP, partial rotary), whose conversions go into ``phi``.
-        pretrain_steps, batch_size, lr: the pretraining run (the uptraining runs use the same batch and
-            schedule shape, at ``uptrain_lr``).
-        calib_tokens, refine_steps: the calibrated and refined conversions.
-        eval_tokens: test tokens every model is scored on.
-        decode_rounds: interleaved rounds of the decode measurement per G.
-        fresh: recompute everything.
-        corpus: (train, validation, test) text files; None: the wiki-en asset. Tests pass their own.
-        cache_dir, wheelhouse: the asset cache and a wheel directory (offline machines).
-        progress: progress bars of the long steps.
-        echo: where step lines go.
+    The fields without a flag are for Python callers and tests: the seeds of the headline comparison
+    (Fig. 4's methods at the middle alpha), the K/V head counts of the G sweep (G = H, the MHA model
+    itself, is always shown), the model's shape, the pretraining run (the uptraining runs use the same
+    batch and schedule shape, at ``uptrain_lr``), the test tokens, the decode rounds and the corpus
+    (train, validation, test; None: the wiki-en asset).
     """
 
-    out: Path = Path("replicate-report")
-    work_dir: Path = Path("replicate-work")
-    scale: float = 1.0
-    device: str = "auto"
-    seeds: tuple[int, ...] = (0, 1)
-    alphas: tuple[float, ...] = (0.0, 0.025, 0.05, 0.1)
-    groups: tuple[int, ...] = (1, 2, 4)
-    methods: tuple[str, ...] = ARMS.names
-    shape: ModelShape = field(default_factory=ModelShape)
-    arch: str = "llama"
-    pretrain_steps: int = 500
-    batch_size: int = 16
-    lr: float = 2e-3
-    uptrain_lr: float = 5e-4  # docs/replicate.md: 2e-4, 5e-4 and 1e-3 measured
-    calib_tokens: int = 4096
-    refine_steps: int = 100
-    eval_tokens: int = 16384
-    decode_rounds: int = 3
-    fresh: bool = False
-    corpus: tuple[Path, Path, Path] | None = None
-    cache_dir: Path | None = None
-    wheelhouse: Path | None = None
-    progress: bool = True
-    echo: Callable[[str], None] = field(default=lambda msg: click.echo(msg, err=True), repr=False)
+    out: Path = out_field("replicate-report", "Directory for report.md, results.json and the figures.")
+    work_dir: Path = work_dir_field("replicate-work")
+    scale: float = opt(
+        1.0,
+        "Model width (x) and depth (x sqrt) and every token budget: 1 runs in under an hour on 2 CPU "
+        "cores; 4 or more for a GPU.",
+    )
+    arch: str = opt(
+        "llama",
+        "Architecture of the MHA model pretrained here: " + ARCHES.describe() + ".",
+        choices=ARCHES.names,
+    )
+    alphas: tuple[float, ...] = opt(
+        (0.0, 0.025, 0.05, 0.1), "Uptraining proportions of the pretraining tokens.", kind=float
+    )
+    starts: tuple[str, ...] = opt(
+        ("mean", "first", "random", "calibrated", "fast"),
+        f"Starts of the MQA arms: {STARTS_HELP}.",
+    )
+    sets: tuple[str, ...] = opt((), cli=False)  # --set, declared by the command (repeatable)
+    seeds: tuple[int, ...] = opt((0, 1), cli=False)
+    groups: tuple[int, ...] = opt((1, 2, 4), cli=False)
+    shape: ModelShape = opt(factory=ModelShape, cli=False)
+    pretrain_steps: int = opt(500, cli=False)
+    batch_size: int = opt(16, cli=False)
+    lr: float = opt(2e-3, cli=False)
+    uptrain_lr: float = opt(5e-4, cli=False)  # docs/replicate.md: 2e-4, 5e-4 and 1e-3 measured
+    eval_tokens: int = opt(16384, cli=False)
+    decode_rounds: int = opt(3, cli=False)
+    corpus: tuple[Path, Path, Path] | None = opt(None, cli=False)
 
     def validate(self) -> None:
         p = Problems("replicate")
         f = p.flag
         p.add(device_problem(self.device, f("device")))
+        split_sets(self.sets, p)
         if not self.scale > 0:
             p.add(f"{f('scale')} must be positive, got {self.scale}.")
         for name in ("lr", "uptrain_lr"):  # click reads inf and nan: they would fail after pretraining
-            p.add(rate_problem(f(name), getattr(self, name), getattr(type(self), name)))
+            default = type(self).__dataclass_fields__[name].default
+            p.add(rate_problem(f(name), getattr(self, name), default))
         if not self.seeds:
             p.add(f"{f('seeds')} needs at least one seed.")
         self._check_alphas(p)
@@ -135,11 +124,11 @@ class ReplicateOptions:
                 f"{f('groups')} {','.join(map(str, bad))}: each must divide the {self.shape.heads} heads and "
                 f"be fewer (G = {self.shape.heads} is the MHA model itself)."
             )
-        if not self.methods:
-            p.add(f"{f('methods')} needs at least one method: {', '.join(ARMS.names)}.")
-        p.add(ARMS.unknown_in(self.methods, f("methods")))
+        if not self.starts:
+            p.add(f"{f('starts')} needs at least one start: {', '.join(ARMS.names)}.")
+        p.add(ARMS.unknown_in(self.starts, f("starts")))
         p.add(ARCHES.unknown(self.arch, f("arch")))
-        for name in ("pretrain_steps", "batch_size", "calib_tokens", "eval_tokens", "decode_rounds"):
+        for name in ("pretrain_steps", "batch_size", "eval_tokens", "decode_rounds"):
             if getattr(self, name) < 1:
                 p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
         if Path(self.out).resolve() == Path(self.work_dir).resolve():
@@ -177,6 +166,11 @@ class ReplicateOptions:
             )
 
     @property
+    def recipe_sets(self) -> list[str]:
+        """The ``--set`` items for the uptraining runs' recipe (the others change the conversions)."""
+        return split_sets(self.sets)[1]
+
+    @property
     def model(self) -> ModelShape:
         return self.shape.scaled(self.scale)
 
@@ -203,4 +197,4 @@ class ReplicateOptions:
         return nonzero[(len(nonzero) - 1) // 2]
 
 
-__all__ = ["ARCHES", "ARMS", "PAPER_METHODS", "REFINED", "ModelShape", "ReplicateOptions"]
+__all__ = ["ARCHES", "ARMS", "PAPER_METHODS", "ModelShape", "ReplicateOptions"]

@@ -11,7 +11,15 @@ from typing import Any
 
 from gqakit import __version__
 from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
-from gqakit.pipelines.reporting import pyplot, save_figure, wall_time
+from gqakit.pipelines.reporting import (
+    kv_label,
+    log_if_wide,
+    md_table,
+    pyplot,
+    save_figure,
+    wall_time,
+    write_report,
+)
 from gqakit.pipelines.store import ComputeTime
 
 # Ainslie et al. 2023, Table 1 (T5, mean over the paper's summarization, translation and QA tasks; time
@@ -47,7 +55,7 @@ def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> di
     top = max(o.alphas)
     mha = (_ppl(arms, kind="mha-continued") or _ppl(arms, kind="mha"))[0]  # as many tokens as the arms
     out: dict[str, Any] = {"mha_ppl": _ppl(arms, kind="mha")[0], "mha_continued_ppl": mha}
-    methods = [m for m in PAPER_METHODS if m in o.methods]
+    methods = [m for m in PAPER_METHODS if m in o.starts]
     at0 = {m: _ppl(arms, kind="converted", groups=1, method=m, alpha=0.0)[0] for m in methods}
     mid = {m: _ppl(arms, kind="converted", groups=1, method=m, alpha=o.middle_alpha) for m in at0}
     mid_mean = {m: statistics.mean(v) for m, v in mid.items() if v}
@@ -61,7 +69,7 @@ def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> di
     # an uptrained point is the first seed's run.
     curves = {m: {a: _ppl(arms, kind="converted", groups=1, method=m, alpha=a,
                           **({"seed": o.seeds[0]} if a > 0 else {}))[0]
-                  for a in o.alphas} for m in o.methods}  # fmt: skip
+                  for a in o.alphas} for m in o.starts}  # fmt: skip
     mean = [curves["mean"][a] for a in o.alphas] if "mean" in curves else []
     gains = [a - b for a, b in zip(mean, mean[1:], strict=False)]
     out["fig5"] = {
@@ -82,7 +90,7 @@ def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> di
     return out
 
 
-def write_report(
+def write_replicate_report(
     o: ReplicateOptions, arms, decode, elapsed_s: float, reused: int, spent: ComputeTime
 ) -> tuple[Path, Path, list[Path]]:
     """Write ``report.md``, ``results.json`` and the figures into ``o.out``; return their paths.
@@ -98,7 +106,7 @@ def write_report(
     out = Path(o.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     f = findings(o, arms, decode)
-    figures = [_alpha_figure(o, f, out / "quality_vs_alpha.png"), _groups_figure(o, f, out / "groups.png")]
+    figures = [save_figure(fig, out / name) for name, fig in replicate_figures(o, f).items()]
     results = {
         "gqakit": __version__,
         "options": _options_json(o),
@@ -109,10 +117,9 @@ def write_report(
         "compute_s": round(spent.seconds, 1),
         "compute_unknown": spent.unknown,  # results stored without their time (by an older gqakit)
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     took = wall_time(elapsed_s, reused, spent.seconds, spent.unknown)
-    (out / "report.md").write_text(_markdown(o, f, took, figures))
-    return out / "report.md", out / "results.json", figures
+    report, results_json = write_report(out, _markdown(o, f, took, figures), results)
+    return report, results_json, figures
 
 
 def _options_json(o: ReplicateOptions) -> dict[str, Any]:
@@ -136,9 +143,7 @@ def _yes(ok: bool | None) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)] + [
-        "| " + " | ".join(r) + " |" for r in rows
-    ]
+    return md_table(header, rows).splitlines()
 
 
 def _markdown(o: ReplicateOptions, f, took: str, figures: list[Path]) -> str:
@@ -163,7 +168,7 @@ def _markdown(o: ReplicateOptions, f, took: str, figures: list[Path]) -> str:
     lines += _table(["method", "MQA, no uptraining", f"MQA, alpha {mid:g}: mean over seeds (each)"], rows)
     lines += ["", f"mean < first < random (lower is better): with no uptraining {_yes(f4['ordered_at_0'])}; "
               f"after uptraining {_yes(f4['ordered_after'])}"
-              + (" (an order needs two of mean, first and random in --methods)." if None in
+              + (" (an order needs two of mean, first and random in --starts)." if None in
                  (f4["ordered_at_0"], f4["ordered_after"]) else "."), ""]  # fmt: skip
     lines += ["## Fig. 5: how much uptraining", "", f"Paper: {PAPER_CLAIMS['fig5']}", ""]
     rows = [[meth] + [f"{c[a]:,.2f}" for a in o.alphas] for meth, c in f5["curves"].items()]
@@ -172,7 +177,7 @@ def _markdown(o: ReplicateOptions, f, took: str, figures: list[Path]) -> str:
     lines += ["", f"Gains of mean pooling from one alpha to the next: {gains}; levelling off "
               f"{_yes(f5['levels_off'])}.", ""]  # fmt: skip
     lines += [_recovered(o, f), ""] if "mean" in f5["curves"] else []
-    lines += [_start_against_mean(o, f5["curves"], meth) for meth in ("calibrated", "refined")
+    lines += [_start_against_mean(o, f5["curves"], meth) for meth in ("calibrated", "fast", "best")
               if meth in f5["curves"] and "mean" in f5["curves"]]  # fmt: skip
     lines += [""]
     lines += ["## Fig. 6 / Table 1: how many groups", "", f"Paper: {PAPER_CLAIMS['fig6']}", "",
@@ -182,7 +187,7 @@ def _markdown(o: ReplicateOptions, f, took: str, figures: list[Path]) -> str:
     rows = [[f"MHA ({m.heads} K/V heads), as many tokens", f"{f['mha_continued_ppl']:,.2f}", "0%"]]
     for g in sorted(f6["ppl"], reverse=True):
         share = f6["share_of_mha_mqa_gap"][g]
-        rows.append([f"{'MQA' if g == 1 else f'GQA-{g}'}", f"{f6['ppl'][g]:,.2f}",
+        rows.append([kv_label(g, m.heads), f"{f6['ppl'][g]:,.2f}",
                      f"{100 * share:.0f}%" if share is not None else "-"])  # fmt: skip
     for row, g in zip(rows, [m.heads, *sorted(f6["ppl"], reverse=True)], strict=True):
         d = f6["decode"].get(g, {})
@@ -241,37 +246,42 @@ def _start_against_mean(o: ReplicateOptions, curves, meth: str) -> str:
     return f"- {meth}, no uptraining: {p0:,.2f} ({where}); its best: {p_best:,.2f} at alpha {best:g}."
 
 
-def _alpha_figure(o: ReplicateOptions, f, path: Path) -> Path:
+def replicate_figures(o: ReplicateOptions, f) -> dict[str, Any]:
+    """The figures by file name: ``quality_vs_alpha.png`` (cf. the paper's Fig. 5) and ``groups.png``
+    (Fig. 6); perplexities spanning ten times or more on a log axis."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    values = [f["mha_ppl"], f["mha_continued_ppl"]]
     for meth, curve in f["fig5"]["curves"].items():
         ax.plot(list(curve), list(curve.values()), marker="o", label=f"MQA from {meth}")
+        values += list(curve.values())
     ax.axhline(f["mha_ppl"], color="black", linestyle="--", label="MHA")
     ax.axhline(f["mha_continued_ppl"], color="black", linestyle="-.", label="MHA, + the largest alpha")
     colors = ("#7f7f7f", "#bcbd22", "#17becf")
     for i, (g, v) in enumerate(sorted(f["scratch"].items())):
-        name = "MQA" if g == 1 else "MHA" if g == o.model.heads else f"GQA-{g}"
+        name = kv_label(g, o.model.heads)
         ax.axhline(
             v["scratch"], color=colors[i % 3], linestyle=":", label=f"{name} from scratch, same total tokens"
         )
-    ax.set_yscale("log")
+        values.append(v["scratch"])
+    log = log_if_wide(ax, values)
     ax.set_xlabel("uptraining proportion alpha (of the pretraining tokens)")
-    ax.set_ylabel("test perplexity (log scale, lower is better)")
+    ax.set_ylabel("test perplexity" + (" (log scale)" if log else "") + ", lower is better")
     ax.set_title("Quality against uptraining (cf. the paper's Fig. 5)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return save_figure(fig, path)
+    figures = {"quality_vs_alpha.png": fig}
 
-
-def _groups_figure(o: ReplicateOptions, f, path: Path) -> Path:
-    plt = pyplot()
     f6, heads = f["fig6"], o.model.heads
     gs = sorted([heads, *f6["ppl"]])
     ppl = [f["mha_continued_ppl"] if g == heads else f6["ppl"][g] for g in gs]
     ms = [f6["decode"].get(g, {}).get("ms_per_token") or float("nan") for g in gs]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     axes[0].plot(gs, ppl, marker="o")
-    axes[0].set_ylabel(f"test perplexity (uptrained at alpha {max(o.alphas):g})")
+    log = log_if_wide(axes[0], ppl)
+    axes[0].set_ylabel(
+        f"test perplexity (uptrained at alpha {max(o.alphas):g})" + (", log scale" if log else "")
+    )
     axes[1].plot(gs, ms, marker="o", color="#c44e52")
     axes[1].set_ylabel("decode ms per token (batch 8)")
     axes[1].set_ylim(bottom=0)  # differences of a few percent are this machine's noise, not G
@@ -281,7 +291,8 @@ def _groups_figure(o: ReplicateOptions, f, path: Path) -> Path:
         ax.set_xlabel("K/V heads G (G = H is MHA, 1 is MQA)")
     fig.suptitle("Quality and decode time against the number of groups (cf. the paper's Fig. 6)")
     fig.tight_layout()
-    return save_figure(fig, path)
+    figures["groups.png"] = fig
+    return figures
 
 
-__all__ = ["PAPER_CLAIMS", "PAPER_TABLE_1", "findings", "write_report"]
+__all__ = ["PAPER_CLAIMS", "PAPER_TABLE_1", "findings", "replicate_figures", "write_replicate_report"]

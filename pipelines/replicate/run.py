@@ -7,13 +7,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gqakit.asset_cache import read_manifest
-from gqakit.assets import fetch_asset
-from gqakit.files import cache_root
-from gqakit.local_assets import publish
-from gqakit.locks import working_directory
+from gqakit.assets import publish, read_manifest
 from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
-from gqakit.pipelines.replicate.report import write_report
+from gqakit.pipelines.replicate.report import write_replicate_report
 from gqakit.pipelines.replicate.train import (
     Context,
     convert_arm,
@@ -23,8 +19,9 @@ from gqakit.pipelines.replicate.train import (
     train_run,
     train_tokenizer,
 )
-from gqakit.pipelines.steps import Steps, quiet_transformers
+from gqakit.pipelines.steps import Steps, pipeline_run, wiki_splits
 from gqakit.pipelines.store import ResultStore
+from gqakit.storage import cache_root
 
 STEPS = 7
 MHA = "mha"
@@ -58,20 +55,11 @@ class ReplicateResult:
     elapsed_s: float
 
 
-def _corpus(o: ReplicateOptions) -> tuple[Path, Path, Path]:
-    if o.corpus is not None:
-        return tuple(Path(p) for p in o.corpus)  # type: ignore[return-value]
-
-    wiki = fetch_asset("wiki-en", o.cache_dir, wheelhouse=o.wheelhouse)
-    return wiki["train"], wiki["validation"], wiki["test"]
-
-
 def _setup(
     o: ReplicateOptions, total_steps: int, work: Path, store: ResultStore
 ) -> tuple[Context, Path, Arm, float]:
     """Steps 1-3: the corpus, the tokenizer and the pretrained MHA model (published as an asset), in the
-    working directory ``work`` (held: :func:`~gqakit.locks.working_directory`) and its ``store``."""
-    quiet_transformers()
+    working directory ``work`` (held: :func:`~gqakit.pipelines.steps.pipeline_run`) and its ``store``."""
     start = time.perf_counter()
     steps = Steps(total_steps, o.echo)
     m = o.model
@@ -82,7 +70,7 @@ def _setup(
         f"alphas {', '.join(map(str, o.alphas))}; working directory {work}"
     )
     with steps.step("Corpus: training, validation and test text"):
-        corpus = _corpus(o)
+        corpus = tuple(map(Path, o.corpus)) if o.corpus is not None else wiki_splits(o)
         steps.note(f"{corpus[0].parent}")
     ctx = Context(o, store, steps, work / "models", corpus)
     with steps.step(f"Tokenizer: byte-level BPE, {m.vocab:,} tokens, trained on the train split"):
@@ -101,7 +89,7 @@ def pretrain_mha(options: ReplicateOptions | None = None) -> Path:
     the asset ``replicate-mha``; return the model's directory. ``gqakit replicate --pretrain-only``."""
     o = options or ReplicateOptions()
     o.validate()
-    with working_directory(o.work_dir) as work, ResultStore(work / "results", o.fresh) as store:
+    with pipeline_run(o) as (work, store):
         _, _, mha, _ = _setup(o, 3, work, store)
     return Path(mha.path)
 
@@ -117,7 +105,7 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
     """
     o = options or ReplicateOptions()
     o.validate()
-    with working_directory(o.work_dir) as work, ResultStore(work / "results", o.fresh) as store:
+    with pipeline_run(o) as (work, store):
         return _replicate(o, work, store)
 
 
@@ -139,7 +127,14 @@ def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> Replicate
             else:
                 dst = ctx.models / j.name
                 j.uptrain = train_run(
-                    ctx, start_dir, dst, o.uptrain_steps(j.alpha), o.uptrain_lr, j.seed, o.pretrain_tokens
+                    ctx,
+                    start_dir,
+                    dst,
+                    o.uptrain_steps(j.alpha),
+                    o.uptrain_lr,
+                    j.seed,
+                    o.pretrain_tokens,
+                    True,
                 )
                 j.path = str(dst)
             arms.append(j)
@@ -147,7 +142,7 @@ def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> Replicate
         if top > 0:  # MHA trained on as many more tokens: the fair reference for the uptrained arms
             dst = ctx.models / f"mha-continued-a{top:g}"
             summary = train_run(
-                ctx, mha, dst, o.uptrain_steps(top), o.uptrain_lr, o.seeds[0], o.pretrain_tokens
+                ctx, mha, dst, o.uptrain_steps(top), o.uptrain_lr, o.seeds[0], o.pretrain_tokens, True
             )
             arms.append(Arm(dst.name, "mha-continued", m.heads, alpha=top, path=str(dst), uptrain=summary))
         total = o.steps + o.uptrain_steps(top)
@@ -167,7 +162,7 @@ def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> Replicate
     with steps.step("Report"):
         elapsed = time.perf_counter() - start
         # what the results shown took to compute, whichever run computed them (each records its own)
-        report, results_json, figures = write_report(
+        report, results_json, figures = write_replicate_report(
             o, arms, decode, elapsed, store.reused, store.compute_time()
         )
     o.echo(f"Report: {report}")
@@ -192,10 +187,10 @@ def _arm_plan(o: ReplicateOptions) -> list[Arm]:
         name = f"g{g}-{method}-a{alpha:g}" + (f"-s{seed}" if alpha > 0 else "")
         jobs.setdefault(name, Arm(name, "converted", g, method, alpha, seed if alpha > 0 else 0))
 
-    for method in o.methods:
+    for method in o.starts:
         for alpha in o.alphas:
             add(method, 1, alpha, o.seeds[0])
-    for method in (m for m in PAPER_METHODS if m in o.methods):
+    for method in (m for m in PAPER_METHODS if m in o.starts):
         for seed in o.seeds[1:]:
             add(method, 1, o.middle_alpha, seed)
     for g in o.groups:

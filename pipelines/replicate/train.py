@@ -18,19 +18,16 @@ from gqakit.eval import perplexity
 from gqakit.eval.decode_rounds import decode_rounds, round_stats
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import device_name, load_causal_lm, load_tokenizer, resolve_device
-from gqakit.outputs import atomic_output_dir
 from gqakit.pipelines.replicate.options import ReplicateOptions
-from gqakit.pipelines.run_keys import same_run, weights_key
-from gqakit.pipelines.starts import conversion_key, start_convert_options
+from gqakit.pipelines.run_keys import train_once, weights_key
+from gqakit.pipelines.starts import conversion_key, convert_options_for, split_sets
 from gqakit.pipelines.steps import Steps
 from gqakit.pipelines.store import ResultStore, fingerprint
+from gqakit.storage import atomic_output_dir
 from gqakit.text import load_texts
-from gqakit.uptrain import load_recipe, recipe_from_dict, uptrain
+from gqakit.uptrain import load_recipe, recipe_from_dict
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
-# a run is keyed and resumed on its whole recipe but logging (this cache key predates run_keys.NOT_WEIGHTS)
-ONLY_LOG = ("log",)
-RESUMES_OVER = ("log", "speed")  # what a killed training run may differ in and still be resumed
 
 
 @dataclass
@@ -168,10 +165,11 @@ def init_model(ctx: Context, tokenizer: Path, kv_heads: int, seed: int) -> Path:
 
 
 def recipe_data(
-    ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int
+    ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int, uptraining=False
 ) -> dict[str, Any]:
     """The recipe of one run: ``recipes/replicate-mha.yaml`` (the LM objective on the train split,
-    warmup then cosine, checkpoints every 100 steps) with this run's start, steps, lr, seed and sizes."""
+    warmup then cosine, checkpoints every 100 steps) with this run's start, steps, lr, seed and sizes, and
+    for an ``uptraining`` run the ``--set`` overrides."""
     o = ctx.o
     recipe = load_recipe(
         "replicate-mha",
@@ -188,58 +186,37 @@ def recipe_data(
             f"output_dir={json.dumps(str(out))}",
             f"seed={seed}",
             f"speed.device={json.dumps(o.device)}",  # where the conversions and measurements run too
+            *(o.recipe_sets if uptraining else ()),
         ],
     )
     return recipe.to_dict()
 
 
-def train_key(recipe: dict[str, Any]) -> dict[str, Any]:
-    """The cache key of a training run's recipe: all of it but logging, and but ``speed.device``, which
-    changes the weights by rounding only (as the other speed levers, which this key predates) and came
-    after it: the runs cached before it stay valid."""
-    key = weights_key(recipe, ONLY_LOG)
-    key["speed"] = {k: v for k, v in key["speed"].items() if k != "device"}
-    return key
-
-
 def train_run(
-    ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int
+    ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int, uptraining=False
 ) -> dict:
-    """Train ``start`` for ``steps`` steps into ``out`` with gqakit's loop; cached, resumed when killed."""
-    recipe = recipe_from_dict(recipe_data(ctx, start, out, steps, lr, seed, pretraining))
-    # The key is what changes the weights: logging and progress bars do not.
-    key = {"start": fingerprint(start), "recipe": train_key(recipe.to_dict())}
-    name = "train-" + out.name
-    cached = ctx.store.get_output(name, key, out)
-    if cached is not None:
-        ctx.steps.note(f"reusing {out.name} ({cached['steps']} steps)")
-        return cached
-    # speed (the device, the levers) changes how the run goes, not what it trains: a run killed on one
-    # --device, or before recipes held speed.device, resumes on another
-    resume = same_run(out, recipe, RESUMES_OVER) and not (out / "gqakit.json").is_file() and not ctx.o.fresh
-    res = uptrain(recipe, resume=resume, force=not resume)
-    summary = {
-        "steps": res.steps,
-        "tokens": res.tokens,
-        "alpha": res.alpha,
-        "elapsed_s": round(res.elapsed_s, 1),
-        "final_val_ppl": res.final_val_ppl,
-        "metrics": str(res.history),
-    }
-    ctx.steps.note(
-        f"{out.name}: {res.steps} steps, {res.tokens:,} tokens, validation {res.final_val_ppl:,.2f}"
-    )
-    return ctx.store.put_output(name, key, out, summary)
+    """Train ``start`` for ``steps`` steps into ``out`` with gqakit's loop; cached, resumed when killed
+    (:func:`~gqakit.pipelines.run_keys.train_once`: a run killed on one --device resumes on another)."""
+    data = recipe_data(ctx, start, out, steps, lr, seed, pretraining, uptraining)
+    recipe = recipe_from_dict(data)
+    key = {"start": fingerprint(start), "recipe": weights_key(recipe.to_dict())}
+    summary, reused = train_once(ctx.store, "train-" + out.name, recipe, key, fresh=ctx.o.fresh)
+    if reused:
+        ctx.steps.note(f"reusing {out.name} ({summary['steps']} steps)")
+    else:
+        ctx.steps.note(
+            f"{out.name}: {summary['steps']} steps, {summary['tokens']:,} tokens, validation "
+            f"{summary['final_val_ppl']:,.2f}"
+        )
+    return summary
 
 
-def convert_arm(ctx: Context, mha: Path, method: str, groups: int) -> Path:
-    """``mha`` converted to ``groups`` K/V heads by ``method`` (``refined``: calibrated + refinement)."""
+def convert_arm(ctx: Context, mha: Path, start: str, groups: int) -> Path:
+    """``mha`` converted to ``groups`` K/V heads from ``start`` (a preset or a method)."""
     o = ctx.o
-    opts = start_convert_options(
-        method, groups, calib_data=str(ctx.train), calib_tokens=o.calib_tokens,
-        refine_steps=o.refine_steps, device=o.device,
-    )  # fmt: skip
-    dst = ctx.models / f"start-g{groups}-{method}"
+    settings = split_sets(o.sets)[0]
+    opts = convert_options_for(start, groups, calib_data=str(ctx.train), settings=settings, device=o.device)
+    dst = ctx.models / f"start-g{groups}-{start}"
     key = {"source": fingerprint(mha), "options": conversion_key(opts)}
     ctx.store.build_once(dst, key, lambda: convert_checkpoint(mha, dst, opts, progress=o.progress))
     return dst

@@ -289,7 +289,7 @@ def test_all_option_problems_are_reported_at_once(tiny_llama, tmp_path):
         "--groups",
         "--calib-tokens",
         "--calib-data",
-        "--grouping similarity cannot be combined with --method random",
+        "--set grouping similarity cannot be combined with --method random",
     ):
         assert fragment in msg, msg
 
@@ -316,15 +316,14 @@ def test_too_short_calibration_data(tiny_llama, tmp_path):
 
 
 def test_calib_data_without_a_use_is_rejected(tiny_llama, tmp_path, calib_txt):
-    used_by = "only used by --method calibrated, --grouping similarity or --refine-steps"
+    used_by = "only used by --method calibrated, --set grouping similarity or --refine-steps"
     with pytest.raises(GqakitError, match=used_by):
         convert_checkpoint(tiny_llama, tmp_path / "o", ConvertOptions(groups=2, calib_data=str(calib_txt)))
 
 
 def test_cli_calibrated_convert(tiny_llama, tmp_path, calib_txt):
-    res = _convert_calibrated(
-        tiny_llama, tmp_path, calib_txt, groups=1, extra=("--calib-tokens", "256", "--grouping", "similarity")
-    )
+    extra = ("--calib-tokens", "256", "--set", "grouping=similarity")
+    res = _convert_calibrated(tiny_llama, tmp_path, calib_txt, groups=1, extra=extra)
     assert res.exit_code == 0, res.output
     assert "calibrated" in res.output
     prov = json.loads((tmp_path / "o" / "gqakit.json").read_text())

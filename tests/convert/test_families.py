@@ -120,6 +120,11 @@ def test_zero_layernorm_gain_is_refused(tmp_path):
     res = _convert(src, tmp_path / "out", "--groups", "2")
     assert res.exit_code == 2 and "input_layernorm.weight has a zero in layer(s) [1]" in res.output
     assert not (tmp_path / "out").exists()
+    # inspect runs convert's checks, the weights' included: it does not promise a phi it cannot write
+    res = CliRunner().invoke(main, ["inspect", str(src)])
+    assert res.exit_code == 0, res.output
+    assert "converts into     nothing: input_layernorm.weight has a zero in layer(s) [1]" in res.output
+    assert "not supported by convert" in res.output
 
 
 def test_bigcode_targets_hold_only_mqa_or_mha(tmp_path):
@@ -132,17 +137,23 @@ def test_bigcode_targets_hold_only_mqa_or_mha(tmp_path):
     calib = ["--method", "calibrated", "--calib-data", str(text)]
     res = _convert(src, tmp_path / "out", "-g", "4", *calib)
     assert res.exit_code == 2 and "G = H is gpt_bigcode's exact rewrite, nothing to merge" in res.output
-    res = _convert(src, tmp_path / "out", "-g", "1", *calib, "--grouping", "similarity")
+    res = _convert(src, tmp_path / "out", "-g", "1", *calib, "--set", "grouping=similarity")
     assert (
         res.exit_code == 2 and "every head is in the one group and there is nothing to choose" in res.output
     )
     res = _convert(
-        src, tmp_path / "out", "-g", "1", *calib, "--refine-steps", "5", "--refine-loss", "per-token"
+        src,
+        tmp_path / "out",
+        "-g",
+        "1",
+        *calib,
+        "--refine-steps",
+        "5",
+        "--set",
+        "refine_target=layer-corrective",
     )
     assert res.exit_code == 2
-    assert (
-        "--refine-loss per-token: a gpt_bigcode target is refined with the relative loss only" in res.output
-    )
+    assert "layer-corrective: a gpt_bigcode target is refined against the attention output only" in res.output
     assert not (tmp_path / "out").exists()
 
 

@@ -15,8 +15,7 @@ from gqakit.checkpoint import resolve_checkpoint
 from gqakit.cli import main
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint
 from gqakit.convert.decoder_stream import DecoderStream
-from gqakit.convert.refine import REFINE_LR, RefineSettings, fit_block, token_weights
-from gqakit.convert.refine_names import REFINE_TARGETS
+from gqakit.convert.refine import REFINE_LR, REFINE_TARGETS, RefineSettings, fit_block, token_weights
 from gqakit.errors import GqakitError
 from gqakit.pipelines.probe import attention_errors
 from gqakit.testing import TINY_TEXT, checkpoint_tensors, tiny_model, tiny_tokenizer
@@ -114,69 +113,8 @@ def test_a_diverging_fit_keeps_the_merge(sharp_llama, tmp_path, calib_txt):
     )
     errors = res.provenance["refine"]["attention_error"]
     assert all(e["best_step"] == 0 and e["heldout_after"] == e["heldout_before"] for e in errors)
+    assert res.provenance["refine"]["summary"].startswith("refinement kept no step")
     torch.testing.assert_close(_logits(tmp_path / "bad"), _logits(tmp_path / "cal"))
-
-
-def _layer_output_errors(src, converted) -> list[float]:
-    """Relative squared error of each decoder layer's output against the original's, on IDS, each layer
-    fed the original's hidden states (what refinement fits)."""
-    original = AutoModelForCausalLM.from_pretrained(src).eval()
-    model = AutoModelForCausalLM.from_pretrained(converted).eval()
-    captured: dict = {}
-    hook = original.model.layers[0].register_forward_hook(
-        lambda m, args, kw, out: captured.update(kw), with_kwargs=True
-    )
-    with torch.no_grad():
-        hidden = original(IDS, output_hidden_states=True, use_cache=False).hidden_states
-        hook.remove()
-        kw = {k: v for k, v in captured.items() if k != "past_key_values"}  # the same for every layer
-        errors = []
-        for i, (a, b) in enumerate(zip(original.model.layers, model.model.layers, strict=True)):
-            ya, yb = (y[0] if isinstance(y, tuple) else y for y in (a(hidden[i], **kw), b(hidden[i], **kw)))
-            errors.append(float((yb - ya).pow(2).sum() / ya.pow(2).sum()))
-    return errors
-
-
-def test_layer_target_fits_the_whole_layer_and_moves_only_attention(sharp_llama, tmp_path, calib_txt):
-    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
-    attn = convert_checkpoint(sharp_llama, tmp_path / "attn", ConvertOptions(**opts))
-    layer = convert_checkpoint(sharp_llama, tmp_path / "layer", ConvertOptions(refine_target="layer", **opts))
-    assert layer.provenance["refine"]["target"] == "layer"
-    a, b = checkpoint_tensors(tmp_path / "attn"), checkpoint_tensors(tmp_path / "layer")
-    moved = {k for k in a if not torch.equal(a[k], b[k])}
-    assert moved and all(".self_attn." in k for k in moved)  # MLP, norms and embeddings untouched
-    # fitted to the layer's output, it is closer there on held-out text than the attention-only fit
-    ea, eb = (
-        _layer_output_errors(sharp_llama, tmp_path / "attn"),
-        _layer_output_errors(sharp_llama, tmp_path / "layer"),
-    )
-    assert sum(eb) < sum(ea), (eb, ea)
-    assert attn.files == layer.files
-
-
-def _beside_layer(src, tmp_path, calib_txt, target: str):
-    """Convert ``src`` refined with ``--refine-target layer`` into tmp_path/layer and with ``target`` into
-    tmp_path/TARGET (same budget); return the latter's result, its target checked in the record."""
-    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
-    convert_checkpoint(src, tmp_path / "layer", ConvertOptions(refine_target="layer", **opts))
-    res = convert_checkpoint(src, tmp_path / target, ConvertOptions(refine_target=target, **opts))
-    assert res.provenance["refine"]["target"] == target
-    return res
-
-
-def test_layer_all_target_moves_the_mlp_and_fits_the_layer_closer(sharp_llama, tmp_path, calib_txt):
-    res = _beside_layer(sharp_llama, tmp_path, calib_txt, "layer-all")
-    assert "all decoder-layer parameters trained" in res.provenance["refine"]["objective"]
-    src, a, b = (checkpoint_tensors(p) for p in (sharp_llama, tmp_path / "layer", tmp_path / "layer-all"))
-    moved = {k for k in src if not torch.equal(src[k], b[k])}
-    # the MLP and the norms move too; the embedding and the head stay the original's
-    assert any(".mlp." in k for k in moved) and any("layernorm" in k for k in moved)
-    assert all(".layers." in k for k in moved), moved
-    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype for k in a)
-    # more of the layer to move: closer to the original layer's output on held-out text
-    err_layer = _layer_output_errors(sharp_llama, tmp_path / "layer")
-    err_all = _layer_output_errors(sharp_llama, tmp_path / "layer-all")
-    assert sum(err_all) < sum(err_layer), (err_all, err_layer)
 
 
 def _final_hidden_error(src, converted) -> float:
@@ -189,78 +127,36 @@ def _final_hidden_error(src, converted) -> float:
     return float((states[1] - states[0]).pow(2).sum() / states[0].pow(2).sum())
 
 
-@pytest.mark.parametrize(
-    ("corrective", "plain"), [("layer-corrective", "layer"), ("attention-corrective", "attention")]
-)
-def test_corrective_targets_read_the_converted_states_and_correct_the_layers_before(
-    sharp_llama, tmp_path, calib_txt, corrective, plain
+def test_layer_corrective_fits_per_token_moves_only_attention_and_ends_closer(
+    sharp_llama, tmp_path, calib_txt
 ):
-    # one loss for both, so that only where the blocks read their states differs (the whole-layer targets'
-    # own loss is per-token; the corrective end-to-end figure below is measured in relative terms)
-    opts = dict(
-        groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60,
-        refine_loss="relative",
-    )  # fmt: skip
-    convert_checkpoint(sharp_llama, tmp_path / "plain", ConvertOptions(refine_target=plain, **opts))
-    res = convert_checkpoint(sharp_llama, tmp_path / "corr", ConvertOptions(refine_target=corrective, **opts))
-    assert res.provenance["refine"]["target"] == corrective
-    a, b = checkpoint_tensors(tmp_path / "plain"), checkpoint_tensors(tmp_path / "corr")
-    # layer 0 reads the same states either way (nothing is converted before it); layer 1 reads the
-    # converted model's, so it is fitted differently
-    assert all(torch.equal(a[k], b[k]) for k in a if ".layers.0." in k)
-    assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.1.self_attn." in k)
-    assert all(torch.equal(a[k], b[k]) for k in a if ".self_attn." not in k)  # only attention moves
-    # end to end on held-out text, the converted model's last hidden state is closer to the original's
-    err_plain = _final_hidden_error(sharp_llama, tmp_path / "plain")
-    err_corr = _final_hidden_error(sharp_llama, tmp_path / "corr")
-    assert err_corr < err_plain, (err_corr, err_plain)
-
-
-def test_layer_all_corrective_moves_whole_layers_on_the_converted_states(sharp_llama, tmp_path, calib_txt):
-    opts = dict(
-        groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60,
-        refine_loss="relative",
-    )  # fmt: skip
-    convert_checkpoint(sharp_llama, tmp_path / "plain", ConvertOptions(refine_target="layer-all", **opts))
+    """layer-corrective: each block in a copy of its decoder layer, reading the converted model's states,
+    aimed at the original layer's output with the per-token loss; only attention weights move, and end to
+    end the last hidden state is closer to the original's than after the attention target."""
+    assert {t: REFINE_TARGETS[t].loss for t in REFINE_TARGETS} == {
+        "attention": "relative",
+        "layer-corrective": "per-token",
+    }
+    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=60)
+    attn = convert_checkpoint(sharp_llama, tmp_path / "attn", ConvertOptions(**opts))
     res = convert_checkpoint(
-        sharp_llama, tmp_path / "corr", ConvertOptions(refine_target="layer-all-corrective", **opts)
+        sharp_llama, tmp_path / "corr", ConvertOptions(refine_target="layer-corrective", **opts)
     )
-    assert "all decoder-layer parameters trained" in res.provenance["refine"]["objective"]
-    src, a, b = (checkpoint_tensors(p) for p in (sharp_llama, tmp_path / "plain", tmp_path / "corr"))
-    # layer 0 reads the same states either way; layer 1 reads the converted model's, MLP included
-    assert all(torch.equal(a[k], b[k]) for k in a if ".layers.0." in k)
-    assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.1.mlp." in k)
-    assert any(not torch.equal(src[k], b[k]) for k in b if ".mlp." in k)
-    assert all(torch.equal(src[k], b[k]) for k in b if ".layers." not in k)  # embedding, head, final norm
-    # end to end on held-out text, the last hidden state is closer to the original's
-    err_plain = _final_hidden_error(sharp_llama, tmp_path / "plain")
-    err_corr = _final_hidden_error(sharp_llama, tmp_path / "corr")
-    assert err_corr < err_plain, (err_corr, err_plain)
+    rec = res.provenance["refine"]
+    assert (rec["target"], rec["loss"]) == ("layer-corrective", "per-token")
+    assert attn.provenance["refine"]["loss"] == "relative"
+    assert "mean square of the residual state" in rec["objective"]
+    assert all(r["heldout_after"] <= r["heldout_before"] for r in rec["attention_error"])
+    src, a, b = (checkpoint_tensors(p) for p in (sharp_llama, tmp_path / "attn", tmp_path / "corr"))
+    assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.1.self_attn." in k)
+    assert all(torch.equal(src[k], b[k]) for k in src if ".self_attn." not in k)  # MLP, norms, embedding
+    assert _final_hidden_error(sharp_llama, tmp_path / "corr") < _final_hidden_error(
+        sharp_llama, tmp_path / "attn"
+    )
 
 
-def test_window_target_fits_each_block_through_the_next_layer(sharp_llama, tmp_path, calib_txt):
-    res = _beside_layer(sharp_llama, tmp_path, calib_txt, "window")
-    assert "two decoder layers on" in res.provenance["refine"]["objective"]
-    a, b = checkpoint_tensors(tmp_path / "layer"), checkpoint_tensors(tmp_path / "window")
-    last = len(AutoModelForCausalLM.from_pretrained(sharp_llama).model.layers) - 1
-    assert last >= 1
-    # layer 0 is fitted through layer 1, so differently; the last layer has no next one and is fitted to
-    # its own output, exactly as the layer target does; only attention weights move
-    assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.0.self_attn." in k)
-    assert all(torch.equal(a[k], b[k]) for k in a if f".layers.{last}." in k)
-    assert all(torch.equal(a[k], b[k]) for k in a if ".self_attn." not in k)
-    # the records say the same: layer 0's merge is scored (and fitted) two layers on, so its error
-    # differs from the one-layer score; the last layer's records are the layer target's
-    rec_layer = json.loads((tmp_path / "layer" / "gqakit.json").read_text())["refine"]["attention_error"]
-    rec_win = res.provenance["refine"]["attention_error"]
-    assert rec_win[0]["before"] != rec_layer[0]["before"]
-    assert rec_win[0]["after"] < rec_win[0]["before"]
-    assert rec_win[last] == rec_layer[last]
-
-
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
-def test_the_schedule_sets_each_steps_rates(monkeypatch, schedule):
-    """Every step's rates, as Adam sees them: the same throughout, or down a half cosine to near 0."""
+def test_the_query_key_side_takes_its_own_rate_at_every_step(monkeypatch):
+    """Every step's rates, as Adam sees them: the query/key side's and the rest's, the same throughout."""
     seen: list[list[float]] = []
     step = torch.optim.Adam.step
 
@@ -272,17 +168,10 @@ def test_the_schedule_sets_each_steps_rates(monkeypatch, schedule):
     torch.manual_seed(0)
     block = torch.nn.Linear(8, 8)
     data = [((torch.randn(4, 8),), {}, torch.randn(4, 8)) for _ in range(3)]
-    settings = RefineSettings(steps=20, lr=1e-3, qk_lr=3e-3, schedule=schedule)
-    fit_block(block, data[:2], data[2:], settings, qk_params=["weight"])
+    fit_block(block, data[:2], data[2:], RefineSettings(steps=20, lr=1e-3, qk_lr=3e-3), qk_params=["weight"])
     assert len(seen) == 20
     rest, qk = zip(*seen, strict=True)
-    assert qk[0] == pytest.approx(3e-3) and rest[0] == pytest.approx(1e-3)
-    if schedule == "constant":
-        assert set(qk) == {3e-3} and set(rest) == {1e-3}
-    else:
-        assert all(a > b for a, b in zip(qk, qk[1:], strict=False))  # falls at every step
-        assert qk[10] == pytest.approx(1.5e-3) and rest[10] == pytest.approx(0.5e-3)  # halfway: half
-        assert qk[-1] < 3e-3 * 0.01  # the last step moves by under 1% of the first's rate
+    assert set(qk) == {3e-3} and set(rest) == {1e-3}
 
 
 def test_the_per_token_loss_keeps_a_massive_token_from_owning_the_fit():
@@ -302,46 +191,11 @@ def test_the_per_token_loss_keeps_a_massive_token_from_owning_the_fit():
     for loss, weights in (("relative", None), ("per-token", [token_weights(t) for _, _, t in data])):
         torch.manual_seed(1)
         block = torch.nn.Linear(8, 8, bias=False)
-        fit_block(block, data[:4], data[4:], RefineSettings(steps=300, lr=3e-2, loss=loss), weights=weights)
+        fit_block(block, data[:4], data[4:], RefineSettings(steps=300, lr=3e-2), weights=weights)
         (x,), _, y = data[4]
         with torch.no_grad():  # held-out relative error on the ordinary tokens
             ordinary[loss] = float((block(x)[:, 1:] - y[:, 1:]).pow(2).sum() / y[:, 1:].pow(2).sum())
     assert ordinary["per-token"] < 0.01 < ordinary["relative"], ordinary
-
-
-def test_whole_layer_targets_fit_per_token_unless_told_and_only_attention_moves(
-    sharp_llama, tmp_path, calib_txt
-):
-    assert {t: ConvertOptions(1, refine_target=t).refine_loss_used for t in REFINE_TARGETS.names} == {
-        "attention": "relative", "layer": "per-token", "layer-all": "relative",
-        "layer-all-corrective": "per-token", "attention-corrective": "relative",
-        "layer-corrective": "per-token", "window": "per-token",
-        "window-corrective": "relative",
-    }  # fmt: skip
-    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=40)
-    res = {
-        name: convert_checkpoint(
-            sharp_llama, tmp_path / name, ConvertOptions(refine_target="layer", refine_loss=loss, **opts)
-        )
-        for name, loss in (("relative", "relative"), ("default", None))
-    }
-    rec = res["default"].provenance["refine"]
-    assert (rec["loss"], res["relative"].provenance["refine"]["loss"]) == ("per-token", "relative")
-    assert "mean square of the residual state" in rec["objective"]
-    a, b = checkpoint_tensors(tmp_path / "relative"), checkpoint_tensors(tmp_path / "default")
-    assert any(not torch.equal(a[k], b[k]) for k in a if ".self_attn." in k)  # weighted differently
-    assert all(torch.equal(a[k], b[k]) for k in a if ".self_attn." not in k)
-    assert all(r["heldout_after"] <= r["heldout_before"] for r in rec["attention_error"])
-
-
-def test_a_cosine_schedule_is_recorded_and_ends_on_small_steps(sharp_llama, tmp_path, calib_txt):
-    opts = dict(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=2048, refine_steps=40)
-    convert_checkpoint(sharp_llama, tmp_path / "const", ConvertOptions(**opts))
-    res = convert_checkpoint(sharp_llama, tmp_path / "cos", ConvertOptions(refine_schedule="cosine", **opts))
-    assert res.provenance["refine"]["schedule"] == "cosine"
-    a, b = checkpoint_tensors(tmp_path / "const"), checkpoint_tensors(tmp_path / "cos")
-    assert any(not torch.equal(a[k], b[k]) for k in a if ".self_attn." in k)
-    assert all(torch.equal(a[k], b[k]) for k in a if ".self_attn." not in k)
 
 
 def test_a_separate_query_key_rate_moves_that_side_at_its_own_pace(sharp_llama, tmp_path, calib_txt):
@@ -435,18 +289,15 @@ def test_refine_options_are_checked_together(tiny_llama, tmp_path):
         convert_checkpoint(tiny_llama, tmp_path / "o", opts)
     msg = e.value.message
     assert "--refine-steps must be 0 (off) or a positive step count, got -1" in msg
-    assert "--refine-lr must be a finite learning rate above 0, got 0.0" in msg
+    assert "--set refine_lr must be a finite learning rate above 0, got 0.0" in msg
     assert not (tmp_path / "o").exists()
-    bad = ConvertOptions(
-        groups=2, method="calibrated", refine_target="mlp", refine_qk_lr=-1.0, refine_schedule="linear",
-        refine_loss="l1",
-    )  # fmt: skip
+    bad = ConvertOptions(groups=2, method="calibrated", refine_target="layer", refine_qk_lr=-1.0)
     with pytest.raises(GqakitError) as e:
         convert_checkpoint(tiny_llama, tmp_path / "o", bad)
-    assert "--refine-target 'mlp' is unknown; choose one of attention, layer" in e.value.message
-    assert "--refine-qk-lr must be a finite learning rate above 0, got -1.0" in e.value.message
-    assert "--refine-schedule 'linear' is unknown; choose one of constant, cosine" in e.value.message
-    assert "--refine-loss 'l1' is unknown; choose one of relative, per-token" in e.value.message
+    assert (
+        "--set refine_target 'layer' is unknown; choose one of attention, layer-corrective" in e.value.message
+    )
+    assert "--set refine_qk_lr must be a finite learning rate above 0, got -1.0" in e.value.message
 
 
 @pytest.mark.parametrize("bad", ["inf", "nan", "-inf"])
@@ -454,11 +305,13 @@ def test_cli_refuses_non_finite_refine_rates_with_the_other_problems(tiny_llama,
     # inf > 0: a positivity check alone let it through, and the conversion then "refined" nothing
     args = ["convert", str(tiny_llama), str(tmp_path / "o"), "-g", "1", "--method", "calibrated"]
     extra = ["--calib-data", str(calib_txt), "--calib-tokens", "0", "--refine-steps", "2"]
-    res = CliRunner().invoke(main, [*args, *extra, "--refine-lr", bad, "--refine-qk-lr", bad])
+    res = CliRunner().invoke(
+        main, [*args, *extra, "--set", f"refine_lr={bad}", "--set", f"refine_qk_lr={bad}"]
+    )
     assert res.exit_code != 0
     out = " ".join(res.output.split())  # click wraps the message
     assert "--calib-tokens must be a positive number of tokens, got 0." in out
-    for flag, default in (("--refine-lr", "0.001"), ("--refine-qk-lr", "0.003")):
+    for flag, default in (("--set refine_lr", "0.001"), ("--set refine_qk_lr", "0.003")):
         assert (
             f"{flag} must be a finite learning rate above 0, got {float(bad)}; e.g. {default} (the default)."
             in out

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gqakit.convert.layerwise_blocks import qk_parameters
-from gqakit.convert.merge_fit import keys_normalized, rotary_dim
-from gqakit.convert.registry import ADAPTERS, get_adapter
+from gqakit.convert.layerwise import qk_parameters
+from gqakit.convert.merge_fit import keys_normalized
 from gqakit.errors import GqakitError
+from gqakit.families import ADAPTERS, get_adapter, rotary_dims
 from gqakit.testing import tiny_model
 
 
@@ -42,19 +42,22 @@ def test_keys_normalized_reads_the_adapters_key_norm_roles(family, tensor, expec
 
 
 def test_partial_rotary_is_read_only_for_families_that_have_it():
-    config = {"partial_rotary_factor": 0.5}
-    assert rotary_dim(config, get_adapter("phi"), 64) == 32
-    assert rotary_dim({"rope_parameters": {"partial_rotary_factor": 0.25}}, get_adapter("stablelm"), 64) == 16
+    assert rotary_dims({"model_type": "phi", "partial_rotary_factor": 0.5}, 64) == 32
+    stablelm = {"model_type": "stablelm", "rope_parameters": {"partial_rotary_factor": 0.25}}
+    assert rotary_dims(stablelm, 64) == 16
     # llama rotates all of head_dim whatever a stray config key says
-    assert rotary_dim(config, get_adapter("llama"), 64) == 64
+    assert rotary_dims({"model_type": "llama", "partial_rotary_factor": 0.5}, 64) == 64
+    # head_dim defaults to the config's; a family gqakit has no adapter for reads the factor
+    gpt_bigcode = {"model_type": "gpt_bigcode", "hidden_size": 64, "num_attention_heads": 2}
+    assert rotary_dims({**gpt_bigcode, "partial_rotary_factor": 0.5}) == 16
 
 
 def test_phi3_rotates_only_its_partial_rotary_factor():
     """Phi3Config keeps partial_rotary_factor in rope_parameters; transformers rotates that share of each
     head (Phi3RotaryEmbedding), so the calibrated key merge must pair only those channels."""
-    config = {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}
-    assert rotary_dim(config, get_adapter("phi3"), 16) == 8
-    assert rotary_dim({"rope_parameters": {"rope_type": "default"}}, get_adapter("phi3"), 16) == 16
+    config = {"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}
+    assert rotary_dims(config, 16) == 8
+    assert rotary_dims({"model_type": "phi3", "rope_parameters": {"rope_type": "default"}}, 16) == 16
 
 
 @pytest.mark.parametrize(
@@ -77,3 +80,48 @@ def test_qk_parameters_are_the_query_and_key_projections_and_all_their_norms(fam
     want = [n for n, _ in block.named_parameters() if n.startswith(query_key)]
     assert any("norm" in n for n in want) == (family != "llama")
     assert qk_parameters(ADAPTERS[family], 0, path, block) == want
+
+
+def test_every_family_fact_is_read_from_the_one_registry():
+    """No module outside gqakit/families.py (and the GGUF layouts its entries hold) asks which family it
+    holds: a new family is one entry, not a branch in each command."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    branch = re.compile(
+        r"model_type\"?\)?\]? *(==|!=|in |not in )|\"(falcon|gpt2|gpt_neox|opt|gpt_bigcode)\" *(==|!=|in )"
+    )
+    allowed = {root / "gqakit" / "families.py"}
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for folder in ("gqakit", "convert", "eval", "uptrain", "pipelines")
+        for path in sorted((root / folder).rglob("*.py"))
+        if path not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if branch.search(line) and "MODEL_FOR_CAUSAL_LM" not in line
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_falcon_and_bigcode_state_their_kv_heads_in_their_entries():
+    from gqakit.families import family_of
+    from gqakit.geometry import AttentionGeometry
+
+    base = dict(hidden_size=64, num_attention_heads=8, num_hidden_layers=2)
+    new = dict(base, model_type="falcon", new_decoder_architecture=True, num_kv_heads=2)
+    old = dict(base, model_type="falcon", new_decoder_architecture=False)
+    assert AttentionGeometry.from_config(new).num_kv_heads == 2
+    assert AttentionGeometry.from_config(old).num_kv_heads == 1  # FalconConfig's multi_query default
+    assert family_of(new).cached_kv_heads(new, 2, 8) == 8  # transformers caches H
+    assert family_of(old).cached_kv_heads(old, 1, 8) == 1
+    bigcode = dict(model_type="gpt_bigcode", n_embd=64, n_head=8, n_layer=2, multi_query=True)
+    assert AttentionGeometry.from_config(bigcode).num_kv_heads == 1
+    assert family_of("no-such-family").weight_kv_heads({"num_key_value_heads": 2}, 8) == 2
+
+
+def test_unsupported_and_unknown_families_say_why():
+    with pytest.raises(GqakitError, match="Falcon's transformers attention ties K/V heads"):
+        get_adapter("falcon")
+    with pytest.raises(GqakitError, match='Did you mean "llama"'):
+        get_adapter("lama")

@@ -24,8 +24,8 @@ def test_cli_writes_the_report(tiny_models, known_txt, tmp_path):
         str(known_txt),
         "--seq-len",
         "32",
-        "--stride",
-        "16",
+        "--set",
+        "stride=16",
         "--bench",
         "--batch-sizes",
         "1,2",
@@ -33,8 +33,8 @@ def test_cli_writes_the_report(tiny_models, known_txt, tmp_path):
         "8,16",
         "--new-tokens",
         "3",
-        "--warmup",
-        "0",
+        "--set",
+        "warmup=0",
         "--device",
         "cpu",
         "--out",
@@ -44,6 +44,10 @@ def test_cli_writes_the_report(tiny_models, known_txt, tmp_path):
     assert result.exit_code == 0, result.output
     assert "| **mha** (baseline) | 4/4 |" in result.output
     assert "| mqa | 1/4 |" in result.output
+    # the printed table is report.md's, rendered from the results (not read back from the file)
+    printed = result.output.split("\n\nWrote ")[0].strip().splitlines()
+    table = [line.split("\r")[-1] for line in printed if line.split("\r")[-1].startswith("|")]
+    assert len(table) == 4 and "\n".join(table) in (out / "report.md").read_text()
     assert {p.name for p in out.iterdir()} == {
         "report.md",
         "results.json",
@@ -141,7 +145,7 @@ def test_several_problems_are_reported_together(tiny_models, tmp_path):
         str(tiny_models["gqa"]),
         "--bench",
         "--batch-sizes",
-        "x",
+        "1,1",
         "--contexts",
         "0",
         "--seq-len",
@@ -150,5 +154,44 @@ def test_several_problems_are_reported_together(tiny_models, tmp_path):
         str(tmp_path),
     )
     assert result.exit_code != 0
-    for part in ("--batch-sizes", "--contexts", "--seq-len must be positive"):
+    for part in ("--batch-sizes", "--contexts", "--seq-len must be at least 1"):
         assert part in result.output
+
+
+def test_help_lists_at_most_20_options_and_every_knob_of_set():
+    import click
+
+    from gqakit.cli import load_command
+    from gqakit.cli_options import settable
+    from gqakit.eval.options import EvalOptions
+
+    command = load_command("eval")
+    options = [p for p in command.get_params(click.Context(command)) if isinstance(p, click.Option)]
+    assert len(options) <= 20  # --help counted
+    text = CliRunner().invoke(main, ["eval", "--help"]).output
+    assert all(name in text for name in settable(EvalOptions)) and "--stride" not in text
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("strid=4", "'strid' is no setting. Did you mean \"stride\"?"),
+        ("stride", "--set 'stride' is not NAME=VALUE"),
+        ("warmup=two", "warmup takes a whole number, got 'two'"),
+        ("static_cache=maybe", "static_cache takes true or false"),
+        ("stride=0", "--set stride must be between 1 and --seq-len 512, got 0."),
+    ],
+)
+def test_a_bad_setting_is_named(setting, message, tiny_models, tmp_path):
+    result = _run(str(tiny_models["gqa"]), "--bench", "--set", setting, "--out", str(tmp_path))
+    assert result.exit_code != 0 and message in result.output
+
+
+def test_settings_are_read_as_their_fields_types():
+    from gqakit.cli_options import parse_set
+    from gqakit.eval.options import EvalOptions
+
+    pairs = ["stride=256", "static-cache=yes", "data_config=none", "gpu_memory_utilization=0.5"]
+    assert parse_set(EvalOptions, pairs) == {
+        "stride": 256, "static_cache": True, "data_config": None, "gpu_memory_utilization": 0.5
+    }  # fmt: skip

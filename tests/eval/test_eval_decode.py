@@ -12,7 +12,6 @@ from gqakit.eval.kv_bytes import (
     config_geometry,
     measured_kv_bytes,
     predicted_kv_bytes,
-    speedup_bound,
     weight_bytes_per_step,
 )
 from gqakit.models import load_causal_lm
@@ -148,8 +147,7 @@ def test_bytes_moved_and_bound(tiny_models):
     assert weight_bytes_per_step(mha) == params - emb.numel() * 4
     assert bytes_moved_per_step(mha, 2, 100) == weight_bytes_per_step(mha) + 2 * 2 * 2 * 4 * 100 * 16 * 4
     base, cand = bytes_moved_per_step(mha, 8, 200), bytes_moved_per_step(mqa, 8, 200)
-    assert speedup_bound(base, cand) == pytest.approx(base / cand)
-    assert speedup_bound(base, cand) > 1
+    assert base / cand > 1  # the speedup that moving fewer bytes per step allows
 
 
 def test_oom_point_is_recorded_and_the_grid_goes_on(tiny_models, monkeypatch):

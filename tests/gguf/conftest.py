@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from gguf_helpers import FORMS, make_checkpoint
 
-from gqakit.gguf import ExportResult, export_gguf
+from gqakit.gguf.export import ExportResult, export_gguf
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 # Per family: config overrides that make a tiny model realistic for llama.cpp. Gemma-family models
 # tie their output to the embedding (llama.cpp's gemma/gemma2 have no output tensor) and get head_dim 16
@@ -156,3 +157,10 @@ def save_gemma3_multimodal(path: Path, seed: int = 0, **text: Any) -> Path:
     model.save_pretrained(path)
     tiny_tokenizer(384).save_pretrained(path)
     return path
+
+
+def ggml_to_hf_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of ``hf_to_ggml_rotary``: GGUF llama rows back to Hugging Face's layout."""
+    d = w.shape[0] // n_heads
+    pairs = w.reshape(n_heads, d // 2, 2, *w.shape[1:])
+    return pairs.transpose(1, 2).reshape(w.shape)

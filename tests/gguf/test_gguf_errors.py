@@ -10,7 +10,7 @@ from gguf_helpers import make_checkpoint
 
 import gqakit.gguf.tensors as tensors_mod
 from gqakit.errors import GqakitError
-from gqakit.gguf import export_gguf
+from gqakit.gguf.export import export_gguf
 from gqakit.testing import save_tiny_model
 
 
@@ -148,16 +148,17 @@ def test_gemma2_without_softcaps_warns(tmp_path: Path) -> None:
 def test_gemma_attention_scale_warns_where_llama_cpp_scales_otherwise() -> None:
     """llama.cpp ignores query_pre_attn_scalar: 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the
     27B layer counts (46 gemma2, 62 gemma3)."""
-    from gqakit.gguf.arch_gemma import attention_scale_check
+    from gqakit.gguf.arch import attention_scale_check
+    from gqakit.gguf.arch_gemma import GEMMA2, GEMMA3
 
     small = {"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
-    assert attention_scale_check({**small, "head_dim": 16, "query_pre_attn_scalar": 16}) is None
+    assert attention_scale_check(GEMMA2, {**small, "head_dim": 16, "query_pre_attn_scalar": 16}) is None
     # hidden/heads is 16 too, but llama.cpp uses it only at 46 layers: here it scales by head_dim 8
-    warning = attention_scale_check({**small, "head_dim": 8, "query_pre_attn_scalar": 16})
+    warning = attention_scale_check(GEMMA2, {**small, "head_dim": 8, "query_pre_attn_scalar": 16})
     assert "1/sqrt(8) (head_dim)" in warning
     big = {**small, "model_type": "gemma3_text", "num_hidden_layers": 62, "head_dim": 8}
-    assert attention_scale_check({**big, "query_pre_attn_scalar": 16}) is None
-    assert "1/sqrt(16) (hidden/heads)" in attention_scale_check({**big, "query_pre_attn_scalar": 8})
+    assert attention_scale_check(GEMMA3, {**big, "query_pre_attn_scalar": 16}) is None
+    assert "1/sqrt(16) (hidden/heads)" in attention_scale_check(GEMMA3, {**big, "query_pre_attn_scalar": 8})
 
 
 def test_mistral_sliding_window_shorter_than_context_warns(tmp_path: Path) -> None:
@@ -175,7 +176,7 @@ def test_relu_gpt_bigcode_is_refused_by_llama_cpps_gelu_graph(tmp_path):
     # OPT converts into gpt_bigcode with ReLU; llama.cpp's starcoder graph applies GELU regardless
     from gqakit.convert import ConvertOptions, convert_checkpoint
     from gqakit.errors import GqakitError
-    from gqakit.gguf import export_gguf
+    from gqakit.gguf.export import export_gguf
     from gqakit.testing import save_tiny_model
 
     src = save_tiny_model(tmp_path / "opt", "opt", ffn_dim=128, word_embed_proj_dim=64)

@@ -217,7 +217,7 @@ def test_tokenizer_is_embedded(exported) -> None:
 
 
 def test_llama_biases_are_permuted_like_their_rows(tmp_path) -> None:
-    from gqakit.gguf import export_gguf
+    from gqakit.gguf.export import export_gguf
     from gqakit.testing import save_tiny_model
 
     src = save_tiny_model(tmp_path / "b", "llama", heads=4, kv_heads=2, attention_bias=True)
@@ -235,7 +235,7 @@ def test_a_tied_phi_writes_the_output_projection_llama_cpp_requires(tmp_path) ->
     """llama.cpp's phi2 loader requires output.weight (no fallback to token_embd); a tied phi, such as a
     tied GPT-NeoX converted by gqakit, stores no lm_head.weight, so the embedding is written there."""
     from gqakit.convert import ConvertOptions, convert_checkpoint
-    from gqakit.gguf import export_gguf
+    from gqakit.gguf.export import export_gguf
     from gqakit.testing import save_tiny_model
 
     src = save_tiny_model(tmp_path / "neox", "gpt_neox", heads=4, tie_word_embeddings=True)

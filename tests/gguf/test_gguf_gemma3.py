@@ -13,8 +13,8 @@ import pytest
 import torch
 from gguf_helpers import legacy_gemma3_config, make_checkpoint, read_gguf, save_gemma3_multimodal
 
-from gqakit.gguf import dequantize as deq
-from gqakit.gguf import export_gguf
+import gqakit.gguf.dequantize as deq
+from gqakit.gguf.export import export_gguf
 from gqakit.gguf.readback import RECORDED_CONFIG
 
 _PROVENANCE = ("general.name", "general.source.url", "gqakit.source", RECORDED_CONFIG)

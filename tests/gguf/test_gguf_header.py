@@ -14,8 +14,9 @@ from gguf_helpers import FAMILIES, FORMS
 from safetensors.torch import load_file
 
 from gqakit.errors import GqakitError
-from gqakit.files import cache_root
-from gqakit.gguf import read_gguf_header
+from gqakit.geometry import AttentionGeometry
+from gqakit.gguf.header import read_gguf_header
+from gqakit.storage import cache_root
 
 HF_TYPE = {"gemma3_text": "gemma3_text", "mistral": "llama"}  # mistral is written as llama.cpp's llama
 
@@ -25,11 +26,12 @@ def test_geometry_equals_the_config(exported, family: str, form: str) -> None:
     src, r = exported(family, form, "f16")
     cfg = json.loads((src / "config.json").read_text())
     h = read_gguf_header(r.path)
-    assert h.model_type == HF_TYPE.get(family, family)
-    assert (h.num_layers, h.hidden_size, h.num_heads, h.num_kv_heads) == (
+    g = h.geometry
+    assert g.model_type == HF_TYPE.get(family, family)
+    assert (g.num_layers, g.hidden_size, g.num_heads, g.num_kv_heads) == (
         cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
     )  # fmt: skip
-    assert h.head_dim == (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    assert g.head_dim == (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     assert (h.intermediate_size, h.context_length, h.vocab_size) == (
         cfg["intermediate_size"], cfg["max_position_embeddings"], cfg["vocab_size"],
     )  # fmt: skip
@@ -39,7 +41,7 @@ def test_geometry_equals_the_config(exported, family: str, form: str) -> None:
     assert h.parameters == params == r.parameters
     vectors = sum(t.numel() for n, t in hf.items() if t.dim() == 1)
     assert h.dtypes == {"F32": vectors, "F16": params - vectors}
-    assert h.geometry().kv_bytes_per_token() == 2 * cfg["num_hidden_layers"] * FORMS[form] * h.head_dim * 2
+    assert g.kv_bytes_per_token() == 2 * cfg["num_hidden_layers"] * FORMS[form] * g.head_dim * 2
 
 
 def test_tensor_infos_match_gguf_reader(exported) -> None:
@@ -69,7 +71,8 @@ def test_long_arrays_are_skipped_by_length(tmp_path: Path) -> None:
     h = read_gguf_header(path)
     assert h.vocab_size == 5000 and h.metadata["tokenizer.ggml.tokens"].length == 5000
     assert h.metadata["llama.some_floats"].length == 5000
-    assert (h.num_kv_heads, h.head_dim, h.parameters) == (2, 4, 40000)  # kv defaults to heads, dim to 8/2
+    # kv defaults to heads, dim to 8/2
+    assert (h.geometry.num_kv_heads, h.geometry.head_dim, h.parameters) == (2, 4, 40000)
     assert h.tensors["token_embd.weight"] == ("F32", (5000, 8))
 
 
@@ -91,9 +94,7 @@ def test_a_real_gguf_in_well_under_a_second(tmp_path: Path) -> None:
     start = time.perf_counter()
     h = read_gguf_header(path)
     elapsed = time.perf_counter() - start
-    assert (h.model_type, h.num_layers, h.hidden_size, h.num_heads, h.num_kv_heads, h.head_dim) == (
-        "llama", 30, 576, 9, 3, 64,
-    )  # fmt: skip
+    assert h.geometry == AttentionGeometry("llama", 30, 576, 9, 3, 64)
     assert h.parameters == 134_515_008 and h.vocab_size == 49152
     assert elapsed < 1.0, f"header read took {elapsed:.2f} s"
 

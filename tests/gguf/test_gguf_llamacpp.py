@@ -21,8 +21,8 @@ import pytest
 import torch
 from gguf_helpers import FAMILIES, FORMS
 
-from gqakit.files import cache_root
-from gqakit.gguf import export_gguf
+from gqakit.gguf.export import export_gguf
+from gqakit.storage import cache_root
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ import torch
 from gguf_helpers import make_checkpoint
 from safetensors.torch import load_file, save_file
 
+import gqakit.gguf.dequantize as deq
 import gqakit.gguf.export as export_mod
 from gqakit.errors import GqakitError
-from gqakit.gguf import dequantize as deq
-from gqakit.gguf import export_gguf
+from gqakit.gguf.export import export_gguf
 from gqakit.gguf.readback import gguf_config
 
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 250, 11, 64, 128]])

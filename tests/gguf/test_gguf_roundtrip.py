@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_helpers import read_gguf
+from gguf_helpers import ggml_to_hf_rotary, read_gguf
 
-from gqakit.gguf import export_gguf, ggml_to_hf_rotary
+from gqakit.gguf.export import export_gguf
 from gqakit.gguf.readback import RECORDED_CONFIG
 
 # Keys that name where a file came from, which a round trip changes by design.

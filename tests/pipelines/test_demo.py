@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
-from gqakit.locks import working_directory
 from gqakit.pipelines.demo import DemoAssets, DemoOptions, Variant, render_table, run_demo
+from gqakit.storage import working_directory
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
 # The shipped recipe, shrunk to the tiny model: a few optimizer steps on 32-token blocks.
@@ -57,8 +57,7 @@ def tiny_options(tmp_path: Path, assets: DemoAssets, messages: list[str], **kw) 
         decode_batch=2,
         decode_context=16,
         new_tokens=4,
-        recipe_overrides=TINY_RECIPE,
-        calib_tokens=512,
+        sets=(*TINY_RECIPE, "model.convert.calib_tokens=512"),
         assets=lambda options: assets,
         progress=False,
         echo=messages.append,
@@ -67,18 +66,23 @@ def tiny_options(tmp_path: Path, assets: DemoAssets, messages: list[str], **kw) 
     return DemoOptions(**{**settings, **kw})
 
 
-def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_dir):
+def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_dir, capfd):
     messages: list[str] = []
     res = run_demo(tiny_options(tmp_path, tiny_assets, messages, work_dir=work_dir))
+    # one line per step and its results: no bars (progress=False), no library chatter (matplotlib's font
+    # cache, transformers), no log line repeating a step
+    assert capfd.readouterr().err == ""
+    assert [m.split("]")[0] for m in messages if m.startswith("[")] == [f"[{k}/7" for k in range(1, 8)]
+    assert all(m.startswith(("gqakit demo:", "[", "      ", "\n|", "Report:")) for m in messages), messages
 
     labels = [r.label for r in res.rows]
     assert labels == [
         "MHA-4 (expanded)",
         "GQA-2 (mean)",
         "MQA (mean), before uptraining",
-        "MQA (calibrated + refined), before uptraining",
+        "MQA (fast), before uptraining",
         "MQA (mean), after uptraining",
-        "MQA (calibrated + refined), after uptraining",
+        "MQA (fast), after uptraining",
     ]
     # Expanding and pooling back are exact: same logits, so the same perplexity as the original.
     assert res.checks == {"MHA-4 vs original": 0.0, "GQA-2 (mean) vs original": 0.0}
@@ -90,8 +94,8 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path, tiny_assets, work_di
     )
     assert all(r.decode_tokens_per_s and r.decode_tokens_per_s > 0 for r in res.rows)
     assert res.uptrain["mqa-mean"]["steps"] == 3
-    assert res.uptrain["mqa-refined"]["recipe"] == "smollm2-135m-mqa-refined"  # its own recipe
-    prov = json.loads((work_dir / "models" / "mqa-refined" / "gqakit.json").read_text())
+    assert res.uptrain["mqa-fast"]["recipe"] == "smollm2-135m-mqa-refined"  # its own recipe
+    prov = json.loads((work_dir / "models" / "mqa-fast" / "gqakit.json").read_text())
     assert prov["method"] == "calibrated" and prov["refine"]["steps"] == 200
 
     text = res.report.read_text()
@@ -168,7 +172,7 @@ def test_with_the_llamacpp_binding_the_demo_adds_its_decode_column(tmp_path, tin
 
 
 def test_extra_variants_add_rows(tmp_path, tiny_assets, work_dir):
-    variants = (Variant("mqa-first", groups=1, method="first"), Variant("mqa-mean", groups=1, uptrain=True))
+    variants = (Variant("mqa-first", groups=1, start="first"), Variant("mqa-mean", groups=1, uptrain=True))
     res = run_demo(tiny_options(tmp_path, tiny_assets, [], variants=variants, work_dir=work_dir))
     assert [r.label for r in res.rows][1:] == [
         "MQA (first)",
@@ -190,7 +194,7 @@ def test_bad_options_are_reported_together(tmp_path, tiny_assets):
     ("kw", "message"),
     [
         ({"recipe": "nosuch"}, "Recipe nosuch does not exist"),
-        ({"recipe_overrides": ("train.lr",)}, "override 'train.lr' is not key=value"),
+        ({"sets": ("train.lr",)}, "override 'train.lr' is not key=value"),
     ],
 )
 def test_a_bad_recipe_or_override_is_reported_before_any_step(tmp_path, tiny_assets, kw, message):
@@ -235,7 +239,7 @@ def test_demo_help_names_the_options():
         "--budget-scale",
         "--decode-rounds",
         "--device",
-        "--wheelhouse",
+        "--set",
     ):
         assert flag in res.output
 
@@ -243,6 +247,7 @@ def test_demo_help_names_the_options():
 def test_progress_bars_change_neither_the_uptraining_cache_nor_what_resumes(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
+    from gqakit.pipelines import run_keys
     from gqakit.pipelines.demo import run
     from gqakit.pipelines.steps import Steps
     from gqakit.pipelines.store import ResultStore
@@ -257,16 +262,16 @@ def test_progress_bars_change_neither_the_uptraining_cache_nor_what_resumes(tmp_
         (out / "recipe.yaml").write_text(recipe.to_yaml())
         (out / "gqakit.json").write_text("{}")
         return SimpleNamespace(output_dir=out, steps=3, tokens=96, initial_val_ppl=9.0, final_val_ppl=8.0,
-                               elapsed_s=1.0, history=[])  # fmt: skip
+                               elapsed_s=1.0, history=[], alpha=None)  # fmt: skip
 
-    monkeypatch.setattr(run, "uptrain", fake_uptrain)
+    monkeypatch.setattr(run_keys, "uptrain", fake_uptrain)
     student = tmp_path / "student"
     student.mkdir()
     (student / "config.json").write_text("{}")
     assets = DemoAssets(student, tmp_path / "train.txt", tmp_path / "val.txt", tmp_path / "test.txt")
 
     def uptrain(progress: bool, out: Path, store: ResultStore) -> None:
-        o = DemoOptions(progress=progress, recipe_overrides=TINY_RECIPE)
+        o = DemoOptions(progress=progress, sets=TINY_RECIPE)
         variant = Variant("mqa", 1, uptrain=True)
         run._uptrain(o, SimpleNamespace(device="cpu"), assets, variant, student, out, store, Steps(1, print))
 
@@ -286,7 +291,7 @@ def test_the_uptraining_recipes_name_the_device(tmp_path, device):
     from gqakit.pipelines.demo import run
 
     assets = DemoAssets(tmp_path / "m", tmp_path / "train.txt", tmp_path / "val.txt", tmp_path / "test.txt")
-    o = DemoOptions(device=device, recipe_overrides=TINY_RECIPE)
+    o = DemoOptions(device=device, sets=TINY_RECIPE)
     for recipe in ("smollm2-135m-mqa", "smollm2-135m-mqa-refined"):
         loaded = run._load_recipe(o, assets, tmp_path / "s", tmp_path / "m", tmp_path / "out", recipe)
         assert loaded.speed.device == device  # "auto": where accelerate puts it

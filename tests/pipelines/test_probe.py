@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.pipelines.probe import ProbeOptions, probe_checkpoint
+from gqakit.pipelines.probe.report import probe_figure
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
 
@@ -21,39 +22,17 @@ def texts(tmp_path):
     return calib, held_out
 
 
-def test_probe_cli_writes_table_json_and_plot(tmp_path, texts):
+def test_probe_writes_table_json_and_plot(tmp_path, texts):
     calib, held_out = texts
     src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4)
     out = tmp_path / "probe"
-    res = CliRunner().invoke(
-        main,
-        [
-            "probe",
-            str(src),
-            "--calib-data",
-            str(calib),
-            "--eval-data",
-            str(held_out),
-            "--groups",
-            "1,2",
-            "--methods",
-            "mean,first,calibrated",
-            "--grouping",
-            "contiguous,similarity",
-            "--calib-tokens",
-            "256",
-            "--eval-tokens",
-            "200",
-            "--error-tokens",
-            "128",
-            "--seq-len",
-            "64",
-            "--out",
-            str(out),
-        ],
-    )
-    assert res.exit_code == 0, res.output
-    assert "| G | method | grouping | perplexity" in res.output
+    opts = ProbeOptions(
+        groups=(1, 2), eval_data=str(held_out), methods=("mean", "first", "calibrated"),
+        groupings=("contiguous", "similarity"), calib_data=str(calib), calib_tokens=256, eval_tokens=200,
+        error_tokens=128, seq_len=64,
+    )  # fmt: skip
+    result = probe_checkpoint(src, out, opts)
+    assert "| G | method | grouping | perplexity" in result.to_table()
     data = json.loads((out / "probe.json").read_text())
     rows = data["rows"]
     assert rows[0]["method"] == "original" and rows[0]["ppl_ratio"] == 1.0
@@ -72,6 +51,11 @@ def test_probe_cli_writes_table_json_and_plot(tmp_path, texts):
     assert (out / "probe.md").read_text().count("\n|") >= 14
     png = (out / "probe.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    fig = probe_figure(result)  # the figure probe.png is: its axes as a reader sees them
+    ppl_ax, err_ax = fig.axes
+    assert err_ax.get_yscale() == "log" and len(err_ax.get_legend().get_texts()) == len(rows) - 1
+    ppl = [r["ppl"] for r in rows]
+    assert ppl_ax.get_yscale() == ("log" if max(ppl) / min(ppl) >= 10 else "linear")
 
 
 def test_probe_without_calibration_runs_mean_only(tmp_path, texts):
@@ -100,7 +84,13 @@ def test_probe_bad_input_reports_every_problem(tmp_path):
     with pytest.raises(GqakitError) as e:
         opts.validate()
     msg = str(e.value.message)
-    for fragment in ("--groups needs", "--methods median", "need --calib-data", "--eval-data", "--seq-len"):
+    for fragment in (
+        "--groups needs",
+        "--methods median",
+        "need --calib-data",
+        "--eval-data",
+        "seq_len must",
+    ):
         assert fragment in msg, msg
 
 

@@ -4,6 +4,7 @@ whole pipeline with its cache, and the bad-input messages, each given before any
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -13,7 +14,6 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
-from gqakit.locks import working_directory
 from gqakit.pipelines.recovery.curves import (
     Reach,
     Saving,
@@ -24,6 +24,7 @@ from gqakit.pipelines.recovery.curves import (
 )
 from gqakit.pipelines.recovery.options import RecoveryOptions
 from gqakit.pipelines.recovery.run import run_recovery
+from gqakit.storage import working_directory
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
 # ------------------------------------------------------------------------------------ curve arithmetic
@@ -86,24 +87,37 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return {"src": save_tiny_model(root / "src", "llama", heads=4, kv_heads=4), "data": data}
 
 
-def options(tiny, tmp_path: Path, messages: list[str], **kw) -> RecoveryOptions:
+# The runs' recipe and the starts' conversions shrunk to the tiny model, through --set.
+TINY_SETS = (
+    "objective.kind=lm", "train.precision=fp32", "data.seq_len=32", "train.batch_size=4",
+    "data.max_val_blocks=8", "checkpoint.every=3", "model.convert.calib_tokens=2048",
+    "model.convert.refine_steps=5",
+)  # fmt: skip
+
+
+def options(tiny, tmp_path: Path, messages: list[str], *more_sets: str, **kw) -> RecoveryOptions:
     base = dict(
-        src=str(tiny["src"]), groups=1, data=tiny["data"], tokens=1024, starts=("mean", "random", "refined"),
-        lr=1e-2, objective="lm", precision="fp32", seq_len=32, batch_size=4, warmup_steps=1,
-        eval_tokens=256, calib_tokens=2048, refine_steps=5, checkpoint_every=3, device="cpu",
+        src=str(tiny["src"]), groups=1, data=tiny["data"], tokens=1024, starts=("mean", "random", "fast"),
+        lr=1e-2, sets=(*TINY_SETS, "train.warmup_fraction=0.125", *more_sets), device="cpu",
         out=tmp_path / "report", work_dir=tmp_path / "work", progress=False, echo=messages.append,
     )  # fmt: skip
     return RecoveryOptions(**{**base, **kw})
 
 
-def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_path, capfd):
+def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_path, capfd, caplog):
     messages: list[str] = []
-    first = run_recovery(options(tiny, tmp_path, messages, start_lr=("random=5e-3",)))
-    # progress=False: the conversions (streamed and layer by layer) print no bars into a log either
-    assert "convert -> G=" not in capfd.readouterr().err
+    with caplog.at_level(logging.INFO, logger="gqakit"):
+        first = run_recovery(options(tiny, tmp_path, messages, start_lr=("random=5e-3",)))
+    # one line per step (and its results): no bars (progress=False), no library chatter, no log line
+    # repeating a step, on the terminal or in the log
+    assert capfd.readouterr().err == ""
+    assert not [r for r in caplog.records if r.name.startswith("gqakit") and r.levelno < logging.WARNING]
+    assert [m.split("]")[0] for m in messages if m.startswith("[")] == [f"[{k}/6" for k in range(1, 7)]
+    assert all(m.startswith(("gqakit recovery:", "[", "      ", "Report:")) for m in messages), messages
+    assert len(messages) == len(set(messages))
 
     results = json.loads(first.results_json.read_text())
-    assert list(results["starts"]) == ["mean", "random", "refined"] and results["reference"] == "mean"
+    assert list(results["starts"]) == ["mean", "random", "fast"] and results["reference"] == "mean"
     steps = [0, *eval_steps(8, 4)]  # 8 steps of 128 tokens: the start, then log-spaced points
     for start, curve in results["starts"].items():
         assert [p["tokens"] for p in curve["points"]] == [s * 128 for s in steps]
@@ -113,7 +127,7 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
         assert ratio == pytest.approx(ppl[-1] / results["original_ppl"])
         assert set(curve["reach"]) == {"2", "1.5", "1.2", "1.1", "1.05"}
     assert results["starts"]["random"]["lr"] == 5e-3 and results["starts"]["mean"]["lr"] == 1e-2
-    assert set(results["savings"]) == {"random", "refined"}
+    assert set(results["savings"]) == {"random", "fast"}
     # the start's own perplexity is the converted model's; mean pooling's is worse than the original's
     assert results["starts"]["mean"]["points"][0]["ratio"] > 1
     assert first.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -123,12 +137,11 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
 
     # A rerun with only progress and echo changed computes nothing and reports the first run's time.
     again: list[str] = []
-    second = run_recovery(options(tiny, tmp_path, again, start_lr=("random=5e-3",), checkpoint_every=5))
+    second = run_recovery(options(tiny, tmp_path, again, "checkpoint.every=5", start_lr=("random=5e-3",)))
     assert json.loads(second.results_json.read_text())["starts"] == results["starts"]
     assert second.elapsed_s < first.elapsed_s / 3
     figures = [ln for ln in second.report.read_text().splitlines() if "runs took" in ln]
     assert figures == [ln for ln in first.report.read_text().splitlines() if "runs took" in ln]
-    assert not any("uptrain" in m.lower() and "step" in m for m in again if m.startswith("20"))
 
     # A changed learning rate reruns that start only: its conversion is reused.
     third = run_recovery(options(tiny, tmp_path, [], start_lr=("random=2e-3",)))
@@ -142,12 +155,15 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
     assert original.stat().st_mtime_ns == stamp and fourth.original_ppl == first.original_ppl
     assert "Only one start was run: nothing to compare it with" in fourth.report.read_text()
 
-    # The refined start's refinement options change that start only, and the report names them.
-    fifth = run_recovery(options(tiny, tmp_path, [], starts=("mean", "refined"), refine_loss="per-token"))
+    # A conversion setting changes the starts that use it only, and the report names it.
+    fifth = run_recovery(
+        options(tiny, tmp_path, [], "model.convert.calib_tokens=1024", starts=("mean", "fast"))
+    )
     res5 = json.loads(fifth.results_json.read_text())
     assert res5["starts"]["mean"]["points"] == results["starts"]["mean"]["points"]
-    assert res5["starts"]["refined"]["points"][0] != results["starts"]["refined"]["points"][0]
-    assert res5["settings"]["refine_loss"] == "per-token" and "per-token loss" in fifth.report.read_text()
+    assert res5["starts"]["fast"]["points"][0] != results["starts"]["fast"]["points"][0]
+    assert res5["settings"]["starts"]["fast"]["calib_tokens"] == 1024
+    assert "calib_tokens 1024" in fifth.report.read_text()
 
 
 def _points(result) -> dict[str, list]:
@@ -172,16 +188,16 @@ def test_another_data_file_in_the_same_work_dir_is_measured_afresh(tiny, tmp_pat
     assert "(6 results reused from" in again.report.read_text()
 
     # A run killed on one file does not resume on another from its checkpoint (same recipe, same paths).
-    from gqakit.uptrain.loop import UptrainLoop
+    from gqakit.uptrain import train
 
-    save = UptrainLoop._save_checkpoint
+    save = train.save_checkpoint
 
-    def die_after_first_checkpoint(self):
-        save(self)
+    def die_after_first_checkpoint(run):
+        save(run)
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(UptrainLoop, "_save_checkpoint", die_after_first_checkpoint)
+        m.setattr(train, "save_checkpoint", die_after_first_checkpoint)
         with pytest.raises(KeyboardInterrupt):
             run_recovery(options(tiny, tmp_path, [], starts=("mean",), tokens=512))
     after = run_recovery(options(tiny, tmp_path, [], data=other, starts=("mean",), tokens=512))
@@ -190,18 +206,16 @@ def test_another_data_file_in_the_same_work_dir_is_measured_afresh(tiny, tmp_pat
     assert [json.loads(h)["step"] for h in history if '"loss"' in h] == [1, 2, 3, 4]  # run whole, once
 
 
-def test_a_warmup_over_half_the_run_is_cut_to_half_and_the_report_says_so(tiny, tmp_path):
-    assert RecoveryOptions(src="x", groups=1, tokens=16384, seq_len=256, warmup_steps=10).warmup_run == 8
-    assert RecoveryOptions(src="x", groups=1, tokens=204800, seq_len=256, warmup_steps=10).warmup_run == 10
-    assert RecoveryOptions(src="x", groups=1, warmup_steps=0).warmup_run == 0
-    result = run_recovery(options(tiny, tmp_path, [], starts=("mean",), tokens=512, warmup_steps=3))
+def test_the_warmup_is_ten_steps_or_half_a_shorter_run(tiny, tmp_path):
+    assert RecoveryOptions(src="x", groups=1, tokens=16384).warmup_run == 8
+    assert RecoveryOptions(src="x", groups=1, tokens=204800).warmup_run == 10
+    o = options(tiny, tmp_path, [], starts=("mean",), tokens=512)
+    result = run_recovery(RecoveryOptions(**{**o.__dict__, "sets": TINY_SETS}))
     history = (tmp_path / "work" / "runs" / "mean" / "metrics.jsonl").read_text().splitlines()
     lrs = [json.loads(h)["lr"] for h in history if '"loss"' in h]
-    assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2, 1e-2])  # 4 steps: a warmup of 2, not 3
-    report = result.report.read_text().replace("\n", " ")
-    assert "a warmup of 2 steps (--warmup-steps 3, cut to half the run)" in report, report
-    settings = json.loads(result.results_json.read_text())["settings"]
-    assert settings["warmup_steps"] == 3 and settings["warmup_steps_run"] == 2
+    assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2, 1e-2])  # 4 steps: a warmup of 2
+    assert "a warmup of 2 steps" in result.report.read_text().replace("\n", " ")
+    assert json.loads(result.results_json.read_text())["settings"]["warmup_steps_run"] == 2
 
 
 def test_several_rates_for_a_start_run_once_each_and_the_savings_take_its_best(tiny, tmp_path):
@@ -237,19 +251,19 @@ def test_several_rates_for_a_start_run_once_each_and_the_savings_take_its_best(t
 
 
 def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
-    from gqakit.uptrain.loop import UptrainLoop
+    from gqakit.uptrain import train
 
     opts = options(tiny, tmp_path, [], starts=("mean",))
-    save = UptrainLoop._save_checkpoint
+    save = train.save_checkpoint
     calls = []
 
-    def die_after_first_checkpoint(self):
-        save(self)
-        calls.append(self.state.step)
+    def die_after_first_checkpoint(run):
+        save(run)
+        calls.append(run.state.step)
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(UptrainLoop, "_save_checkpoint", die_after_first_checkpoint)
+        m.setattr(train, "save_checkpoint", die_after_first_checkpoint)
         with pytest.raises(KeyboardInterrupt):
             run_recovery(opts)
     assert calls == [3]
@@ -261,8 +275,7 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
     assert steps == list(range(1, 9))  # steps 1-3 kept, 4-8 trained after the resume
     # the run's time is the whole run's: the part before the kill counts too
     mean = json.loads(resumed.results_json.read_text())["starts"]["mean"]
-    assert mean["train_s"] > before_kill["compute_s"] > 0 and not mean["resumed"]
-    assert "not counted" not in resumed.report.read_text()
+    assert mean["train_s"] > before_kill["compute_s"] > 0
     whole = run_recovery(options(tiny, tmp_path / "whole", [], starts=("mean",)))
     a = json.loads(resumed.results_json.read_text())["starts"]["mean"]["points"]
     b = json.loads(whole.results_json.read_text())["starts"]["mean"]["points"]
@@ -270,7 +283,7 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
 
 
 def test_device_cpu_on_a_gpu_machine_evaluates_and_uptrains_on_the_cpu(tiny, tmp_path, gpu_machine):
-    res = run_recovery(options(tiny, tmp_path, [], starts=("mean",), tokens=256, checkpoint_every=0))
+    res = run_recovery(options(tiny, tmp_path, [], "checkpoint.every=0", starts=("mean",), tokens=256))
     assert res.curves[0].points[-1][1] > 1  # it ran: on CUDA (make-believe here) it would have failed
     prov = json.loads((tmp_path / "work" / "runs" / "mean" / "gqakit.json").read_text())
     assert prov["recipe"]["speed"]["device"] == "cpu"
@@ -278,15 +291,14 @@ def test_device_cpu_on_a_gpu_machine_evaluates_and_uptrains_on_the_cpu(tiny, tmp
 
 def test_the_uptraining_recipe_names_the_device_and_its_cache_key_does_not(tiny, tmp_path):
     from gqakit.pipelines.recovery.options import Inputs
-    from gqakit.pipelines.recovery.run import recipe_data
+    from gqakit.pipelines.recovery.run import run_recipe
     from gqakit.pipelines.run_keys import weights_key
-    from gqakit.uptrain import recipe_from_dict
 
     inputs = Inputs(str(tiny["src"]), tiny["data"], tiny["data"], tiny["data"])
     keys = []
     for device in ("cpu", "cuda", "auto"):
         o = options(tiny, tmp_path, [], device=device)
-        recipe = recipe_from_dict(recipe_data(o, inputs, str(tiny["src"]), tmp_path / "out", 1e-2, "fp32"))
+        recipe = run_recipe(o, inputs, str(tiny["src"]), tmp_path / "out", 1e-2)
         assert recipe.speed.device == device  # "auto": where accelerate puts it
         keys.append(weights_key(recipe.to_dict()))
     assert keys[0] == keys[1] == keys[2]  # runs cached before the device was passed stay valid
@@ -303,7 +315,9 @@ def _cli(tiny, tmp_path, *args: str):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--groups", "1", "--starts", "mean,refind"], "--starts refind: unknown start; choose from"),
+        (["--groups", "1", "--starts", "mean,fsat"], "--starts fsat: unknown start; choose from"),
+        (["--groups", "1", "--set", "model.convert.method=first"], "--set 'model.convert.method=first'"),
+        (["--groups", "1", "--set", "train.lr=fast"], "train.lr"),
         (["--groups", "1", "--tokens", "100"], "--tokens 100 is smaller than the first evaluation point"),
         (["--groups", "3"], "--groups 3 does not divide the 4 K/V heads of this checkpoint. Valid --groups"),
         (["--groups", "1", "--start-lr", "mean"], "--start-lr 'mean' must be START=LR"),
@@ -322,8 +336,8 @@ def _cli(tiny, tmp_path, *args: str):
             "(the default).",
         ),
         (
-            ["--groups", "1", "--start-lr", "refined=1e-4,nan"],
-            "--start-lr 'refined=1e-4,nan' must be a finite learning rate above 0, got nan; e.g. 0.0002 "
+            ["--groups", "1", "--start-lr", "fast=1e-4,nan"],
+            "--start-lr 'fast=1e-4,nan' must be a finite learning rate above 0, got nan; e.g. 0.0002 "
             "(the default).",
         ),
     ],
@@ -336,9 +350,7 @@ def test_bad_input_is_one_clear_message_before_any_conversion(tiny, tmp_path, ar
 
 
 def test_unknown_start_suggests_the_closest(tiny, tmp_path):
-    assert (
-        'did you mean "refined"' in _cli(tiny, tmp_path, "--groups", "1", "--starts", "refind").output.lower()
-    )
+    assert 'did you mean "fast"' in _cli(tiny, tmp_path, "--groups", "1", "--starts", "fsat").output.lower()
 
 
 def test_an_unwritable_output_is_refused_before_any_work(tiny, tmp_path):
@@ -362,27 +374,15 @@ def test_a_working_directory_another_run_holds_is_refused_before_any_work(tiny, 
 def test_options_from_python_name_the_flags():
     with pytest.raises(GqakitError, match="--tokens 10 is smaller"):
         RecoveryOptions(src="x", groups=1, tokens=10).validate()
-    with pytest.raises(
-        GqakitError, match="--refine-target 'layers' is unknown; choose one of attention, layer"
-    ):
-        RecoveryOptions(src="x", groups=1, refine_target="layers").validate()
-    with pytest.raises(GqakitError) as e:
-        bad = {"refine_loss": "l2", "refine_schedule": "step", "refine_qk_lr": 0}
-        RecoveryOptions(src="x", groups=1, **bad).validate()
-    assert "--refine-loss 'l2' is unknown; choose one of relative, per-token" in e.value.message
-    assert "--refine-schedule 'step' is unknown; choose one of constant, cosine" in e.value.message
-    assert "--refine-qk-lr must be a finite learning rate above 0, got 0" in e.value.message
-    with pytest.raises(GqakitError, match="--refine-qk-lr must be a finite learning rate above 0, got inf"):
-        RecoveryOptions(src="x", groups=1, refine_qk_lr=float("inf")).validate()
-    assert RecoveryOptions(src="x", groups=1, start_lr=("refined=1e-4",)).rates_of("refined") == (1e-4,)
-    sweep = RecoveryOptions(src="x", groups=1, lr=2e-4, start_lr=("refined=1e-4,4e-4", "refined=8e-4"))
-    assert sweep.rates_of("refined") == (1e-4, 4e-4, 8e-4) and sweep.rates_of("mean") == (2e-4,)
-    assert sweep.swept("refined") and not sweep.swept("mean")
+    assert RecoveryOptions(src="x", groups=1, start_lr=("fast=1e-4",)).rates_of("fast") == (1e-4,)
+    sweep = RecoveryOptions(src="x", groups=1, lr=2e-4, start_lr=("fast=1e-4,4e-4", "fast=8e-4"))
+    assert sweep.rates_of("fast") == (1e-4, 4e-4, 8e-4) and sweep.rates_of("mean") == (2e-4,)
+    assert sweep.swept("fast") and not sweep.swept("mean")
     with pytest.raises(GqakitError) as e:
         RecoveryOptions(
-            src="x", groups=1, start_lr=("refined=1e-4,4e-4", "refined=1e-4", "mean=1e-3,-1")
+            src="x", groups=1, start_lr=("fast=1e-4,4e-4", "fast=1e-4", "mean=1e-3,-1")
         ).validate()
-    assert "--start-lr gives refined the rate 0.0001 more than once; list each rate once." in e.value.message
+    assert "--start-lr gives fast the rate 0.0001 more than once; list each rate once." in e.value.message
     bad = "--start-lr 'mean=1e-3,-1' must be a finite learning rate above 0, got -1.0; e.g. 0.0002 (the "
     bad += "default)."
     assert bad in e.value.message
@@ -398,16 +398,14 @@ def test_options_from_python_name_the_flags():
 
 def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversion(tiny, tmp_path):
     src = save_tiny_model(tmp_path / "gpt2", "gpt2", heads=4, kv_heads=4)
-    base = ["recovery", str(src), "--groups", "1", "--data", str(tiny["data"]), "--starts", "mean,refined"]
+    base = ["recovery", str(src), "--groups", "1", "--data", str(tiny["data"]), "--starts", "mean,best"]
     result = CliRunner().invoke(
-        main,
-        [*base, "--refine-target", "layer", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o")],
+        main, [*base, "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o")]
     )
     assert result.exit_code != 0
-    assert "--refine-target layer: a gpt_bigcode target is refined against the attention output only" in (
+    assert "layer-corrective: a gpt_bigcode target is refined against the attention output only" in (
         result.output
     ), result.output
-    assert "--refine-loss" not in result.output  # the target's own loss is the target's problem, said once
     assert not (tmp_path / "w" / "models").exists() and not (tmp_path / "o").exists()
 
 
@@ -418,21 +416,21 @@ def test_a_killed_run_resumes_under_another_device_or_from_an_older_recipe(tmp_p
     import time
 
     import gqakit.pipelines.recovery.run as rec
+    from gqakit.pipelines import run_keys
     from gqakit.pipelines.recovery.options import Inputs
     from gqakit.pipelines.store import ResultStore
-    from gqakit.uptrain import recipe_from_dict
 
     src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4)
     text = tmp_path / "t.txt"
     text.write_text("\n".join([TINY_TEXT] * 20))
     inputs = Inputs(str(src), text, text, text)
-    o = RecoveryOptions(src=str(src), groups=2, tokens=2048, seq_len=32, batch_size=4, device="auto")
+    o = RecoveryOptions(src=str(src), groups=2, tokens=2048, sets=("data.seq_len=32",), device="auto")
     runs = tmp_path / "runs"
     out = runs / rec.run_name(o, "mean", o.lr)
     (out / "checkpoints" / "step-00000010").mkdir(parents=True)
-    data = rec.recipe_data(o, inputs, str(src), out, o.lr, "fp32")
-    data["speed"]["device"] = written or "auto"
-    saved = recipe_from_dict(data).to_yaml()
+    recipe = rec.run_recipe(o, inputs, str(src), out, o.lr)
+    recipe.speed.device = written or "auto"
+    saved = recipe.to_yaml()
     if written is None:  # as a gqakit before speed.device wrote it
         assert "  device: auto\n" in saved
         saved = saved.replace("  device: auto\n", "")
@@ -445,7 +443,7 @@ def test_a_killed_run_resumes_under_another_device_or_from_an_older_recipe(tmp_p
         calls.append((resume, force))
         raise KeyboardInterrupt  # enough: how it was called
 
-    monkeypatch.setattr(rec, "uptrain", uptrain)
+    monkeypatch.setattr(run_keys, "uptrain", uptrain)
     with ResultStore(tmp_path / "results") as store, pytest.raises(KeyboardInterrupt):
-        rec.uptrain_start(o, store, inputs, "mean", src, runs, "fp32", o.lr)
+        rec.uptrain_start(o, store, inputs, "mean", src, runs, o.lr)
     assert calls == [(True, False)]

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from gqakit.cli import main
 from gqakit.cli_options import parse_list
 from gqakit.errors import GqakitError
-from gqakit.locks import working_directory
 from gqakit.pipelines.replicate import run_replicate
 from gqakit.pipelines.replicate.options import ModelShape, ReplicateOptions
 from gqakit.pipelines.replicate.report import _markdown, findings
 from gqakit.pipelines.replicate.run import Arm, _arm_plan
+from gqakit.storage import working_directory
 from gqakit.testing import TINY_TEXT
 
 TINY = ModelShape(vocab=300, layers=2, hidden=32, heads=4, intermediate=64, seq_len=32)
@@ -45,12 +45,11 @@ def tiny(tmp_path: Path, corpus, messages: list[str], **kw) -> ReplicateOptions:
         seeds=(0, 1),
         alphas=(0.0, 0.5),
         groups=(1, 2),
-        methods=("mean", "first", "random", "refined"),
+        starts=("mean", "first", "random", "fast"),
         shape=TINY,
         pretrain_steps=8,
         batch_size=4,
-        calib_tokens=256,
-        refine_steps=4,
+        sets=("model.convert.calib_tokens=256", "model.convert.refine_steps=4"),
         eval_tokens=512,
         decode_rounds=2,
         corpus=corpus,
@@ -90,10 +89,7 @@ def test_the_pipeline_end_to_end_then_reused(tmp_path, corpus):
 
     # the pretrained MHA model is an asset now
     listing = CliRunner().invoke(main, ["assets", "list", "--cache-dir", str(tmp_path / "cache")])
-    assert (
-        "replicate-mha" in listing.output
-        and str(tmp_path / "cache" / "replicate-mha" / "model") in listing.output
-    )
+    assert "replicate-mha" in listing.output and str(tmp_path / "cache" / "replicate-mha") in listing.output
     from gqakit.assets import fetch_asset
 
     model = fetch_asset("replicate-mha", tmp_path / "cache")["model"]
@@ -121,7 +117,7 @@ def test_a_changed_setting_reruns_only_what_depends_on_it(tmp_path, corpus):
     # only the new alpha's arms train: one per method at seed 0, the paper's methods' second seed moved
     # to the new middle alpha; pretraining, the other arms and the scratch models are reused
     assert sorted(trained) == sorted(
-        ["g1-mean-a0.25-s0", "g1-first-a0.25-s0", "g1-random-a0.25-s0", "g1-refined-a0.25-s0",
+        ["g1-mean-a0.25-s0", "g1-first-a0.25-s0", "g1-random-a0.25-s0", "g1-fast-a0.25-s0",
          "g1-mean-a0.25-s1", "g1-first-a0.25-s1", "g1-random-a0.25-s1"]
     )  # fmt: skip
 
@@ -140,7 +136,7 @@ def test_pretrain_only_builds_and_publishes_the_mha_model(tmp_path, corpus):
 def test_the_arm_plan_covers_the_papers_figures():
     o = ReplicateOptions(seeds=(0, 1), alphas=(0.0, 0.05, 0.1), groups=(1, 2, 4))
     names = {a.name for a in _arm_plan(o)}
-    assert {"g1-mean-a0", "g1-first-a0", "g1-random-a0", "g1-calibrated-a0", "g1-refined-a0"} <= names
+    assert {"g1-mean-a0", "g1-first-a0", "g1-random-a0", "g1-calibrated-a0", "g1-fast-a0"} <= names
     assert {"g1-mean-a0.05-s0", "g1-mean-a0.05-s1", "g1-random-a0.05-s1"} <= names  # seeds: headline
     assert "g1-calibrated-a0.05-s1" not in names  # a second seed only for the paper's methods
     assert {"g2-mean-a0.1-s0", "g4-mean-a0.1-s0", "g4-mean-a0"} <= names
@@ -157,16 +153,16 @@ def test_bad_options_are_reported_together(tmp_path, corpus):
                 scale=0,
                 groups=(3, 4),
                 alphas=(0.5, 0.1),
-                methods=("median",),
+                starts=("median",),
                 uptrain_lr=0,
             )
         )
     for fragment in (
         "--scale must be positive",
-        "--groups 3,4",
+        "groups 3,4",
         "--alphas must be increasing, >= 0 and finite, got 0.5,0.1",
-        "--methods median",
-        "--uptrain-lr must be a finite learning rate above 0, got 0; e.g. 0.0005 (the default).",
+        "--starts median",
+        "uptrain_lr must be a finite learning rate above 0, got 0; e.g. 0.0005 (the default).",
     ):
         assert fragment in e.value.message
     bad = r"lr must be a finite learning rate above 0, got inf; e\.g\. 0\.002 \(the default\)\."
@@ -202,7 +198,7 @@ def test_a_gpt_neox_model_replicates_through_phi(tmp_path, corpus):
     messages: list[str] = []
     opts = tiny(
         tmp_path, corpus, messages, arch="neox", seeds=(0,), alphas=(0.0, 0.5), groups=(1, 2),
-        methods=("mean", "calibrated"),
+        starts=("mean", "calibrated"),
     )  # fmt: skip
     res = run_replicate(opts)
     by_name = {a.name: a for a in res.arms}
@@ -247,8 +243,8 @@ def _measured_arms(o: ReplicateOptions) -> list[Arm]:
         {},
         {"seeds": (1, 2)},  # the alpha-0 arms are made with seed 0 whatever the seeds
         {"seeds": (3,), "alphas": (0.0, 0.05)},
-        {"methods": ("calibrated", "refined")},
-        {"methods": ("mean",)},
+        {"starts": ("calibrated", "fast")},
+        {"starts": ("mean",)},
         {"alphas": (0.0,)},
     ],
 )
@@ -258,7 +254,7 @@ def test_the_report_step_takes_the_arms_of_every_valid_option_set(kw):
     arms = _measured_arms(o)
     f = findings(o, arms, {})
     at0 = {a.method: a.ppl for a in arms if a.kind == "converted" and a.groups == 1 and a.alpha == 0}
-    assert {m: c[0.0] for m, c in f["fig5"]["curves"].items()} == {m: at0[m] for m in o.methods}
+    assert {m: c[0.0] for m, c in f["fig5"]["curves"].items()} == {m: at0[m] for m in o.starts}
     assert "# gqakit replicate" in _markdown(o, f, "1 s", [])
 
 
@@ -269,18 +265,18 @@ def test_alphas_must_start_at_0_where_the_report_compares_everything():
     assert "e.g. 0,0.025,0.05,0.1" in e.value.message
 
 
-@pytest.mark.parametrize("methods", [("calibrated", "refined"), ("mean",), ("refined", "random")])
-def test_the_fig4_order_of_fewer_than_two_paper_methods_is_not_measured(methods):
-    o = ReplicateOptions(methods=methods)
+@pytest.mark.parametrize("starts", [("calibrated", "fast"), ("mean",), ("fast", "random")])
+def test_the_fig4_order_of_fewer_than_two_paper_methods_is_not_measured(starts):
+    o = ReplicateOptions(starts=starts)
     f = findings(o, _measured_arms(o), {})
     assert f["fig4"]["ordered_at_0"] is None and f["fig4"]["ordered_after"] is None
     line = next(x for x in _markdown(o, f, "1 s", []).splitlines() if x.startswith("mean < first"))
-    assert "reproduced" not in line and line.count("not measured") == 2 and "--methods" in line
+    assert "reproduced" not in line and line.count("not measured") == 2 and "--starts" in line
 
 
 @pytest.mark.parametrize("random_ppl, ordered", [(50.0, True), (5.0, False)])
 def test_the_fig4_order_of_two_paper_methods_is_measured(random_ppl, ordered):
-    o = ReplicateOptions(methods=("random", "mean"))
+    o = ReplicateOptions(starts=("random", "mean"))
     arms = _measured_arms(o)
     for a in arms:
         if a.method == "random":
@@ -290,8 +286,8 @@ def test_the_fig4_order_of_two_paper_methods_is_measured(random_ppl, ordered):
 
 
 def test_no_methods_are_refused():
-    with pytest.raises(GqakitError, match="--methods needs at least one method"):
-        ReplicateOptions(methods=parse_list(",", str, "--methods")).validate()
+    with pytest.raises(GqakitError, match="--starts needs at least one start"):
+        ReplicateOptions(starts=parse_list(",", str, "--starts")).validate()
 
 
 def test_non_finite_alphas_are_refused_before_any_step():

@@ -84,7 +84,7 @@ def test_a_device_name_says_the_model_and_for_a_cpu_the_cpus_it_may_use(monkeypa
 
 
 def test_a_run_killed_under_progress_bars_resumes_without_them(tmp_path):
-    from gqakit.pipelines.run_keys import same_run
+    from gqakit.pipelines.run_keys import NOT_WEIGHTS, same_run
     from gqakit.uptrain import recipe_from_dict
 
     def recipe(progress: bool, lr: float = 1e-3, device: str = "auto"):
@@ -95,12 +95,12 @@ def test_a_run_killed_under_progress_bars_resumes_without_them(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "recipe.yaml").write_text(recipe(True).to_yaml())
-    assert same_run(out, recipe(False), train.RESUMES_OVER)
-    assert not same_run(out, recipe(False, lr=2e-3), train.RESUMES_OVER)
+    assert same_run(out, recipe(False), NOT_WEIGHTS)
+    assert not same_run(out, recipe(False, lr=2e-3), NOT_WEIGHTS)
     # killed under another --device, or written before recipes held speed.device: resumed, not restarted
-    assert same_run(out, recipe(False, device="cpu"), train.RESUMES_OVER)
+    assert same_run(out, recipe(False, device="cpu"), NOT_WEIGHTS)
     (out / "recipe.yaml").write_text(recipe(True).to_yaml().replace("  device: auto\n", ""))
-    assert same_run(out, recipe(False), train.RESUMES_OVER)
+    assert same_run(out, recipe(False), NOT_WEIGHTS)
 
 
 def test_the_training_recipe_names_the_device_and_its_cache_key_does_not(tmp_path):
@@ -113,8 +113,5 @@ def test_the_training_recipe_names_the_device_and_its_cache_key_does_not(tmp_pat
         ctx = train.Context(ReplicateOptions(device=device), None, None, tmp_path, texts)  # type: ignore[arg-type]
         data = train.recipe_data(ctx, tmp_path / "start", tmp_path / "out", 10, 1e-3, 0, 100)
         assert recipe_from_dict(data).speed.device == device  # "auto": where accelerate puts it
-        keys.append(train.train_key(data))
-    # the key a run was cached under before the device was passed: runs cached then stay valid
-    before = weights_key(data, train.ONLY_LOG)
-    before["speed"].pop("device")
-    assert keys[0] == keys[1] == keys[2] == before
+        keys.append(weights_key(data))
+    assert keys[0] == keys[1] == keys[2]

@@ -1,64 +1,70 @@
-"""The cache key of a start's conversion (``gqakit.pipelines.starts.conversion_key``)."""
+"""Starts named as ``gqakit convert`` names them (a preset or a method), the conversion settings ``--set``
+passes to the starts that use them, and the cache key of a start's conversion."""
 
 from __future__ import annotations
 
-from gqakit.convert.options import ConvertOptions
-from gqakit.convert.refine import REFINE_QK_LR
-from gqakit.pipelines.starts import conversion_key, start_convert_options
+import pytest
+
+from gqakit.convert import PRESETS, ConvertOptions
+from gqakit.errors import GqakitError
+from gqakit.pipelines.starts import STARTS, conversion_key, convert_options_for, split_sets
 
 
-def _opts(start: str, **kw) -> ConvertOptions:
-    args = {"calib_data": "calib.txt", "calib_tokens": 4096, "refine_steps": 200, **kw}
-    return start_convert_options(start, 1, **args)
+def _opts(start: str, **settings) -> ConvertOptions:
+    return convert_options_for(start, 1, calib_data="calib.txt", settings=settings)
 
 
-def test_mean_pooling_is_keyed_the_same_whatever_the_calibration_and_refinement_budget():
-    assert conversion_key(_opts("mean")) == {"groups": 1}
-    assert conversion_key(_opts("mean", calib_tokens=32768, refine_steps=800)) == {"groups": 1}
+def test_the_starts_are_the_presets_then_the_other_methods():
+    assert STARTS.names == ("mean", "fast", "best", "first", "random", "calibrated")
+    assert STARTS["fast"] == PRESETS["fast"].summary
+
+
+def test_the_fast_preset_is_the_demos_calibrated_and_refined_conversion():
+    fast = _opts("fast")
+    assert fast.preset == "fast" and fast.calib_data == "calib.txt"
+    r = fast.resolved()
+    assert (r.method, r.calib_tokens, r.refine_steps, r.refine_target) == (
+        "calibrated",
+        4096,
+        200,
+        "attention",
+    )
+    best = _opts("best").resolved()
+    assert (best.calib_tokens, best.refine_steps, best.refine_target) == (49152, 1600, "layer-corrective")
+
+
+def test_starts_that_read_no_text_get_none():
+    assert _opts("mean").calib_data is None and _opts("first").calib_data is None
+    assert _opts("calibrated").calib_data == "calib.txt" and not _opts("calibrated").resolved().refine_steps
+
+
+def test_a_setting_goes_to_the_starts_that_use_it():
+    assert conversion_key(_opts("mean", calib_tokens=512, refine_steps=5)) == conversion_key(_opts("mean"))
+    cal = _opts("calibrated", calib_tokens=512, refine_steps=5).resolved()
+    assert cal.calib_tokens == 512 and cal.refine_steps == 0  # a merge stays unrefined
+    fast = _opts("fast", calib_tokens=512, refine_steps=5).resolved()
+    assert (fast.calib_tokens, fast.refine_steps) == (512, 5)
+
+
+def test_a_preset_keys_as_the_settings_it_stands_for():
+    same = convert_options_for(
+        "calibrated", 1, calib_data="calib.txt", settings={"refine_steps": 200}
+    )  # a method start takes no refinement: the same settings as fast only through the preset
+    assert conversion_key(same) != conversion_key(_opts("fast"))
+    explicit = ConvertOptions(1, method="calibrated", calib_data="calib.txt", refine_steps=200, force=True)
+    assert conversion_key(explicit) == conversion_key(_opts("fast"))
 
 
 def test_the_seed_keys_only_conversions_that_draw_at_random():
-    # a recovery run with --seed 1 reuses mean pooling and the unrefined merge, not random heads or
-    # a refinement (its seed orders the calibration batches)
-    assert conversion_key(_opts("mean", seed=1)) == {"groups": 1}
-    assert conversion_key(_opts("calibrated", seed=1)) == conversion_key(_opts("calibrated"))
-    assert conversion_key(_opts("random", seed=1))["seed"] == 1
-    assert conversion_key(_opts("refined", seed=1))["seed"] == 1
+    def key(start: str, seed: int) -> dict:
+        return conversion_key(convert_options_for(start, 1, calib_data="c.txt", seed=seed))
+
+    assert key("mean", 1) == key("mean", 0) and key("calibrated", 1) == key("calibrated", 0)
+    assert key("random", 1) != key("random", 0) and key("fast", 1) != key("fast", 0)
 
 
-def test_the_calibrated_and_refined_keys_change_with_their_budgets():
-    cal = conversion_key(_opts("calibrated"))
-    assert cal == {"groups": 1, "method": "calibrated", "calib_data": "calib.txt"}
-    assert conversion_key(_opts("calibrated", calib_tokens=32768))["calib_tokens"] == 32768
-    assert conversion_key(_opts("calibrated", refine_steps=800)) == cal  # not refined: steps unused
-    refined = conversion_key(_opts("refined", refine_steps=800))
-    assert refined["refine_steps"] == 800
-
-
-def test_a_refined_conversion_at_the_new_query_key_rate_misses_caches_keyed_before_it_was_the_default():
-    # keys written when refine_qk_lr defaulted to None held no refine_qk_lr: a conversion at today's
-    # default must not match them, and one asking for the old behaviour must
-    today = conversion_key(_opts("refined"))
-    assert today["refine_qk_lr"] == REFINE_QK_LR
-    old = _opts("refined")
-    old = ConvertOptions(**{**old.__dict__, "refine_qk_lr": None})
-    assert "refine_qk_lr" not in conversion_key(old)
-
-
-def test_the_refinement_options_key_the_refined_start_only():
-    refine = {"refine_target": "layer-corrective", "refine_schedule": "cosine", "refine_loss": "per-token"}
-    key = conversion_key(_opts("refined", refine=refine))
-    assert {k: key[k] for k in refine} == refine
-    # the defaults keep cached starts valid
-    assert not set(refine) & set(conversion_key(_opts("refined", refine={"refine_loss": "relative"})))
-    assert conversion_key(_opts("calibrated", refine=refine)) == conversion_key(_opts("calibrated"))
-
-
-def test_the_loss_is_keyed_as_used():
-    # a whole-layer target's own loss (per-token) is keyed by its name, so conversions cached when that
-    # target fitted with the relative loss (keyed without one) miss, and naming it changes nothing
-    layer = {"refine_target": "layer-corrective"}
-    own = conversion_key(_opts("refined", refine=layer))
-    assert own["refine_loss"] == "per-token"
-    assert own == conversion_key(_opts("refined", refine={**layer, "refine_loss": "per-token"}))
-    assert "refine_loss" not in conversion_key(_opts("refined", refine={**layer, "refine_loss": "relative"}))
+def test_split_sets_separates_the_conversion_settings():
+    convert, recipe = split_sets(["train.lr=3e-4", "model.convert.calib_tokens=512"])
+    assert convert == {"calib_tokens": 512} and recipe == ["train.lr=3e-4"]
+    with pytest.raises(GqakitError, match="model.convert.preset=best"):
+        split_sets(["model.convert.preset=best"])

@@ -63,15 +63,15 @@ def recipe(assets, tmp_path):
 def poison_loss(monkeypatch):
     """``poison_loss(batches, value)``: the loss of the micro-batches drawn as number ``batches`` (the
     loop's ``batches_seen`` when the loss is computed) is multiplied by ``value`` (inf or nan)."""
-    from gqakit.uptrain.loop import UptrainLoop
+    from gqakit.uptrain import train
 
-    loss_step = UptrainLoop._loss_step
+    loss_step = train.loss_step
 
     def poison(batches: set[int], value: float) -> None:
-        def poisoned(self, batch):
-            loss, parts = loss_step(self, batch)
-            return (loss * value, parts) if self.state.batches_seen in batches else (loss, parts)
+        def poisoned(run, batch):
+            loss, parts = loss_step(run, batch)
+            return (loss * value, parts) if run.state.batches_seen in batches else (loss, parts)
 
-        monkeypatch.setattr(UptrainLoop, "_loss_step", poisoned)
+        monkeypatch.setattr(train, "loss_step", poisoned)
 
     return poison

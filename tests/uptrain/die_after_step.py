@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gqakit.uptrain.loop import UptrainLoop
+from gqakit.uptrain import train
 
 
 class Killed(Exception):
@@ -26,15 +26,15 @@ def die_after_step(
     step: int, die: Callable[[], Any], patch: Callable[[Any, str, Any], None] = setattr
 ) -> None:
     """Make every uptraining run call ``die()`` right after it logs step ``step``. ``patch`` sets the
-    method (``monkeypatch.setattr`` in a test, so it is undone afterwards)."""
-    log_train = UptrainLoop._log_train
+    function (``monkeypatch.setattr`` in a test, so it is undone afterwards)."""
+    log_train = train.log_train
 
-    def logged_then_die(self: UptrainLoop, *args: Any, **kwargs: Any) -> None:
-        log_train(self, *args, **kwargs)
-        if self.state.step == step:
+    def logged_then_die(run: train.Run, *args: Any, **kwargs: Any) -> None:
+        log_train(run, *args, **kwargs)
+        if run.state.step == step:
             die()
 
-    patch(UptrainLoop, "_log_train", logged_then_die)
+    patch(train, "log_train", logged_then_die)
 
 
 def _raise_killed() -> None:
@@ -43,7 +43,7 @@ def _raise_killed() -> None:
 
 def kill_after(step: int, run: Callable[[], Any], monkeypatch: Any) -> None:
     """Call ``run()`` (an uptraining run) and stop it with :class:`Killed` right after step ``step`` is
-    logged; the method is restored afterwards."""
+    logged; the function is restored afterwards."""
     import pytest
 
     with monkeypatch.context() as patched:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gqakit.uptrain import recipe_from_dict
-from gqakit.uptrain.loop import UptrainLoop, validation_perplexity
 from gqakit.uptrain.preflight import environment_problems, process_state
-from gqakit.uptrain.recipe_schema import RecipeError
+from gqakit.uptrain.recipe import RecipeError
+from gqakit.uptrain.train import make_accelerator, validation_perplexity
 
 
 @pytest.fixture
@@ -47,9 +47,8 @@ def test_a_single_process_trains_on_the_device_the_recipe_names(gpu_machine, tmp
 
     # the accelerator a run (and the recovery pipeline's reference evaluation) builds
     for device, expected in (("cpu", "cpu"), ("auto", "cuda"), ("cpu", "cpu")):
-        loop = UptrainLoop(_recipe(device, tmp_path), tmp_path / device, "m")
-        loop._setup_accelerator()
-        assert loop.acc.device.type == expected, device
+        acc = make_accelerator(_recipe(device, tmp_path), tmp_path / device)
+        assert acc.device.type == expected, device
 
 
 def test_a_cpu_run_on_a_gpu_machine_trains_on_the_cpu(gpu_machine, tmp_path, assets):
@@ -97,12 +96,12 @@ def test_a_run_on_another_gpu_gives_the_current_device_back(gpu_machine, monkeyp
 def test_a_device_this_machine_lacks_is_one_of_the_recipes_problems(tmp_path):
     """Reported with the others, in the recipe's terms (``gqakit uptrain`` has no --device)."""
     from gqakit.errors import GqakitError
-    from gqakit.uptrain.preflight import check_inputs
+    from gqakit.uptrain.preflight import preflight
 
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     with pytest.raises(GqakitError) as e:
-        check_inputs(_recipe("cuda", tmp_path))
+        preflight(_recipe("cuda", tmp_path))
     assert "speed.device=cuda, but this machine has no CUDA device: set speed.device=cpu or auto." in str(
         e.value
     )

@@ -20,8 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from gqakit.uptrain import uptrain
-from gqakit.uptrain.loop import read_history
+from gqakit.uptrain import read_history, uptrain
 from gqakit.uptrain.recipe import RECIPES_DIR
 
 pytestmark = [
@@ -139,15 +138,15 @@ def test_speed_levers_train_like_the_plain_loop_on_a_gpu(recipe, tmp_path, kerne
 def test_a_non_finite_fp16_step_on_a_gpu_is_skipped_and_training_goes_on(recipe, monkeypatch, poison_loss):
     """Real fp16 on CUDA (accelerate's GradScaler): a step whose loss is infinite is skipped, the scaler
     backs off, and the next steps train (without the scaler's update the next unscale_() raises)."""
-    from gqakit.uptrain.setup import SetupMixin
+    from gqakit.uptrain import train
 
-    setup, accs = SetupMixin._setup_accelerator, []
+    make, accs = train.make_accelerator, []
 
-    def keeps_the_accelerator(self):
-        setup(self)
-        accs.append(self.acc)
+    def keeps_the_accelerator(recipe, out):
+        accs.append(make(recipe, out))
+        return accs[-1]
 
-    monkeypatch.setattr(SetupMixin, "_setup_accelerator", keeps_the_accelerator)
+    monkeypatch.setattr(train, "make_accelerator", keeps_the_accelerator)
     poison_loss({3}, float("inf"))
     res = uptrain(
         recipe(

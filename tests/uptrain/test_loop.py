@@ -14,8 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gqakit.errors import GqakitError
 from gqakit.testing import save_tiny_model
-from gqakit.uptrain import uptrain
-from gqakit.uptrain.loop import UptrainLoop, read_history
+from gqakit.uptrain import read_history, train, uptrain
 
 
 def _weights(path):
@@ -58,11 +57,11 @@ def test_save_dtype_auto_saves_in_the_sources_dtype(recipe, tmp_path, convert):
 def _fail_before_training(r, monkeypatch) -> None:
     """Run ``r`` with a loop that fails before its first step."""
 
-    def boom(self, **_):
+    def boom(*_):
         raise RuntimeError("boom")
 
     with monkeypatch.context() as m:
-        m.setattr(UptrainLoop, "run", boom)
+        m.setattr(train, "setup", boom)
         with pytest.raises(RuntimeError, match="boom"):
             uptrain(r)
 
@@ -90,14 +89,23 @@ def test_convert_first_refines_when_the_recipe_asks(recipe, assets):
         f"model.convert.calib_data={assets['train']}",
         "model.convert.calib_tokens=512",
         "model.convert.refine_steps=3",
-        "model.convert.refine_target=layer",
-        "model.convert.refine_schedule=cosine",
-        "model.convert.refine_loss=per-token",
+        "model.convert.refine_target=layer-corrective",
     )
     prov = json.loads((uptrain(r).output_dir / "gqakit.json").read_text())
     assert prov["convert"]["method"] == "calibrated" and prov["convert"]["refine"]["steps"] == 3
-    refine = prov["convert"]["refine"]
-    assert (refine["target"], refine["schedule"], refine["loss"]) == ("layer", "cosine", "per-token")
+    assert prov["convert"]["refine"]["target"] == "layer-corrective"
+
+
+def test_convert_first_takes_a_preset(recipe, assets):
+    """``model.convert.preset`` names the conversion as ``gqakit convert --preset`` does; a field given
+    beside it overrides the preset's."""
+    r = recipe(
+        "budget.steps=1", "eval.at_start=false", "model.convert.preset=fast",
+        f"model.convert.calib_data={assets['train']}", "model.convert.calib_tokens=512",
+        "model.convert.refine_steps=2",
+    )  # fmt: skip
+    prov = json.loads((uptrain(r).output_dir / "gqakit.json").read_text())
+    assert prov["convert"]["method"] == "calibrated" and prov["convert"]["refine"]["steps"] == 2
 
 
 def test_runs_of_different_precision_in_one_process(recipe, tmp_path):
@@ -177,19 +185,19 @@ def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe
     """CUDA fp16 simulated on CPU: accelerate's GradScaler on the CPU device, one non-finite loss. The
     skipped step must still update the scaler, or the next step's unscale_() raises."""
     import gqakit.uptrain.preflight as preflight
-    from gqakit.uptrain.setup import SetupMixin
 
     monkeypatch.setattr(preflight, "precision_problem", lambda precision, device_type: None)
-    setup, scalers = SetupMixin._setup_accelerator, []
+    make, scalers = train.make_accelerator, []
 
-    def with_scaler(self):
-        setup(self)
+    def with_scaler(recipe, out):
+        acc = make(recipe, out)
         # what Accelerator(mixed_precision="fp16") makes on a CUDA device
-        self.acc.scaler = torch.amp.GradScaler("cpu")
-        self.acc.native_amp = True
-        scalers.append(self.acc.scaler)
+        acc.scaler = torch.amp.GradScaler("cpu")
+        acc.native_amp = True
+        scalers.append(acc.scaler)
+        return acc
 
-    monkeypatch.setattr(SetupMixin, "_setup_accelerator", with_scaler)
+    monkeypatch.setattr(train, "make_accelerator", with_scaler)
     poison_loss({3}, float("inf"))
     res = uptrain(
         recipe(
@@ -203,8 +211,8 @@ def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe
 
 
 def test_rollback_without_a_checkpoint_is_a_clear_error(recipe, monkeypatch):
-    loss_step = UptrainLoop._loss_step
-    monkeypatch.setattr(UptrainLoop, "_loss_step", lambda self, b: (loss_step(self, b)[0] * float("inf"), {}))
+    loss_step = train.loss_step
+    monkeypatch.setattr(train, "loss_step", lambda run, b: (loss_step(run, b)[0] * float("inf"), {}))
     with pytest.raises(GqakitError, match="3 non-finite steps in a row at step 3 and no checkpoint"):
         uptrain(recipe("budget.steps=5"))
 
@@ -252,7 +260,7 @@ def test_eval_at_steps_evaluates_exactly_there_and_matches_validation_perplexity
 def test_eval_at_steps_must_be_positive(recipe):
     from gqakit.uptrain import RecipeError
 
-    with pytest.raises(RecipeError, match=r"eval.at_steps must hold steps of at least 1, got \[0\]"):
+    with pytest.raises(RecipeError, match=r"eval.at_steps must be steps of at least 1, got \[0, 4\]"):
         recipe("eval.at_steps=[0, 4]")
 
 

@@ -154,14 +154,12 @@ def test_an_alpha_budget_that_is_whole_steps_on_paper_takes_exactly_those_steps(
 
 
 @pytest.mark.parametrize(("fraction", "steps", "warmup"), [(0.29, 100, 29), (0.57, 100, 57), (0.1, 15, 1)])
-def test_warmup_is_the_exact_fraction_of_the_steps_rounded_down(recipe, tmp_path, fraction, steps, warmup):
-    from gqakit.uptrain.loop import UptrainLoop
+def test_warmup_is_the_exact_fraction_of_the_steps_rounded_down(fraction, steps, warmup):
+    from gqakit.uptrain.schedule import warmup_steps
 
-    r = recipe(f"train.warmup_fraction={fraction}", f"budget.steps={steps}")
-    loop = UptrainLoop(r, tmp_path / "run", r.model.path)
-    loop._setup_accelerator()
-    loop._setup_data()
-    assert loop.warmup == warmup  # 0.29 x 100 in floats is 28.999999999999996, truncated to 28 before
+    assert warmup_steps(fraction, steps) == warmup  # 0.29 x 100 in floats is 28.999999999999996, not 28
+    # the last warmup step still rises; the next is the peak
+    assert lr_multiplier(warmup - 1, steps, warmup, 0.1) < 1.0 == lr_multiplier(warmup, steps, warmup, 0.1)
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
@@ -190,6 +188,10 @@ def test_cli_prints_the_resolved_recipe_and_reports_problems_without_a_traceback
 
     ok = CliRunner().invoke(uptrain_cmd, [str(TINY_RECIPE), "train.lr=0.5", "--print-recipe"])
     assert ok.exit_code == 0 and "lr: 0.5" in ok.output
+    # --set is the same override, in the pipelines' spelling; applied after the positional ones
+    both = [str(TINY_RECIPE), "train.lr=0.5", "--set", "train.lr=0.25", "--set", "seed=3", "--print-recipe"]
+    ok = CliRunner().invoke(uptrain_cmd, both)
+    assert ok.exit_code == 0 and "lr: 0.25" in ok.output and "seed: 3" in ok.output
     bad = CliRunner().invoke(uptrain_cmd, [str(TINY_RECIPE), "train.lr=fast", "budget.step=3"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
     assert (
@@ -215,31 +217,34 @@ def test_convert_block_takes_calibrated_options_and_checks_them():
     )
 
 
-def test_convert_block_takes_refinement_and_checks_it():
+def test_convert_block_is_the_convert_options_and_checks_them():
+    from gqakit.convert import ConvertOptions
+
     r = load_recipe(
         TINY_RECIPE,
         [
             "model.convert={groups: 1, method: calibrated, calib_data: /c.txt, "
-            "refine_steps: 200, refine_lr: 3e-4, refine_qk_lr: null, refine_target: layer-corrective, "
-            "refine_schedule: cosine, refine_loss: per-token}"
+            "refine_steps: 200, refine_lr: 3e-4, refine_qk_lr: 1e-4, refine_target: layer-corrective}"
         ],
     )
     c = r.model.convert
-    assert (c.refine_steps, c.refine_lr, c.refine_qk_lr) == (200, 3e-4, None)
-    assert (c.refine_target, c.refine_schedule, c.refine_loss) == ("layer-corrective", "cosine", "per-token")
+    assert isinstance(c, ConvertOptions)
+    assert (c.refine_steps, c.refine_lr, c.refine_qk_lr) == (200, 3e-4, 1e-4)
+    assert c.refine_target == "layer-corrective"
+    best = load_recipe(TINY_RECIPE, ["model.convert={groups: 1, preset: best}"]).model.convert
+    assert best.preset == "best"
+    with pytest.raises(RecipeError, match='model.convert.methd: unknown key. Did you mean "method"?'):
+        load_recipe(TINY_RECIPE, ["model.convert={groups: 1, methd: mean}"])  # the section's own problem
     with pytest.raises(RecipeError) as e:
         load_recipe(
             TINY_RECIPE,
-            [
-                "model.convert={groups: 1, refine_steps: -5, refine_lr: 0, refine_qk_lr: -1, "
-                "refine_target: mlp, refine_schedule: linear, refine_loss: l1}"
-            ],
-        )
+            ["model.convert={groups: 1, refine_steps: -5, refine_lr: 0, refine_qk_lr: -1, "
+             "refine_target: mlp, preset: fastest}"],
+        )  # fmt: skip
     msg = str(e.value)
-    assert "model.convert.refine_target 'mlp' is unknown; choose one of attention, layer" in msg
-    assert "model.convert.refine_schedule 'linear' is unknown; choose one of constant, cosine" in msg
+    assert "model.convert.preset 'fastest' is unknown" in msg and "fast" in msg
+    assert "model.convert.refine_target 'mlp' is unknown; choose one of attention, layer-corrective" in msg
     assert "model.convert.refine_lr must be a finite learning rate above 0, got 0" in msg
-    assert "model.convert.refine_loss 'l1' is unknown; choose one of relative, per-token" in msg
     assert "model.convert.refine_qk_lr must be a finite learning rate above 0, got -1" in msg
     assert "model.convert.refine_steps must be 0 (off) or a positive step count, got -5" in msg
     random = "model.convert.refine_steps cannot start from model.convert.method random"

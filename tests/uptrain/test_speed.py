@@ -5,17 +5,14 @@ them beyond rounding."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from gqakit.testing import tiny_model
-from gqakit.uptrain import uptrain
-from gqakit.uptrain.fused_loss import LossSpec, fused_linear_loss
-from gqakit.uptrain.loop import read_history
-from gqakit.uptrain.objectives import Objective
-from gqakit.uptrain.speed import decoder_layers, install_fused_loss, resolve_speed
+from gqakit.uptrain import read_history, uptrain
+from gqakit.uptrain.objectives import Objective, fused_linear_loss, install_fused_loss
+from gqakit.uptrain.train import decoder_layers, resolve_speed
 
 
 @pytest.mark.parametrize("kind", ["lm", "distill", "mix"])
@@ -34,7 +31,7 @@ def test_fused_loss_equals_the_objective_and_its_gradients(kind, bias, chunk):
     logits = hidden @ weight.t() + (bias_t if bias else 0)
     want, want_parts = Objective(kind, 2.0, 0.3)(logits, ids, t_hidden @ t_weight.t())
     want_grads = torch.autograd.grad(want, params)
-    spec = LossSpec(kind, 2.0, 0.3, chunk_elements=chunk)
+    spec = Objective(kind, 2.0, 0.3, chunk_elements=chunk)
     got, parts = fused_linear_loss(hidden, weight, bias_t, ids, spec, t_hidden, t_weight)
     got_grads = torch.autograd.grad(got, params)
 
@@ -52,7 +49,7 @@ def test_fused_forward_of_a_model_with_tied_embeddings_matches_its_own_loss():
     want, _ = Objective("lm")(model(input_ids=ids).logits, ids)
     want_grads = torch.autograd.grad(want, list(model.parameters()))
     install_fused_loss(model)
-    got, parts = model(input_ids=ids, loss_spec=LossSpec("lm"))
+    got, parts = model(input_ids=ids, loss_spec=Objective("lm"))
     got_grads = torch.autograd.grad(got, list(model.parameters()))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, e in zip(got_grads, want_grads, strict=True):
@@ -67,37 +64,35 @@ def test_fused_loss_under_bf16_autocast_stays_within_bf16_rounding():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, _ = Objective("lm")(model(input_ids=ids).logits, ids)
         install_fused_loss(model)
-        got, _ = model(input_ids=ids, loss_spec=LossSpec("lm", compute_dtype=torch.bfloat16))
+        got, _ = model(input_ids=ids, loss_spec=Objective("lm", compute_dtype=torch.bfloat16))
     assert abs(got.item() - want.item()) < 1e-2 * want.item()
 
 
 def _speed(**kw):
-    return SimpleNamespace(
-        **{"fused_loss": "auto", "compile": "auto", "kernels": "auto", "attention": "auto", **kw}
-    )
+    from gqakit.uptrain.recipe import SpeedConfig
+
+    return SpeedConfig(**kw)
 
 
 def test_auto_on_a_cpu_keeps_the_fused_loss_and_says_what_is_off():
-    s = resolve_speed(_speed(), "cpu", "NO", tiny_model("llama"))
-    assert (s.fused_loss, s.compile, s.kernels, s.attention) == (True, False, "none", "auto")
-    assert "compile (auto: on for CUDA" in s.describe()
-    asked = resolve_speed(_speed(kernels="liger", attention="flash"), "cpu", "NO", tiny_model("llama"))
-    assert asked.kernels == "none" and asked.attention == "auto"
-    assert "kernels liger (needs a CUDA GPU)" in asked.describe()
-    assert "attention flash (needs a CUDA GPU)" in asked.describe()
-    on_gpu = resolve_speed(_speed(), "cuda", "NO", tiny_model("llama"))
-    assert on_gpu.fused_loss and on_gpu.compile
-    eager_gpu = resolve_speed(_speed(compile=False), "cuda", "NO", tiny_model("llama"))
+    s, said = resolve_speed(_speed(), "cpu", "NO", tiny_model("llama"))
+    assert (s.fused_loss, s.compile, s.kernels) == (True, False, "none")
+    assert said.startswith("speed: fused loss; off: compile (auto: on for CUDA")
+    asked, said = resolve_speed(_speed(kernels="liger"), "cpu", "NO", tiny_model("llama"))
+    assert asked.kernels == "none" and "kernels liger (needs a CUDA GPU)" in said
+    on_gpu, _ = resolve_speed(_speed(), "cuda", "NO", tiny_model("llama"))
+    assert on_gpu.fused_loss is True and on_gpu.compile is True
+    eager_gpu, _ = resolve_speed(_speed(compile=False), "cuda", "NO", tiny_model("llama"))
     assert not eager_gpu.fused_loss and not eager_gpu.compile  # measured slower eager on a GPU
-    fsdp = resolve_speed(_speed(), "cuda", "FSDP", tiny_model("llama"))
-    assert not fsdp.fused_loss and not fsdp.compile and "not measured under FSDP" in fsdp.describe()
+    fsdp, said = resolve_speed(_speed(), "cuda", "FSDP", tiny_model("llama"))
+    assert not fsdp.fused_loss and not fsdp.compile and "not measured under FSDP" in said
 
 
 def test_a_model_that_transforms_its_logits_keeps_the_plain_loss():
     model = tiny_model("gemma2")
     assert model.config.final_logit_softcapping
-    s = resolve_speed(_speed(fused_loss=True), "cpu", "NO", model)
-    assert not s.fused_loss and "final_logit_softcapping" in s.describe()
+    s, said = resolve_speed(_speed(fused_loss=True), "cpu", "NO", model)
+    assert not s.fused_loss and "final_logit_softcapping" in said
 
 
 def test_decoder_layers_are_the_repeated_blocks():

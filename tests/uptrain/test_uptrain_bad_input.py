@@ -13,9 +13,8 @@ import pytest
 from die_after_step import kill_after
 
 from gqakit.errors import GqakitError
-from gqakit.uptrain.api import uptrain
-from gqakit.uptrain.loop import UptrainLoop
-from gqakit.uptrain.metrics import read_history
+from gqakit.uptrain import read_history, train
+from gqakit.uptrain.train import uptrain
 
 
 def _bert(root: Path) -> Path:
@@ -45,7 +44,7 @@ OTHER_FIELD_JSONL = b'{"body": "a b"}\n'
 # loads or conversion starts.
 CASES = [
     ("seq-len-beyond-positions", lambda t: ["data.seq_len=4096"],
-     "data.seq_len 4096 is more than the 256 positions"),
+     "model.path: data.seq_len 4096 is more than this model's 256 positions"),
     ("teacher-is-an-encoder", lambda t: [f"teacher={_bert(t)}", "objective.kind=distill"],
      "teacher: The teacher .* is a 'bert' checkpoint"),
     ("model-is-an-encoder", lambda t: [f"model.path={_bert(t)}", "model.convert=null"],
@@ -69,7 +68,7 @@ CASES = [
     ("output-dir-is-a-file", lambda t: [f"output_dir={_file(t, 'out', b'x')}"],
      "output_dir .*out is a file"),
     ("checkpoint-keep-0", lambda t: ["checkpoint.keep=0"],
-     "checkpoint.keep must be at least 1, got 0: .*rollback .* set checkpoint.every=0"),
+     r"checkpoint.keep must be at least 1 \(.*rollback .* set checkpoint.every=0\), got 0"),
     ("val-split-with-files", lambda t: ["data.val_split=validation"],
      "data.val_split='validation' only applies to data.hub; with data.files set data.val_split=null"),
     ("val-fraction-0-beside-val-split", lambda t: ["data.val_split=validation", "data.val_fraction=0"],
@@ -79,13 +78,12 @@ CASES = [
 
 def _forbid_work(monkeypatch) -> None:
     """Fail the test if the run gets as far as converting or loading a model."""
-    import gqakit.uptrain.api as api
 
     def fail(*a, **k):
         pytest.fail("validation came after the expensive part")
 
-    monkeypatch.setattr(api, "_convert_first", fail)
-    monkeypatch.setattr(UptrainLoop, "_setup_model", fail)
+    monkeypatch.setattr(train, "convert_first", fail)
+    monkeypatch.setattr(train, "load_student", fail)
 
 
 @pytest.fixture
@@ -126,7 +124,7 @@ def test_what_the_machine_cannot_run_is_refused(recipe, distributed, device, ove
 
 
 def test_a_run_directory_another_run_holds_is_refused_before_any_work(recipe, tmp_path, no_work):
-    from gqakit.uptrain.api import hold_run_dir
+    from gqakit.uptrain.train import hold_run_dir
 
     run = tmp_path / "run"
     run.mkdir()
@@ -169,7 +167,7 @@ def test_resume_with_a_changed_recipe_or_world_names_what_differs(recipe, tmp_pa
     changed = recipe(*common, "train.lr=1e-2", "data.seq_len=16")
     with pytest.raises(GqakitError, match=r"data.seq_len \(32 -> 16\), train.lr") as e:
         uptrain(changed, resume=True)
-    assert "only budget.steps/tokens/alpha" in e.value.message
+    assert "only budget.steps, budget.tokens, budget.alpha, eval.*, " in e.value.message
     with pytest.raises(GqakitError, match="budget is 1 steps but the checkpoint step-00000002 has already"):
         uptrain(recipe("budget.steps=1", "checkpoint.every=2"), resume=True)
     state_file = tmp_path / "run" / "checkpoints" / "step-00000002" / "trainer_state.json"
@@ -231,8 +229,6 @@ def test_other_ranks_log_errors_only_and_show_no_progress_bars(recipe, monkeypat
     import datasets
     import transformers
 
-    import gqakit.uptrain.api as api
-
     class Rank1:
         is_main_process = False
         num_processes = 1  # a fake without a process group: no collective calls
@@ -240,7 +236,7 @@ def test_other_ranks_log_errors_only_and_show_no_progress_bars(recipe, monkeypat
         def wait_for_everyone(self) -> None:
             pass
 
-    monkeypatch.setattr(api, "process_state", lambda: Rank1())
+    monkeypatch.setattr(train, "process_state", lambda: Rank1())
     logger = logging.getLogger("gqakit")
     before = logger.level
     try:
@@ -299,3 +295,24 @@ def test_a_valid_multi_node_launch_runs_accelerate_with_the_address(monkeypatch)
         ["accelerate", "launch", "--config_file", config, "--machine_rank", "1", "--main_process_ip",
          "192.0.2.7", "-m", "gqakit.uptrain", "tiny", "train.lr=1e-4", "--resume"]
     ]  # fmt: skip
+
+
+def test_a_run_checks_its_inputs_once_before_it_writes_anything(recipe, monkeypatch):
+    """One preflight per run (it was entered four times from three files): every check, then the work."""
+    from gqakit.uptrain import preflight
+
+    calls = []
+
+    def counting(name: str):
+        check = getattr(preflight, name)
+
+        def counted(*args):
+            calls.append(name)
+            return check(*args)
+
+        return counted
+
+    for name in ("input_problems", "environment_problems", "output_problems"):
+        monkeypatch.setattr(preflight, name, counting(name))
+    uptrain(recipe("budget.steps=1", "eval.at_start=false", "model.convert=null"))
+    assert sorted(calls) == ["environment_problems", "input_problems", "output_problems"]

@@ -1,0 +1,469 @@
+"""Everything gqakit knows of each model family, one :class:`Family` per ``config.model_type``.
+
+An entry holds the family's attention tensors (:class:`ArchAdapter`: where ``convert`` finds Q, K, V,
+O and the key norms), or the rewrite into a stock transformers class that holds fewer K/V heads
+(:class:`Retarget`: GPT-2 and OPT into ``gpt_bigcode``, GPT-NeoX into ``phi``), or why gqakit cannot
+convert it; its llama.cpp layout (:class:`~gqakit.gguf.arch.GgufArch`); and how its config states the
+K/V heads of its weights and of transformers' KV cache, where a family says so its own way (Falcon,
+``gpt_bigcode``). Adding a family is adding one entry to :data:`FAMILIES`; every command reads it through
+:func:`family_of`, so no code outside this table asks which family it holds.
+
+Module paths name ``{layer}`` (and ``{head}`` for per-head modules); ``.weight`` / ``.bias`` are
+appended when tensors are looked up, and a bias that a checkpoint does not have is simply not there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from gguf import MODEL_ARCH
+
+from gqakit.errors import GqakitError, did_you_mean
+from gqakit.gguf.arch import PHI3_KEYS, GgufArch, rope, sliding_window_check
+from gqakit.gguf.arch import head_dim as head_dim_of
+from gqakit.gguf.arch_gemma import GEMMA2, GEMMA3, gemma3_multimodal_view, gemma3_rename
+
+Config = dict[str, Any]
+_ATTN = "model.layers.{layer}.self_attn"
+
+# The module roles an adapter names; ArchAdapter.module/tensor take one of these.
+Role = Literal[
+    "q",
+    "k",
+    "v",
+    "o",
+    "qkv",
+    "k_norm",
+    "q_norm",
+    "k_norm_flat",
+    "q_norm_flat",
+    "k_norm_per_head",
+    "q_norm_per_head",
+]
+# The roles whose modules normalise keys after projection: a linear key merge is then not exact.
+_KEY_NORM_ROLES: tuple[Role, ...] = ("k_norm", "k_norm_flat", "k_norm_per_head")
+
+
+@dataclass(frozen=True)
+class ArchAdapter:
+    """Where one family keeps its attention tensors, and what its attention does with them.
+
+    Attributes:
+        model_type: ``config.model_type`` this adapter serves.
+        q, k, v, o: module paths of the query, key, value and output projections. ``k``/``v`` are
+            None when the family fuses them into ``qkv``.
+        qkv: module path of a fused projection whose rows are ``q | k | v`` (phi3).
+        k_norm_flat: a norm over all KV heads' channels at once, weight ``[kv_heads * head_dim]``
+            (olmo2), which must be regrouped like a bias.
+        q_norm_flat: the query-side counterpart, ``[heads * head_dim]`` (olmo2); only head
+            permutations touch it.
+        k_norm: one norm over ``head_dim`` shared by every key head (qwen3, gemma3, phi with
+            ``qk_layernorm``); its weight is ``[head_dim]`` and no regrouping touches it.
+        q_norm: its query-side counterpart. Nothing in a conversion touches it; it is named so that
+            query/key-side refinement (``refine_qk_lr``) trains it.
+        k_norm_per_head / q_norm_per_head: one norm module per head, ``{head}`` in the path (stablelm
+            with ``qk_layernorm``).
+        partial_rotary: the family may rotate only the first ``partial_rotary_factor`` of each head
+            (:func:`rotary_dims`); otherwise all of head_dim rotates.
+
+    Whether keys are normalised after projection (which makes a linear key merge inexact) follows from
+    the key-norm roles: :meth:`key_norm_modules` names them, and a checkpoint has them or not (stablelm's
+    ``qk_layernorm`` is a config switch).
+    """
+
+    model_type: str
+    q: str | None = f"{_ATTN}.q_proj"
+    k: str | None = f"{_ATTN}.k_proj"
+    v: str | None = f"{_ATTN}.v_proj"
+    o: str = f"{_ATTN}.o_proj"
+    qkv: str | None = None
+    k_norm_flat: str | None = None
+    q_norm_flat: str | None = None
+    k_norm: str | None = None
+    q_norm: str | None = None
+    k_norm_per_head: str | None = None
+    q_norm_per_head: str | None = None
+    partial_rotary: bool = False
+
+    def module(self, role: Role, layer: int, **kw: int) -> str | None:
+        """Module path of ``role`` in ``layer`` (``head=`` for per-head roles), or None when this family
+        has no such module."""
+        template: str | None = getattr(self, role)
+        return None if template is None else template.format(layer=layer, **kw)
+
+    def tensor(self, role: Role, layer: int, part: str = "weight", **kw: int) -> str:
+        """The tensor name of ``part`` (``weight``/``bias``) of ``role`` in ``layer``.
+
+        Raises:
+            GqakitError: naming the role and the family when the family has no such module.
+        """
+        module = self.module(role, layer, **kw)
+        if module is None:
+            raise GqakitError(f"the {self.model_type} adapter has no {role!r} module (layer {layer}).")
+        return f"{module}.{part}"
+
+    def key_input(self, layer: int) -> str:
+        """The module whose input is the layer's K/V projection input: the key or the fused qkv projection."""
+        return self.tensor("k" if self.k is not None else "qkv", layer).rsplit(".", 1)[0]
+
+    def key_norm_modules(self, layer: int) -> list[str]:
+        """The modules that normalise ``layer``'s keys after projection, as this family would name them
+        (per-head ones for head 0); a checkpoint holds them or not."""
+        found = (self.module(role, layer, head=0) for role in _KEY_NORM_ROLES)
+        return [m for m in found if m is not None]
+
+    def attention_module(self, layer: int) -> str:
+        """Module path of ``layer``'s attention block (the parent of its output projection)."""
+        return self.o.format(layer=layer).rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class Retarget:
+    """How a family whose transformers class has one K/V head per query head is re-expressed exactly in
+    a stock class that holds fewer: its tensors are rewritten as the target's MHA checkpoint (the same
+    logits), which then converts as any checkpoint of the target family.
+
+    Attributes:
+        target: the target ``config.model_type``.
+        why: why this target, for ``gqakit inspect``.
+        any_groups: the target holds any G dividing H (``phi``); else only 1 and H (``gpt_bigcode``'s
+            ``multi_query``), and only the pooling methods, the calibrated merge and attention-output
+            refinement at G = 1 reach it.
+        problems: config -> the reasons this checkpoint cannot be held exactly (empty when it can).
+        rewrite: ``module:attribute`` of its :class:`Rewrite` in the convert layer, which this shared
+            layer may not import (:func:`gqakit.convert.retarget.rewrite_of` reads it).
+    """
+
+    target: str
+    why: str
+    any_groups: bool
+    problems: Callable[[Config], list[str]]
+    rewrite: str
+
+    def valid_groups(self, heads: int) -> list[int]:
+        """The G the target class can hold for ``heads`` query heads."""
+        if self.any_groups:
+            return [g for g in range(1, heads + 1) if heads % g == 0]
+        return [1, heads] if heads > 1 else [1]
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """The tensor half of a :class:`Retarget`, which names it: pure functions in the convert layer
+    (:mod:`gqakit.convert.retarget_bigcode`, :mod:`gqakit.convert.retarget_neox`).
+
+    Attributes:
+        config: source config -> target MHA config.
+        state: (source state dict, source config) -> target MHA state dict.
+        weight_problems: (a function reading one source tensor by name, source config) -> the reasons
+            found in the weights themselves (a zero LayerNorm gain that a fold divides by); it reads
+            only the tensors it checks.
+    """
+
+    config: Callable[[Config], Config]
+    state: Callable[[dict[str, Any], Config], dict[str, Any]]
+    weight_problems: Callable[[Callable[[str], Any], Config], list[str]] = lambda read, config: []
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything gqakit knows of one ``config.model_type`` (see the module docstring).
+
+    Attributes:
+        model_type: ``config.model_type``.
+        attention: where its attention tensors are, when ``convert`` converts it as it is.
+        retarget: the rewrite into a stock class that holds fewer K/V heads, when that is how it converts.
+        unsupported: why gqakit cannot convert it, when it is known not to.
+        gguf: its llama.cpp layout, when ``export`` writes it.
+        gguf_name: the llama.cpp architecture name of a ``.gguf`` of this family that gqakit does not
+            export (read back only); an exported family's is ``gguf.name``.
+        kv_heads: (config, query heads) -> the K/V heads of the weights, for a family that states them
+            otherwise than ``num_key_value_heads``.
+        cache_kv_heads: (config, the weights' K/V heads, query heads) -> the K/V heads each layer of
+            transformers' KV cache holds, for a family whose attention caches others than its weights'.
+    """
+
+    model_type: str
+    attention: ArchAdapter | None = None
+    retarget: Retarget | None = None
+    unsupported: str | None = None
+    gguf: GgufArch | None = None
+    gguf_name: str | None = None
+    kv_heads: Callable[[Config, int], int] | None = None
+    cache_kv_heads: Callable[[Config, int, int], int] | None = None
+
+    def weight_kv_heads(self, config: Mapping[str, Any], heads: int) -> int:
+        """The K/V heads of the weights ``config`` describes (H when it states none: MHA)."""
+        if self.kv_heads is not None:
+            return self.kv_heads(dict(config), heads)
+        return int(config.get("num_key_value_heads") or heads)
+
+    def cached_kv_heads(self, config: Mapping[str, Any], kv_heads: int, heads: int) -> int:
+        """The K/V heads per layer of transformers' KV cache for this config: the weights', except where
+        the family's attention broadcasts them first."""
+        return kv_heads if self.cache_kv_heads is None else self.cache_kv_heads(dict(config), kv_heads, heads)
+
+
+def _family(model_type: str, roles: dict[str, Any] | None = None, **facts: Any) -> Family:
+    """A family entry; ``roles`` (``{}``: the llama layout) makes it one ``convert`` converts as it is."""
+    attention = None if roles is None else ArchAdapter(model_type, **roles)
+    return Family(model_type, attention, **facts)
+
+
+def _gpt2_problems(config: Config) -> list[str]:
+    problems = []
+    if config.get("scale_attn_by_inverse_layer_idx"):
+        problems.append("scale_attn_by_inverse_layer_idx is set: gpt_bigcode scales every layer alike")
+    if config.get("reorder_and_upcast_attn"):
+        problems.append("reorder_and_upcast_attn is set: gpt_bigcode has no such attention path")
+    if config.get("scale_attn_weights") is False:
+        problems.append("scale_attn_weights is false: gpt_bigcode's flag of that name is not read by sdpa")
+    return problems
+
+
+def _opt_problems(config: Config) -> list[str]:
+    problems = []
+    if not config.get("do_layer_norm_before", True):
+        problems.append("do_layer_norm_before is false (post-LN, as OPT-350m): gpt_bigcode is pre-LN")
+    proj = config.get("word_embed_proj_dim")
+    if proj is not None and proj != config["hidden_size"]:
+        problems.append(
+            f"word_embed_proj_dim {proj} != hidden_size {config['hidden_size']} (projected embeddings, as "
+            "OPT-350m): gpt_bigcode has no embedding projection"
+        )
+    if config.get("_remove_final_layer_norm"):
+        problems.append("_remove_final_layer_norm is set: gpt_bigcode always has its final LayerNorm")
+    return problems
+
+
+def _neox_problems(config: Config) -> list[str]:
+    if not config.get("use_parallel_residual", True):
+        return ["use_parallel_residual is false: its MLP reads the attention output, phi's block is parallel"]
+    return []
+
+
+def _falcon_kv_heads(config: Config, heads: int) -> int:
+    # Falcon names them num_kv_heads, and its multi_query flag (on unless the config says otherwise,
+    # FalconConfig's default) applies to the old decoder layout only; transformers' FalconAttention
+    # reads num_kv_heads under new_decoder_architecture whatever multi_query says.
+    if config.get("new_decoder_architecture"):
+        return int(config.get("num_kv_heads") or heads)
+    return 1 if config.get("multi_query", True) else heads
+
+
+# llama.cpp's phi2 and starcoder graphs apply GELU in its tanh form, whatever the config says.
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def _layernorm(arch: MODEL_ARCH, field: str, **kw: Any) -> GgufArch:
+    """A LayerNorm architecture's GGUF rules (phi -> ``phi2``, gpt_bigcode -> ``starcoder``), whose graph
+    applies GELU whatever the config's ``field`` says: another activation is refused, exact GELU warned
+    about (llama.cpp computes its tanh approximation)."""
+
+    def check(cfg: Config) -> str | None:
+        if cfg.get(field) == "gelu":
+            return (
+                f"{field}='gelu' (exact) but llama.cpp computes GELU's tanh approximation: logits differ "
+                "slightly from transformers'."
+            )
+        return None
+
+    def problem(cfg: Config) -> str | None:
+        if cfg.get(field) not in (*_GELU_TANH, "gelu"):
+            return (
+                f"{field}={cfg.get(field)!r}: llama.cpp's graph for this family applies GELU (another model)"
+            )
+        return None
+
+    return GgufArch(arch, layer_norm=True, checks=(check,), problems=(problem,), **kw)
+
+
+def _bigcode_kv_heads(cfg: Config, heads: int) -> int:
+    return 1 if cfg.get("multi_query") else heads  # gpt_bigcode states MQA as a flag
+
+
+def _bigcode_view(cfg: Config) -> Config:
+    """gpt_bigcode's config under the names the common GGUF keys read (``n_embd`` -> ``hidden_size``...)."""
+    hidden, heads = cfg["n_embd"], cfg["n_head"]
+    return {
+        **cfg,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_hidden_layers": cfg["n_layer"],
+        "num_key_value_heads": _bigcode_kv_heads(cfg, heads),
+        "intermediate_size": cfg.get("n_inner") or 4 * hidden,
+        "max_position_embeddings": cfg["n_positions"],
+        "layer_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+    }
+
+
+_LLAMA: dict[str, Any] = {}  # q/k/v/o_proj under model.layers.{layer}.self_attn, full rotary
+_LLAMA_GGUF = GgufArch(MODEL_ARCH.LLAMA, permute_qk=True)
+_QK_NORM = dict(k_norm=f"{_ATTN}.k_norm", q_norm=f"{_ATTN}.q_norm")  # over head_dim, shared by heads
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        _family("llama", _LLAMA, gguf=_LLAMA_GGUF),
+        # convert_hf_to_gguf.py writes MistralForCausalLM as the llama architecture
+        _family("mistral", _LLAMA, gguf=replace(_LLAMA_GGUF, checks=(sliding_window_check,))),
+        _family("qwen2", _LLAMA, gguf=GgufArch(MODEL_ARCH.QWEN2)),  # q/k/v biases: picked up as .bias
+        _family("qwen3", _QK_NORM),
+        _family("gemma", _LLAMA, gguf=GgufArch(MODEL_ARCH.GEMMA, norm_plus_one=True, has_output=False)),
+        _family("gemma2", _LLAMA, gguf=GEMMA2),
+        # registered before gemma3 so that a gemma3 GGUF reads back as this text model
+        _family("gemma3_text", _QK_NORM, gguf=GEMMA3),
+        # the multimodal Gemma 3 (4B and up): its text model exported, as convert_hf_to_gguf.py writes it
+        _family(
+            "gemma3",
+            gguf=replace(GEMMA3, view=gemma3_multimodal_view, rename=gemma3_rename),
+        ),
+        # Phi3Config's partial_rotary_factor (default 1) limits rotary to the first channels of each head.
+        _family(
+            "phi3",
+            dict(q=None, k=None, v=None, qkv=f"{_ATTN}.qkv_proj", partial_rotary=True),
+            gguf=GgufArch(MODEL_ARCH.PHI3, hparams=PHI3_KEYS),
+        ),
+        # With qk_layernorm, one LayerNorm over head_dim, shared by the heads, on queries and on keys.
+        # llama.cpp's phi2 graph (LayerNorm, biases, partial NeoX-style rotary, lm_head with a bias) reads
+        # n_head_kv and takes q/k/v as separate tensors or fused; it has no fallback to token_embd, so a
+        # tied phi (e.g. from a tied GPT-NeoX) gets output.weight written.
+        _family(
+            "phi",
+            dict(o=f"{_ATTN}.dense", k_norm=f"{_ATTN}.k_layernorm", q_norm=f"{_ATTN}.q_layernorm",
+                 partial_rotary=True),
+            gguf=_layernorm(MODEL_ARCH.PHI2, "hidden_act", output_required=True),
+        ),  # fmt: skip
+        _family("olmo", _LLAMA),
+        _family("olmo2", dict(k_norm_flat=f"{_ATTN}.k_norm", q_norm_flat=f"{_ATTN}.q_norm")),
+        _family("granite", _LLAMA),
+        _family("starcoder2", _LLAMA),
+        _family(
+            "stablelm",
+            dict(
+                k_norm_per_head=f"{_ATTN}.k_layernorm.norms.{{head}}",
+                q_norm_per_head=f"{_ATTN}.q_layernorm.norms.{{head}}",
+                partial_rotary=True,
+            ),
+        ),
+        # The stock classes the retargeted families convert into hold fewer K/V heads: gpt_bigcode states
+        # MQA as a flag; llama.cpp's starcoder graph reads n_head_kv, so MQA keeps its one K/V head.
+        _family(
+            "gpt_bigcode",
+            gguf=_layernorm(
+                MODEL_ARCH.STARCODER, "activation_function", view=_bigcode_view, qkv_per_head=True
+            ),
+            kv_heads=_bigcode_kv_heads,
+        ),
+        _family(
+            "gpt2",
+            retarget=Retarget(
+                "gpt_bigcode",
+                "GPTBigCode is GPT-2's block (learned positions, LayerNorm, GELU MLP, fused c_attn) with "
+                "multi_query: one K/V head for all query heads",
+                False, _gpt2_problems, "gqakit.convert.retarget_bigcode:GPT2",
+            ),
+        ),  # fmt: skip
+        _family(
+            "opt",
+            retarget=Retarget(
+                "gpt_bigcode",
+                "pre-LN OPT is GPT-2's block with ReLU and learned positions at an offset of 2; GPTBigCode "
+                "holds it with multi_query: one K/V head for all query heads",
+                False, _opt_problems, "gqakit.convert.retarget_bigcode:OPT",
+            ),
+        ),  # fmt: skip
+        _family(
+            "gpt_neox",
+            retarget=Retarget(
+                "phi",
+                "Phi is GPT-NeoX's parallel attention + MLP block (LayerNorm, biases, partial rotary) with "
+                "num_key_value_heads; NeoX's second LayerNorm folds into fc1",
+                True, _neox_problems, "gqakit.convert.retarget_neox:NEOX",
+            ),
+            gguf_name="gptneox",
+        ),  # fmt: skip
+        # Families whose transformers attention has one K/V head per query head and no
+        # num_key_value_heads: a checkpoint with fewer K/V heads would not load in them.
+        _family(
+            "bloom",
+            unsupported="BLOOM attention has a fused query_key_value with one K/V head per query head",
+        ),
+        _family("gptj", unsupported="GPT-J attention has one K/V head per query head"),
+        _family(
+            "falcon",
+            unsupported="Falcon's transformers attention ties K/V heads to its own multi_query and "
+            "new_decoder_architecture flags, not to num_key_value_heads",
+            kv_heads=_falcon_kv_heads,
+            # the new decoder architecture (Falcon-40B/180B) broadcasts its K/V heads to every query head
+            # before it caches them, so transformers' cache holds H per layer (vLLM and llama.cpp hold G)
+            cache_kv_heads=lambda c, kv, h: h if c.get("new_decoder_architecture") else kv,
+        ),
+        _family("t5", unsupported="T5 is an encoder-decoder whose attention has one K/V head per query head"),
+        _family("bert", unsupported="BERT is an encoder whose attention has one K/V head per query head"),
+        _family("cohere", gguf_name="command-r"),
+    )
+}  # fmt: skip
+
+# The families convert converts as they are, by model_type (a view of FAMILIES, for listing them).
+ADAPTERS: dict[str, ArchAdapter] = {t: f.attention for t, f in FAMILIES.items() if f.attention is not None}
+
+
+def family_of(model: str | Mapping[str, Any] | Any) -> Family:
+    """The entry of a ``model_type``, or of a config (a ``config.json`` dict or a transformers config); a
+    family gqakit knows nothing of gets an empty entry (standard K/V heads, nothing to convert or export)."""
+    if isinstance(model, Mapping):
+        model = model.get("model_type")
+    elif not isinstance(model, str):
+        model = getattr(model, "model_type", None)
+    return FAMILIES.get(str(model)) or Family(str(model))
+
+
+def rotary_dims(config: Mapping[str, Any], head_dim: int | None = None) -> int:
+    """Channels of each head that get rotary embeddings (an even number), for the key merge and for
+    llama.cpp's ``rope.dimension_count``: transformers rotates the first ``head_dim *
+    partial_rotary_factor`` (in ``rope_parameters``, or at the top level of an older config) in the
+    families that read that factor, and all of ``head_dim`` in the others (``head_dim``: the config's)."""
+    attention = family_of(config).attention
+    factor = 1.0
+    if attention is None or attention.partial_rotary:
+        factor = rope(dict(config)).get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    dim = int((head_dim or head_dim_of(dict(config))) * float(factor))
+    return dim - dim % 2
+
+
+def get_adapter(model_type: str) -> ArchAdapter:
+    """The attention tensors of ``model_type``, or a :class:`GqakitError` that says what to do."""
+    family = family_of(model_type)
+    if family.attention is not None:
+        return family.attention
+    why = f"cannot run with fewer K/V heads in transformers: {family.unsupported}"
+    raise _refused(model_type, why if family.unsupported else "is not supported", ADAPTERS)
+
+
+def get_arch(model_type: str) -> GgufArch:
+    """The llama.cpp layout of ``model_type``, or a :class:`GqakitError` naming the families that have one."""
+    arch = family_of(model_type).gguf
+    if arch is not None:
+        return arch
+    exported = [t for t, f in FAMILIES.items() if f.gguf is not None]
+    why = "cannot be exported to GGUF: gqakit does not know llama.cpp's layout for it"
+    raise _refused(model_type, why, exported)
+
+
+def _refused(model_type: str, why: str, known: Iterable[str]) -> GqakitError:
+    """``model_type`` refused for ``why``, naming the families that have what it lacks (and the nearest)."""
+    known = sorted(known)
+    hint = did_you_mean(model_type, known)
+    return GqakitError(f"model_type {model_type!r} {why}.{hint} Supported families: {', '.join(known)}.")
+
+
+def model_type_of_gguf(arch_name: str) -> str:
+    """The ``model_type`` a ``.gguf`` of llama.cpp architecture ``arch_name`` reads back as: the first
+    family with that name (a mistral exports as llama and reads back as llama); the name when none has it."""
+    for f in FAMILIES.values():
+        if arch_name in (f.gguf_name, f.gguf and f.gguf.name):
+            return f.model_type
+    return arch_name
