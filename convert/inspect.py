@@ -1,10 +1,11 @@
-"""``gqakit inspect``: a checkpoint's attention geometry and what each valid G costs in KV cache."""
+"""``gqakit inspect``: a checkpoint's attention geometry, what each valid G costs in KV cache, and what
+its G costs each GPU under tensor parallelism."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gqakit.checkpoint import resolve_checkpoint
@@ -12,7 +13,7 @@ from gqakit.convert.plan import RegroupSpec, plan_regroup
 from gqakit.convert.retarget import refusals
 from gqakit.dtypes import SAFETENSORS_DTYPES, dtype_name
 from gqakit.families import family_of
-from gqakit.geometry import AttentionGeometry
+from gqakit.geometry import AttentionGeometry, TensorParallelKV
 from gqakit.gguf.dequantize import is_gguf
 from gqakit.gguf.header import read_gguf_header
 
@@ -35,6 +36,8 @@ class Inspection:
     shards: list[str]
     kv_bytes_per_token: dict[int, int]
     output_class: str = ""
+    # KV cache per GPU per token, bf16, under tensor parallelism of degree 1, 2, 4, 8 (its G as it is)
+    tensor_parallel: list[TensorParallelKV] = field(default_factory=list)
 
     def to_text(self) -> str:
         kind = "MHA" if self.num_kv_heads == self.num_heads else ("MQA" if self.num_kv_heads == 1 else "GQA")
@@ -57,6 +60,15 @@ class Inspection:
             lines.insert(2, f"converts into     {self.output_class}")
         for g, b in self.kv_bytes_per_token.items():
             lines.append(f"  G={g:<4} {b:>10,} bytes   {b * 4096 / 2**20:>9.1f} MiB per 4096-token sequence")
+        if self.tensor_parallel:
+            lines.append("KV cache per GPU per token, bf16, under tensor parallelism (TP GPUs):")
+        for t in self.tensor_parallel:
+            notes = [f"K/V heads replicated (G={self.num_kv_heads} < TP)"] if t.replicated else []
+            notes += [f"transformers' TP refuses: {t.transformers_refuses}"] if t.transformers_refuses else []
+            lines.append(
+                f"  TP={t.tp:<3} {t.kv_heads_per_gpu:>3} K/V head(s)/GPU {t.kv_bytes_per_gpu:>10,} bytes"
+                + ("   " + "; ".join(notes) if notes else "")
+            )
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -121,4 +133,5 @@ def _inspection(
         format=fmt,
         shards=shards,
         kv_bytes_per_token={g: geom.kv_bytes_per_token(g) for g in groups or geom.valid_groups()},
+        tensor_parallel=geom.tensor_parallel_kv(),
     )

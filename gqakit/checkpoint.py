@@ -24,7 +24,7 @@ import torch
 from gqakit.assets import ASSETS, BUILT, MODEL_ASSETS, fetch_asset, read_manifest
 from gqakit.dtypes import safetensors_name
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.safetensors_io import SafetensorsFile
+from gqakit.safetensors_io import SafetensorsFile, check_finite
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -128,13 +128,15 @@ class TensorReader:
         return safetensors_name(v.dtype), tuple(v.shape)
 
     def read(self, name: str) -> torch.Tensor:
+        """One tensor, decoded; a floating one that holds NaN/Inf is refused with its name."""
         shard = self._where[name]
         if self.ckpt.format == "safetensors":
             return self.safetensors_file(shard).read(name)
-        return self._bin_dict(shard)[name].clone()
+        return check_finite(name, self._bin_dict(shard)[name].clone(), self.ckpt.path / shard)
 
     def copy_raw(self, name: str, out: BinaryIO) -> None:
-        """Copy a safetensors tensor's bytes straight into ``out``, without decoding them."""
+        """Copy a safetensors tensor's bytes straight into ``out`` unchanged (a floating one checked for
+        NaN/Inf in the same read)."""
         self.safetensors_file(self._where[name]).copy_raw(name, out)
 
 

@@ -20,6 +20,9 @@ from typing import Any
 from gqakit.errors import GqakitError
 from gqakit.families import family_of
 
+# The tensor-parallel degrees ``gqakit inspect`` shows: one node's GPUs, 1 to 8.
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+
 # GPT-2-style configs (gpt2, gpt_bigcode) store these under their own names (transformers' attribute_map).
 _GPT2_NAMES = {"num_attention_heads": "n_head", "hidden_size": "n_embd", "num_hidden_layers": "n_layer"}
 
@@ -30,6 +33,21 @@ def _field(config: dict[str, Any], name: str) -> Any:
     if _GPT2_NAMES.get(name) in config:
         return config[_GPT2_NAMES[name]]
     raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class TensorParallelKV:
+    """One GPU's share of the KV cache when a model is served with tensor parallelism of degree ``tp``."""
+
+    tp: int
+    kv_heads_per_gpu: int
+    kv_bytes_per_gpu: int  # per token, over all layers
+    # G < TP: each GPU still holds one whole K/V head (vLLM copies each head to TP / G GPUs), so the
+    # per-GPU cache stops shrinking as TP grows
+    replicated: bool
+    # why transformers' own TP (tp_plan) refuses the model at this degree, or "": it splits the query and
+    # the K/V projections by head, so TP must divide H and G (TP > G fails: transformers #48307)
+    transformers_refuses: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,3 +90,27 @@ class AttentionGeometry:
         """KV-cache bytes one token costs over all layers, for ``groups`` KV heads (default: current)."""
         g = self.num_kv_heads if groups is None else groups
         return 2 * self.num_layers * g * self.head_dim * dtype_bytes
+
+    def tensor_parallel_kv(
+        self, degrees: tuple[int, ...] = TP_DEGREES, dtype_bytes: int = 2
+    ) -> list[TensorParallelKV]:
+        """KV-cache bytes per GPU per token at each tensor-parallel degree: each GPU holds G / TP K/V heads
+        (at least one: with G < TP vLLM replicates each head on TP / G GPUs), and whether transformers'
+        own TP refuses the model there."""
+        h, g = self.num_heads, self.num_kv_heads
+        out = []
+        for tp in degrees:
+            heads = max(1, -(-g // tp))  # G / TP, rounded up; one whole head at least
+            if tp > g:
+                why = f"TP {tp} > {g} K/V heads"
+            elif g % tp or h % tp:
+                counts = [f"{n} {what}" for n, what in ((h, "query heads"), (g, "K/V heads")) if n % tp]
+                why = f"TP {tp} does not divide {' or '.join(counts)}"
+            else:
+                why = ""
+            out.append(
+                TensorParallelKV(
+                    tp, heads, 2 * self.num_layers * heads * self.head_dim * dtype_bytes, g < tp, why
+                )
+            )
+        return out

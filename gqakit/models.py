@@ -17,6 +17,7 @@ import torch
 from gqakit.checkpoint import model_source, open_checkpoint_dir, read_config
 from gqakit.dtypes import LOAD_DTYPES, torch_dtype
 from gqakit.errors import GqakitError
+from gqakit.safetensors_io import check_finite
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -141,6 +142,9 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
 
     Returns:
         The model in eval mode on ``device``.
+
+    Raises:
+        GqakitError: a config or weights that cannot be loaded, or weights that hold NaN/Inf.
     """
     # deferred: transformers takes seconds to import
     from transformers import AutoModelForCausalLM
@@ -158,7 +162,17 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
         )
     except (ValueError, OSError, RuntimeError) as e:
         raise GqakitError(f"Could not load {path}: {type(e).__name__}: {e}") from None
-    return model.to(resolve_device(device)).eval()
+    model = model.to(resolve_device(device)).eval()
+    check_finite_parameters(model, path)
+    return model
+
+
+def check_finite_parameters(model: torch.nn.Module, where: str | Path | None = None) -> None:
+    """Refuse a model whose parameters hold NaN/Inf (a corrupt checkpoint) before anything measures or
+    trains it: one pass over the loaded weights, the same message as a conversion's."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            check_finite(name, p, where)
 
 
 def load_tokenizer(path: str | Path):

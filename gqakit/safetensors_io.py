@@ -6,10 +6,14 @@ can (a) validate a file without reading its data, (b) copy an unchanged tensor b
 file to another without ever decoding it, and (c) write an output shard tensor by tensor, so peak
 memory is one tensor rather than one shard (``safetensors.torch.save_file`` holds a copy of the whole
 shard as ``bytes``).
+
+Every floating tensor is checked for NaN/Inf as it passes through, read or copied (:func:`check_finite`):
+a corrupt checkpoint is refused with the tensor's name instead of being written on.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -26,6 +30,44 @@ from gqakit.errors import GqakitError
 
 _MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 _COPY_CHUNK = 64 * 1024 * 1024
+
+
+# float8 has no aminmax/isfinite kernel on CPU: it is widened first (its NaN and Inf stay NaN and Inf)
+_WIDEN = {torch.float8_e4m3fn: torch.float16, torch.float8_e5m2: torch.float16}
+
+
+def nonfinite_count(tensor: torch.Tensor) -> int:
+    """How many values of ``tensor`` are NaN or +-Inf (0 for integer and bool tensors).
+
+    The common, finite case is one vectorised min/max reduction (NaN propagates through both, an Inf is
+    the min or the max), several times faster than ``isfinite`` and without its temporary; the count is
+    taken only when that finds something.
+    """
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return 0
+    if tensor.dtype in _WIDEN:
+        tensor = tensor.to(_WIDEN[tensor.dtype])
+    lo, hi = torch.aminmax(tensor)
+    if math.isfinite(lo.item()) and math.isfinite(hi.item()):
+        return 0
+    return tensor.numel() - int(torch.isfinite(tensor).sum())
+
+
+def nonfinite_error(name: str, bad: int, total: int, where: str | Path | None = None) -> GqakitError:
+    """The one refusal of a tensor that holds NaN/Inf (convert, expand, export, eval)."""
+    place = f" (in {where})" if where else ""
+    return GqakitError(
+        f"{name}{place} holds {bad} NaN/Inf values of {total}: the checkpoint is corrupt; "
+        "re-download or re-export it."
+    )
+
+
+def check_finite(name: str, tensor: torch.Tensor, where: str | Path | None = None) -> torch.Tensor:
+    """``tensor`` itself when every value is finite; else the :func:`nonfinite_error` naming ``name``."""
+    bad = nonfinite_count(tensor)
+    if bad:
+        raise nonfinite_error(name, bad, tensor.numel(), where)
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -46,13 +88,16 @@ class SafetensorsFile:
     """A validated safetensors file whose tensors are read on demand.
 
     Opening parses and checks the header only: every dtype is known, every byte range matches its
-    shape and lies inside the file. A truncated or corrupt file raises :class:`GqakitError`.
+    shape and lies inside the file. A truncated or corrupt file raises :class:`GqakitError`, and so does a
+    floating tensor holding NaN/Inf, when :meth:`read` decodes it or :meth:`copy_raw` / :meth:`copy_bytes`
+    pass its bytes on.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.tensors, self.metadata = _read_header(self.path)
         self._fh: BinaryIO | None = None
+        self._starts: list[tuple[int, str]] | None = None  # (start, name) in file order, for copies
 
     def __enter__(self) -> SafetensorsFile:
         return self
@@ -81,17 +126,79 @@ class SafetensorsFile:
             raise GqakitError(f"{self.path}: tensor {name!r} is truncated ({got} of {info.nbytes} bytes).")
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-        return torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype(info.dtype)).reshape(info.shape)
+        tensor = torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype(info.dtype)).reshape(info.shape)
+        return check_finite(name, tensor, self.path)
 
     def copy_raw(self, name: str, out: BinaryIO) -> None:
-        """Copy one tensor's bytes into ``out`` without decoding them."""
+        """Copy one tensor's bytes into ``out`` unchanged (a floating one checked for NaN/Inf on the way)."""
         info = self.tensors[name]
-        _copy_range(self._handle(), info.start, info.nbytes, out)
+        self.copy_bytes(info.start, info.nbytes, out)
 
     def copy_bytes(self, start: int, length: int, out: BinaryIO) -> None:
         """Copy the byte range ``[start, start + length)`` of this file into ``out`` (several tensors
-        stored back to back are copied in one call)."""
-        _copy_range(self._handle(), start, length, out)
+        stored back to back are copied in one call).
+
+        The floating tensors in the range are read chunk by chunk and checked for NaN/Inf in the same read
+        that copies them (no second pass over the file; back-to-back tensors of one dtype are checked
+        together, chunk by chunk); the others (integers, bool) and any bytes between tensors are copied
+        inside the kernel, undecoded. A refusal names the first tensor that holds NaN/Inf.
+        """
+        fh, end, pos = self._handle(), start + length, start
+        for first, last, dtype in self._float_spans(start, end):
+            if first > pos:
+                _copy_range(fh, pos, first - pos, out)
+            if not self._copy_checked(first, last, dtype, out):
+                self._refuse(first, last)
+            pos = last
+        if end > pos:
+            _copy_range(fh, pos, end - pos, out)
+
+    def _float_spans(self, start: int, end: int) -> list[tuple[int, int, torch.dtype]]:
+        """The byte spans of back-to-back non-empty floating tensors of one dtype lying wholly inside
+        ``[start, end)``, in file order: (first byte, end, dtype)."""
+        if self._starts is None:
+            self._starts = sorted((info.start, name) for name, info in self.tensors.items())
+        spans: list[tuple[int, int, torch.dtype]] = []
+        for at in range(bisect.bisect_left(self._starts, (start, "")), len(self._starts)):
+            info = self.tensors[self._starts[at][1]]
+            if info.start >= end:
+                break
+            dtype = torch_dtype(info.dtype)
+            if info.end > end or not info.nbytes or not dtype.is_floating_point:
+                continue
+            if spans and spans[-1][1] == info.start and spans[-1][2] == dtype:
+                spans[-1] = (spans[-1][0], info.end, dtype)
+            else:
+                spans.append((info.start, info.end, dtype))
+        return spans
+
+    def _copy_checked(self, first: int, last: int, dtype: torch.dtype, out: BinaryIO) -> bool:
+        """Copy bytes ``[first, last)`` (floating values of ``dtype``) into ``out`` through memory; whether
+        every value is finite."""
+        fh, length = self._handle(), last - first
+        buf = bytearray(min(_COPY_CHUNK, length))  # _COPY_CHUNK is a multiple of every element size
+        view = memoryview(buf)
+        out.flush()  # a kernel copy may have moved the descriptor: write at the object's position
+        fh.seek(first)
+        done, finite = 0, True
+        while done < length:
+            n = min(len(buf), length - done)
+            if fh.readinto(view[:n]) != n:
+                raise GqakitError(f"{self.path}: unexpected end of file while copying.")
+            finite = finite and not nonfinite_count(
+                torch.frombuffer(buf, dtype=torch.uint8, count=n).view(dtype)
+            )
+            out.write(view[:n])
+            done += n
+        return finite
+
+    def _refuse(self, first: int, last: int) -> None:
+        """Raise the refusal of the first tensor in ``[first, last)`` that holds NaN/Inf (read again: this
+        is the failure path)."""
+        for start, name in self._starts or []:
+            if first <= start < last:
+                self.read(name)  # raises, naming the tensor and its count
+        raise GqakitError(f"{self.path}: bytes {first}..{last} hold NaN/Inf values.")  # not reached
 
 
 def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:

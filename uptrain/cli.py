@@ -1,17 +1,21 @@
 """``gqakit uptrain RECIPE [key.sub=value ...] [--resume | --force]``: parse, call ``uptrain``, print.
 
 With ``--accelerate-config FILE`` it checks the accelerate config first and then hands over to
-``accelerate launch --config_file FILE -m gqakit.uptrain RECIPE ...``. A config that cannot run fails
-late or never under ``accelerate launch`` alone: a DeepSpeed config without DeepSpeed ends in an
-ImportError traceback, and a multi-machine config whose ``main_process_ip`` is still the shipped
-placeholder makes every machine retry the rendezvous forever; gqakit reports every such problem with
-the key to fill in or the package to install.
+``accelerate launch --config_file FILE -m gqakit.uptrain RECIPE ...``, run by this Python
+(``sys.executable -m accelerate.commands.launch``: no ``accelerate`` looked up on PATH, which fails in a
+virtual environment that is not activated). A config that cannot run fails late or never under
+``accelerate launch`` alone: a DeepSpeed config without DeepSpeed ends in an ImportError traceback, a
+multi-machine config whose ``main_process_ip`` is still the shipped placeholder makes every machine
+retry the rendezvous forever, and a multi-process FSDP/DDP config on a machine without the GPUs it
+asks for starts N independent single-process runs; gqakit reports every such problem with the key to
+fill in, the config to use or the package to install.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import click
@@ -19,7 +23,7 @@ import yaml
 
 from gqakit.cli_options import force_option
 from gqakit.errors import GqakitError
-from gqakit.uptrain.preflight import deepspeed_problems, process_state
+from gqakit.uptrain.preflight import deepspeed_problems, launch_problems, process_state, uses_cpu
 from gqakit.uptrain.recipe import Recipe, load_recipe
 from gqakit.uptrain.train import uptrain
 
@@ -40,8 +44,8 @@ PLACEHOLDER_IPS = ("10.0.0.1", "", "MACHINE_0_ADDRESS")
 @click.option(
     "--accelerate-config",
     type=click.Path(dir_okay=False),
-    help="Check this accelerate config (DeepSpeed installed? machine 0's address set?), then run the recipe "
-    "under `accelerate launch` with it.",
+    help="Check this accelerate config (DeepSpeed installed? machine 0's address set? the GPUs it asks for "
+    "here?), then run the recipe under `accelerate launch` (this Python's) with it.",
 )
 @click.option(
     "--machine-rank", type=int, help="With --accelerate-config on several machines: this one's rank."
@@ -77,14 +81,15 @@ def uptrain_cmd(
         problems = accelerate_config_problems(accelerate_config, main_process_ip, rec)
         if problems:
             raise GqakitError(f"--accelerate-config {accelerate_config}: " + " ".join(problems))
-        argv = ["accelerate", "launch", "--config_file", accelerate_config]
+        # this Python's accelerate, not a PATH lookup (a virtual environment need not be activated)
+        argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
         if machine_rank is not None:
             argv += ["--machine_rank", str(machine_rank)]
         if main_process_ip is not None:
             argv += ["--main_process_ip", main_process_ip]
         argv += ["-m", "gqakit.uptrain", recipe, *overrides]
         argv += (["--resume"] if resume else []) + (["--force"] if force else [])
-        os.execvp(argv[0], argv)  # replaces this process; the return is for tests that stub it
+        os.execve(argv[0], argv, launch_env(accelerate_config))  # replaces this process (tests stub it)
         return
 
     res = uptrain(rec, resume=resume, force=force)
@@ -120,6 +125,7 @@ def accelerate_config_problems(path: str, main_process_ip: str | None, recipe: R
     except (TypeError, ValueError):
         return [*problems, f"num_machines must be a whole number, got {config.get('num_machines')!r}."]
     ip = main_process_ip if main_process_ip is not None else str(config.get("main_process_ip") or "")
+    problems += launch_problems(config)
     if machines > 1 and ip in PLACEHOLDER_IPS:
         problems.append(
             f"num_machines is {machines} but main_process_ip is {ip or 'not set'!r}, the shipped "
@@ -127,3 +133,17 @@ def accelerate_config_problems(path: str, main_process_ip: str | None, recipe: R
             "or set main_process_ip in the config. Also set --machine-rank on every machine."
         )
     return problems
+
+
+def launch_env(path: str) -> dict[str, str]:
+    """The environment the launched processes run in: this one, plus ``ACCELERATE_USE_CPU=true`` for a
+    config with ``use_cpu: true`` (accelerate's multi-process launcher does not pass that key on, and its
+    processes would each run alone on the CPU)."""
+    env = dict(os.environ)
+    try:
+        config = yaml.safe_load(Path(path).expanduser().read_text())
+    except (OSError, yaml.YAMLError):
+        return env
+    if isinstance(config, dict) and uses_cpu(config):
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env

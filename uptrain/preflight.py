@@ -223,6 +223,66 @@ def deepspeed_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
+# The distributed types whose processes each take a GPU unless the config says use_cpu.
+_GPU_TYPES = ("MULTI_GPU", "FSDP", "DEEPSPEED")
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def uses_cpu(config: dict[str, Any]) -> bool:
+    """Whether an accelerate config puts its processes on the CPU (``use_cpu: true``)."""
+    return _truthy(config.get("use_cpu", False))
+
+
+def launch_problems(config: dict[str, Any], gpus: int | None = None) -> list[str]:
+    """Why the accelerate config ``config`` would not start one distributed run on this machine, each
+    with what to use instead; empty when it would.
+
+    Without GPUs and without ``use_cpu: true`` accelerate starts a multi-process FSDP, DDP or DeepSpeed
+    config as N independent single-process runs (each rank 0 of 1), which then fight over output_dir;
+    a config asking for more GPUs than this machine has fails inside torchrun. ``gpus`` is this
+    machine's GPU count (default: ``torch.cuda.device_count()``).
+    """
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    kind = str(config.get("distributed_type", "NO")).upper()
+    # ACCELERATE_USE_CPU=1 in the environment reaches every process too (docs/uptrain.md's 2 CPU ranks)
+    if uses_cpu(config) or _truthy(os.environ.get("ACCELERATE_USE_CPU")) or kind not in _GPU_TYPES:
+        return []
+    try:
+        machines = max(1, int(config.get("num_machines", 1) or 1))
+        processes = int(config.get("num_processes", 1) or 1)
+    except (TypeError, ValueError):
+        return []  # reported by the caller
+    here = max(1, processes // machines)  # num_processes counts every machine's
+    ids = str(config.get("gpu_ids", "all") or "all")
+    listed = [int(i) for i in ids.split(",") if i.strip().isdigit()] if ids != "all" else []
+    if gpus == 0 and (here > 1 or machines > 1):
+        return [
+            f"distributed_type {kind} with num_processes {processes} puts each process on a GPU, and this "
+            "machine has no GPU: accelerate would start each process as an independent single-process run "
+            "(rank 0 of 1), not one distributed run. On CPUs set `use_cpu: true` with `num_processes` N "
+            f"(e.g. 2: gloo processes forming one run), run on a machine with {here} GPUs, or leave out "
+            "--accelerate-config to train in one process."
+        ]
+    if gpus == 0:
+        return []  # one process on the CPU: what a plain `gqakit uptrain` runs
+    if here > gpus:
+        return [
+            f"distributed_type {kind} starts {here} processes on this machine, one per GPU, and this "
+            f"machine has {gpus} GPU(s): set num_processes: {gpus * machines} in the config, or run on a "
+            f"machine with {here} GPUs."
+        ]
+    missing = [i for i in listed if i >= gpus]
+    if missing:
+        return [
+            f"gpu_ids is {ids} and this machine has GPU(s) 0 to {gpus - 1}: set gpu_ids to GPUs it has "
+            "(or all)."
+        ]
+    return []
+
+
 def environment_problems(recipe: Recipe, distributed_type: str, device_type: str) -> list[str]:
     """What this machine and launch cannot run of the recipe (precision, DeepSpeed's limits, a device
     for a distributed launch)."""

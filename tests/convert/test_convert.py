@@ -163,6 +163,40 @@ def test_inspect_reports_geometry_and_kv_bytes(tiny_llama):
     assert "K/V heads         4  (MHA)" in info.to_text()
 
 
+def test_kv_bytes_per_gpu_under_tensor_parallelism_stop_shrinking_once_heads_replicate():
+    from gqakit.geometry import AttentionGeometry, TensorParallelKV
+
+    # H=8, G=2, head_dim 64, 2 layers, float16: 2 (K and V) * 2 layers * heads per GPU * 64 * 2 bytes
+    geom = AttentionGeometry("llama", num_layers=2, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64)
+    assert geom.tensor_parallel_kv(dtype_bytes=2) == [
+        TensorParallelKV(1, 2, 1024, replicated=False),
+        TensorParallelKV(2, 1, 512, replicated=False),
+        # G=2 < TP: each GPU holds one whole K/V head (vLLM replicates it), transformers' TP refuses
+        TensorParallelKV(4, 1, 512, replicated=True, transformers_refuses="TP 4 > 2 K/V heads"),
+        TensorParallelKV(8, 1, 512, replicated=True, transformers_refuses="TP 8 > 2 K/V heads"),
+    ]
+    # a head count TP does not divide: H=12, G=6 at TP 4
+    odd = AttentionGeometry("llama", num_layers=2, hidden_size=768, num_heads=12, num_kv_heads=6, head_dim=64)
+    assert odd.tensor_parallel_kv((4,))[0].transformers_refuses == "TP 4 does not divide 6 K/V heads"
+
+
+def test_inspect_shows_the_tensor_parallel_table_in_text_and_json(tmp_path):
+    src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=2)
+    info = inspect_checkpoint(src)
+    # bf16: 2 * 2 layers * heads per GPU * 16 channels * 2 bytes; from TP 4 on, one head per GPU
+    assert [(t.tp, t.kv_bytes_per_gpu, t.replicated) for t in info.tensor_parallel] == [
+        (1, 256, False), (2, 128, False), (4, 128, True), (8, 128, True)
+    ]  # fmt: skip
+    text = info.to_text()
+    assert "KV cache per GPU per token, bf16, under tensor parallelism" in text
+    assert "TP=2     1 K/V head(s)/GPU        128 bytes\n" in text
+    assert "TP=8     1 K/V head(s)/GPU        128 bytes   K/V heads replicated (G=2 < TP); " in text
+    assert "transformers' TP refuses: TP 8 > 2 K/V heads" in text
+    tp = json.loads(info.to_json())["tensor_parallel"]
+    assert tp[3] == {"tp": 8, "kv_heads_per_gpu": 1, "kv_bytes_per_gpu": 128, "replicated": True,
+                     "transformers_refuses": "TP 8 > 2 K/V heads"}  # fmt: skip
+
+
 def test_per_head_key_norms_are_regrouped(tmp_path):
     """stablelm with qk_layernorm keeps one LayerNorm per K/V head: they are pooled and renumbered."""
     src = save_tiny_model(tmp_path / "src", "stablelm", heads=4, kv_heads=4, qk_layernorm=True)

@@ -261,11 +261,18 @@ def test_other_ranks_log_errors_only_and_show_no_progress_bars(recipe, monkeypat
         ("deepspeed-zero3.yaml", None, "needs DeepSpeed, which is not installed: pip install deepspeed"),
         ("multi-node.yaml", None, "main_process_ip is '10.0.0.1', the shipped placeholder"),
         ("deepspeed-zero3.yaml", None, "checkpoint.every=10 under DeepSpeed: DeepSpeed's checkpoints"),
+        # without GPUs accelerate would start 8 independent single-process runs
+        ("fsdp.yaml", None, "fsdp.yaml: distributed_type FSDP with num_processes 8 puts each process on a "
+         "GPU, and this machine has no GPU: accelerate would start each process as an independent "
+         "single-process run"),
+        ("fsdp.yaml", None, "On CPUs set `use_cpu: true` with `num_processes` N"),
+        ("ddp.yaml", None, "distributed_type MULTI_GPU with num_processes 8 puts each process on a GPU"),
     ],
-)
+)  # fmt: skip
 def test_shipped_accelerate_configs_fail_fast_with_the_fix(name, ip, message, monkeypatch):
     import importlib.util
 
+    import torch
     from click.testing import CliRunner
 
     from gqakit.cli import main
@@ -273,27 +280,89 @@ def test_shipped_accelerate_configs_fail_fast_with_the_fix(name, ip, message, mo
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("launched despite the problem"))
     monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail("launched despite the problem"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # this machine, as CI's: no GPU
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     config = str(RECIPES_DIR / "accelerate" / name)
     res = CliRunner().invoke(main, ["uptrain", "tiny", "--accelerate-config", config])
-    assert res.exit_code != 0 and message in res.output, res.output
+    assert res.exit_code != 0 and message in " ".join(res.output.split()), res.output
 
 
-def test_a_valid_multi_node_launch_runs_accelerate_with_the_address(monkeypatch):
+def test_a_config_asking_for_gpus_this_machine_lacks_is_refused_with_the_count_it_has(monkeypatch):
+    import yaml
+
+    from gqakit.uptrain.preflight import launch_problems
+    from gqakit.uptrain.recipe import RECIPES_DIR
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    fsdp = yaml.safe_load((RECIPES_DIR / "accelerate" / "fsdp.yaml").read_text())
+    (problem,) = launch_problems(fsdp, gpus=2)
+    assert "FSDP starts 8 processes on this machine" in problem and "set num_processes: 2" in problem
+    assert launch_problems(fsdp, gpus=8) == []
+    # the CPU way: every process on the CPU (gloo), one distributed run
+    assert launch_problems({**fsdp, "use_cpu": True, "num_processes": 2}, gpus=0) == []
+    # one process, or a config without distribution, runs on whatever is here
+    assert launch_problems({**fsdp, "num_processes": 1}, gpus=0) == []
+    single = yaml.safe_load((RECIPES_DIR / "accelerate" / "single-gpu.yaml").read_text())
+    assert launch_problems(single, gpus=0) == []
+    (problem,) = launch_problems({**fsdp, "num_processes": 2, "gpu_ids": "0,3"}, gpus=2)
+    assert "gpu_ids is 0,3 and this machine has GPU(s) 0 to 1" in problem
+    # two machines x 8 GPUs: 8 here
+    multi = yaml.safe_load((RECIPES_DIR / "accelerate" / "multi-node.yaml").read_text())
+    assert launch_problems(multi, gpus=8) == []
+    assert "no GPU" in launch_problems(multi, gpus=0)[0]
+
+
+def test_the_launch_runs_this_pythons_accelerate_not_one_on_path(monkeypatch, tmp_path):
+    """A virtual environment that is not activated has no `accelerate` on PATH: the launch must not look
+    it up there (it ended in a FileNotFoundError traceback)."""
+    import sys
+
     from click.testing import CliRunner
 
     from gqakit.cli import main
     from gqakit.uptrain.recipe import RECIPES_DIR
 
     seen = []
-    monkeypatch.setattr(os, "execvp", lambda prog, argv: seen.append(argv))
+    monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail("looked the launcher up on PATH"))
+    monkeypatch.setattr(os, "execve", lambda prog, argv, env: seen.append((prog, argv, env)))
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing to find there
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    config = str(RECIPES_DIR / "accelerate" / "single-gpu.yaml")
+    res = CliRunner().invoke(main, ["uptrain", "tiny", "--accelerate-config", config])
+    assert res.exit_code == 0, res.output
+    ((prog, argv, env),) = seen
+    assert prog == sys.executable and argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert "ACCELERATE_USE_CPU" not in env
+    # a use_cpu config: every process it starts is told so (accelerate's multi-process launcher does not)
+    cpu = tmp_path / "cpu.yaml"
+    cpu.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nnum_machines: 1\nuse_cpu: true\n")
+    res = CliRunner().invoke(main, ["uptrain", "tiny", "--accelerate-config", str(cpu)])
+    assert res.exit_code == 0, res.output
+    assert seen[-1][2]["ACCELERATE_USE_CPU"] == "true"
+
+
+def test_a_valid_multi_node_launch_runs_accelerate_with_the_address(monkeypatch):
+    import sys
+
+    import torch
+    from click.testing import CliRunner
+
+    from gqakit.cli import main
+    from gqakit.uptrain.recipe import RECIPES_DIR
+
+    seen = []
+    monkeypatch.setattr(os, "execve", lambda prog, argv, env: seen.append(argv))
+    monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail("looked the launcher up on PATH"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # a machine with the 8 GPUs it asks for
     config = str(RECIPES_DIR / "accelerate" / "multi-node.yaml")
     args = ["uptrain", "tiny", "train.lr=1e-4", "--accelerate-config", config, "--machine-rank", "1"]
     res = CliRunner().invoke(main, [*args, "--main-process-ip", "192.0.2.7", "--resume"])
     assert res.exit_code == 0, res.output
     assert seen == [
-        ["accelerate", "launch", "--config_file", config, "--machine_rank", "1", "--main_process_ip",
-         "192.0.2.7", "-m", "gqakit.uptrain", "tiny", "train.lr=1e-4", "--resume"]
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--machine_rank", "1",
+         "--main_process_ip", "192.0.2.7", "-m", "gqakit.uptrain", "tiny", "train.lr=1e-4", "--resume"]
     ]  # fmt: skip
 
 
