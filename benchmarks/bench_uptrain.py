@@ -55,7 +55,7 @@ def _peak_memory_mib() -> float:
 def _blocks(args):
     from gqakit.models import load_tokenizer
     from gqakit.uptrain.data import build_blocks
-    from gqakit.uptrain.recipe import DataConfig
+    from gqakit.uptrain.recipe_schema import DataConfig
 
     cfg = DataConfig(files=[args.train], seq_len=args.seq_len, val_fraction=0.01, max_val_blocks=4)
     return build_blocks(cfg, load_tokenizer(args.model))
@@ -76,7 +76,7 @@ def worker_ours(args) -> dict:
     import torch
 
     from gqakit.uptrain import recipe_from_dict, uptrain
-    from gqakit.uptrain.train import read_history
+    from gqakit.uptrain.checkpoints import read_history
 
     precision = "bf16" if torch.cuda.is_available() else "fp32"
     distill = args.objective == "distill"

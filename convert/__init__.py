@@ -11,7 +11,8 @@ from gqakit.convert.api import (
 from gqakit.convert.options import PRESETS, Preset
 from gqakit.convert.plan import RegroupSpec, convert_state_dict, plan_regroup
 from gqakit.convert.pooling import regroup, regroup_fused_qkv, regroup_head_axis
-from gqakit.families import ADAPTERS, ArchAdapter, get_adapter
+from gqakit.families import ADAPTERS, get_adapter
+from gqakit.family_parts import ArchAdapter
 
 __all__ = [
     "ADAPTERS",

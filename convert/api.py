@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
-from gqakit.cli_options import Problems
 from gqakit.convert.calibrate import CalibrationStats, calibrate, calibration_sequences
 from gqakit.convert.inspect import Inspection, inspect_checkpoint
 from gqakit.convert.layerwise import write_layerwise
@@ -29,8 +28,10 @@ from gqakit.convert.refine import check_sequences
 from gqakit.convert.retarget import convert_retargeted
 from gqakit.convert.write import ConvertResult, source_path, write_converted
 from gqakit.errors import GqakitError
-from gqakit.families import ArchAdapter, family_of, get_adapter
+from gqakit.families import family_of, get_adapter
+from gqakit.family_parts import ArchAdapter
 from gqakit.geometry import AttentionGeometry
+from gqakit.problems import Problems
 from gqakit.storage import fingerprint
 
 

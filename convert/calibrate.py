@@ -31,7 +31,7 @@ import torch
 
 from gqakit.checkpoint import Checkpoint
 from gqakit.errors import GqakitError
-from gqakit.families import ArchAdapter
+from gqakit.family_parts import ArchAdapter
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm, load_tokenizer, max_positions, resolve_device
 from gqakit.storage import sha256_file

@@ -7,14 +7,7 @@ from __future__ import annotations
 
 import click
 
-from gqakit.cli_options import (
-    Problems,
-    click_options,
-    dtype_option,
-    force_option,
-    options_from,
-    progress_option,
-)
+from gqakit.cli_options import click_options, dtype_option, force_option, options_from, progress_option
 from gqakit.convert.api import (
     DTYPE_CHOICES,
     ConvertOptions,
@@ -24,6 +17,7 @@ from gqakit.convert.api import (
     inspect_checkpoint,
 )
 from gqakit.convert.options import DEFAULT_PRESET, DTYPE_HELP
+from gqakit.problems import Problems
 
 
 @click.command("convert")

@@ -24,7 +24,7 @@ import torch
 from gqakit.checkpoint import Checkpoint, TensorReader
 from gqakit.dtypes import config_dtype
 from gqakit.errors import GqakitError
-from gqakit.families import ArchAdapter
+from gqakit.family_parts import ArchAdapter
 
 
 def skeleton(path: Path) -> torch.nn.Module:

@@ -52,7 +52,8 @@ from gqakit.convert.refine import (
 )
 from gqakit.convert.stream import PlanWriter
 from gqakit.dtypes import torch_dtype
-from gqakit.families import ArchAdapter, Role, rotary_dims
+from gqakit.families import rotary_dims
+from gqakit.family_parts import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import release_memory, resolve_device
 

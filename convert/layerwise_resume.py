@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gqakit.errors import GqakitError
-from gqakit.storage import OWNER, atomic_write, check_output_dir, exclusive
+from gqakit.locks import OWNER, exclusive
+from gqakit.storage import atomic_write, check_output_dir
 
 STATE = "state.json"
 HIDDEN = "hidden.pt"

@@ -28,7 +28,8 @@ from gqakit.convert.grouping import contiguous_groups, similarity_groups
 from gqakit.convert.merge import Merge, augment, downstream_scales, energy, in_metric, merge_error
 from gqakit.convert.methods import fit_merge
 from gqakit.convert.plan import Infos
-from gqakit.families import ArchAdapter, Role, rotary_dims
+from gqakit.families import rotary_dims
+from gqakit.family_parts import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from gqakit.convert.merge import Merge, compensate_o_cols, compensate_q_rows, me
 from gqakit.convert.merge_fit import LayerMerge
 from gqakit.convert.plan import Infos, OutputTensor, RegroupSpec, module_tensors, plan_regroup
 from gqakit.dtypes import torch_dtype
-from gqakit.families import ArchAdapter, Role
+from gqakit.family_parts import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
 
 

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gqakit.cli_options import Problems, device_problem, opt, rate_problem
+from gqakit.cli_options import opt
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
 from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_TARGETS
 from gqakit.dtypes import LOAD_DTYPES, safetensors_name
 from gqakit.errors import GqakitError
 from gqakit.geometry import AttentionGeometry
 from gqakit.names import NameTable
+from gqakit.problems import Problems, device_problem, rate_problem
 
 # CLI dtype names -> safetensors dtype names (None: keep each tensor's own).
 DTYPE_CHOICES: dict[str, str | None] = {"keep": None, **{n: safetensors_name(n) for n in LOAD_DTYPES[1:]}}

@@ -19,7 +19,7 @@ from gqakit.convert.methods import METHODS
 from gqakit.convert.pooling import regroup, regroup_fused_qkv, regroup_head_axis, tensor_generator
 from gqakit.dtypes import is_float, safetensors_name, torch_dtype
 from gqakit.errors import GqakitError
-from gqakit.families import ArchAdapter
+from gqakit.family_parts import ArchAdapter
 from gqakit.geometry import AttentionGeometry
 
 TensorFn = Callable[[list[torch.Tensor]], torch.Tensor]

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from gqakit.checkpoint import Checkpoint, copy_non_weight_files, resolve_checkpoint
-from gqakit.cli_options import Problems
 from gqakit.convert.calibrate import calibration_sequences
 from gqakit.convert.methods import POOLING_METHODS
 from gqakit.convert.options import DTYPE_CHOICES, ConvertOptions, check_groups
@@ -27,10 +26,12 @@ from gqakit.convert.retarget_bigcode import bigcode_to_mqa
 from gqakit.convert.retarget_bigcode_merge import calibrated_mqa
 from gqakit.convert.write import ConvertResult, state_writer, write_converted
 from gqakit.errors import GqakitError
-from gqakit.families import Retarget, Rewrite, family_of
+from gqakit.families import family_of
+from gqakit.family_parts import Retarget, Rewrite
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import resolve_device
 from gqakit.names import resolve
+from gqakit.problems import Problems
 from gqakit.storage import check_output_dir, write_json
 
 Config = dict[str, Any]

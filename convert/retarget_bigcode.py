@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gqakit.convert.pooling import regroup
-from gqakit.families import Rewrite
+from gqakit.family_parts import Rewrite
 
 Config = dict[str, Any]
 StateDict = dict[str, torch.Tensor]

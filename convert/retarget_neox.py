@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gqakit.convert.retarget_bigcode import carried
-from gqakit.families import Rewrite
+from gqakit.family_parts import Rewrite
 
 Config = dict[str, Any]
 StateDict = dict[str, torch.Tensor]

@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from gqakit import storage
+from gqakit import cached_copies
+from gqakit.cached_copies import CopyKind, write_record
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import DecodePoint
 from gqakit.eval.options import EvalOptions
@@ -45,9 +46,7 @@ from gqakit.gguf.export import EXPORT_VERSION, export_gguf
 from gqakit.gguf.header import read_gguf_header
 from gqakit.models import load_tokenizer
 from gqakit.storage import (
-    CopyKind,
     fingerprint,  # noqa: F401 - how the exports are named, read by tests
-    write_record,
 )
 
 log = logging.getLogger(__name__)
@@ -85,9 +84,9 @@ def gguf_for(path: str, out_type: str) -> Path:
     The export is named by the checkpoint directory's name and fingerprint, the weight type and the
     exporter's version (``_EXPORTS.name``), and records its source beside it (``<export>.source.json``,
     written before the export appears). Otherwise it is cached as a dequantized ``.gguf`` is
-    (:func:`gqakit.storage.cached_copy`): a second process waits for the first's export, each call removes
-    the exports it supersedes (:func:`remove_superseded_exports`), and this process holds the export it
-    gets until it exits."""
+    (:func:`gqakit.cached_copies.cached_copy`): a second process waits for the first's export, each call
+    removes the exports it supersedes (:func:`remove_superseded_exports`), and this process holds the
+    export it gets until it exits."""
     src = Path(path).expanduser().resolve()
 
     def build(dst: Path, record: dict[str, Any]) -> None:
@@ -108,7 +107,7 @@ def gguf_for(path: str, out_type: str) -> Path:
                 log.warning("%s: %s", src, warning)
 
     what = f"exporting {src} to {{copy}}"
-    return storage.cached_copy(_EXPORTS, src, build, what, out_type=out_type)
+    return cached_copies.cached_copy(_EXPORTS, src, build, what, out_type=out_type)
 
 
 def _record_path(export: Path) -> Path:
@@ -120,7 +119,7 @@ def remove_superseded_exports(src: Path, out_type: str, current: Path) -> list[P
     supersedes, by the rules of the dequantized copies (:func:`gqakit.gguf.dequantize.remove_superseded`)
     with the exporter's version for the reader's; return them. An export of the same checkpoint with
     another weight type is another export."""
-    return storage.sweep(_EXPORTS, src, current, out_type=out_type)
+    return cached_copies.sweep(_EXPORTS, src, current, out_type=out_type)
 
 
 def _remove_export(export: Path) -> int | None:
@@ -135,7 +134,7 @@ def _remove_export(export: Path) -> int | None:
     return size
 
 
-# the cache's exports: how storage.remove_superseded names them in messages and removes one (and its
+# the cache's exports: how cached_copies.remove_superseded names them in messages and removes one (and its
 # record); through lambdas, so that _record_path is looked up when called
 _EXPORTS = CopyKind(
     ("export", "exports"),

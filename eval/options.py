@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gqakit.cli_options import Problems, device_field, device_problem, opt, progress_field
+from gqakit.cli_options import device_field, opt, progress_field
 from gqakit.dtypes import LOAD_DTYPES
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import parse_grid
@@ -17,6 +17,7 @@ from gqakit.eval.engines import ENGINES, TASK_ENGINES
 from gqakit.eval.lm_eval_bridge import parse_lm_eval_args, split_tasks
 from gqakit.gguf.tensors import OUT_TYPES
 from gqakit.models import resolve_device
+from gqakit.problems import Problems, device_problem
 
 DEFAULT_BATCH_SIZES = (1, 8, 32)
 # The default context grid; points a model has no positions for are dropped (an explicit --contexts

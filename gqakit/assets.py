@@ -31,10 +31,10 @@ from typing import Any
 from gqakit import __version__
 from gqakit.asset_builders import Builder, build_model_from_gguf, build_wiki_splits
 from gqakit.errors import GqakitError, did_you_mean
+from gqakit.locks import building
 from gqakit.storage import (
     atomic_output_dir,
     atomic_write,
-    building,
     cache_root,
     sha256_file,
     writable_cache,

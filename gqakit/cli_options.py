@@ -1,15 +1,9 @@
-"""The options vocabulary: click options several commands take, declared once, and the problem collector
-that names each flag the way the running command spells it.
+"""The options vocabulary: click options several commands take, declared once (the problem collector
+that names each flag the way the running command spells it is :mod:`gqakit.problems`).
 
 Options that mean the same thing in every command (``--device``, ``--dtype``, ``--out``, ``--seed``,
 ``--progress``, the asset ``--cache-dir`` and ``--wheelhouse``, comma-separated lists ...) are the
 decorators below, so their spelling, defaults and help text cannot drift apart.
-
-:class:`Problems` gathers everything wrong with a set of options and raises it as one message. A
-message names a field through :meth:`Problems.flag`, which looks the field up among the parameters of
-the command that is running (``gqakit demo``'s ``report_dir`` is ``--out``), or, from Python, of the
-command the options belong to. A field that command has no flag for is named as the field itself
-(``seq_len``), so a message can only name a flag the user could have typed.
 """
 
 from __future__ import annotations
@@ -17,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -26,8 +19,8 @@ from typing import Any, TypeVar
 
 import click
 
-from gqakit.cli import load_command
 from gqakit.errors import GqakitError, did_you_mean
+from gqakit.problems import Problems, command_flags, running_command
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -95,28 +88,6 @@ class CommaList(click.ParamType):
 # ---------------------------------------------------------------------------------------------------
 
 
-def finite_positive(x: float) -> bool:
-    """A usable rate or scale: finite and above 0. click's ``float`` and YAML (``.inf``) both read ``inf``
-    and ``nan``, and ``inf`` passes a ``> 0`` check; such a learning rate only fails, or trains to nan,
-    once the work has started."""
-    return math.isfinite(x) and x > 0
-
-
-def rate_problem(flag: str, lr: float, default: float | None = None) -> str | None:
-    """What is wrong with the learning rate ``lr`` given as ``flag`` (:func:`finite_positive`), or None.
-
-    One wording for every rate gqakit takes (convert's, a recipe's, recovery's and replicate's), naming
-    the default where the option has one.
-    """
-    if finite_positive(lr):
-        return None
-    example = f"; e.g. {default:g} (the default)" if default is not None else ""
-    return f"{flag} must be a finite learning rate above 0, got {lr}{example}."
-
-
-DEVICES = "auto, cpu, cuda or cuda:N"  # what --device (and a recipe's speed.device) takes
-
-
 def device_field() -> Any:
     """The ``device`` field of a verb's options: ``--device``, the same words in every command."""
     return opt("auto", "Where to run: auto (CUDA when present), cpu, cuda:N.")
@@ -125,15 +96,6 @@ def device_field() -> Any:
 def progress_field() -> Any:
     """The ``progress`` field of a verb's options: ``--progress/--no-progress``."""
     return opt(True, "Show progress bars of the long steps.")
-
-
-def device_problem(device: str, flag: str = "--device") -> str | None:
-    """What is wrong with a ``--device`` value, or None when it is one of :data:`DEVICES` (checked before
-    any work: torch would only refuse ``gpu`` when the first tensor moves)."""
-    # an index as torch reads it: no leading zeros (torch refuses "cuda:01"), at most 4 digits
-    if re.fullmatch(r"auto|cpu|cuda(:(0|[1-9]\d{0,3}))?", device):
-        return None
-    return f"{flag} must be {DEVICES}, got {device!r}."
 
 
 def dtype_option(choices: tuple[str, ...] | list[str], default: str, help: str) -> Callable[[F], F]:
@@ -385,85 +347,10 @@ def parse_set(cls: type, pairs: Iterable[str], problems: Problems | None = None)
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# Problems
-# ---------------------------------------------------------------------------------------------------
-
-
-def command_flags(command: click.Command) -> dict[str, str]:
-    """Parameter name -> how a user gives it: the first long flag of each visible option (``--out``),
-    ``--set name`` for a field given that way, an argument's metavar (``SRC``). A trailing ``_`` of the
-    name is dropped (``compile_``)."""
-    flags = {}
-    for p in command.params:
-        if isinstance(p, click.Option):
-            if p.hidden or not p.name:
-                continue
-            flags[p.name.rstrip("_")] = next((o for o in p.opts if o.startswith("--")), p.opts[0])
-            flags.update({name: f"--set {name}" for name in getattr(p, "settable", ())})
-        elif p.name:
-            flags[p.name] = p.human_readable_name
-    return flags
-
-
-def running_command() -> click.Command | None:
-    """The click command being run, or None outside the CLI."""
-    ctx = click.get_current_context(silent=True)
-    return ctx.command if ctx is not None else None
-
-
-class Problems:
-    """Every problem with one set of options, raised together as one :class:`GqakitError`.
-
-    Args:
-        home: the ``gqakit`` command the options belong to (``convert``); its flags name the fields when
-            no command is running (a Python caller), the running command's flags otherwise.
-        names: how the fields are named instead of by flags, for options given some other way (a
-            recipe's ``model.convert`` block: ``lambda f: f"model.convert.{f}"``).
-
-    ::
-
-        p = Problems("demo")
-        if self.seq_len < 1:
-            p.add(f"{p.flag('seq_len')} must be at least 1, got {self.seq_len}.")
-        p.raise_if_any()
-    """
-
-    def __init__(self, home: str, names: Callable[[str], str] | None = None) -> None:
-        self.home = home
-        self.names = names
-        self.messages: list[str] = []
-        self._flags: dict[str, str] | None = None
-
-    def flag(self, field: str) -> str:
-        """How the user gives ``field``: by ``names`` when given, else the command's flag for it, else the
-        field's own name."""
-        if self.names is not None:
-            return self.names(field)
-        if self._flags is None:
-            self._flags = command_flags(running_command() or load_command(self.home))
-        return self._flags.get(field, field)
-
-    def add(self, message: str | None) -> None:
-        """Record one problem (None: nothing to record, for checks that return a message or None)."""
-        if message:
-            self.messages.append(message)
-
-    def __bool__(self) -> bool:
-        return bool(self.messages)
-
-    def raise_if_any(self, sep: str = " ") -> None:
-        """Raise every recorded problem as one message."""
-        if self.messages:
-            raise GqakitError(sep.join(self.messages))
-
-
 __all__ = [
     "CommaList",
-    "Problems",
     "cache_dir_option",
     "click_options",
-    "command_flags",
     "dtype_option",
     "force_option",
     "opt",
@@ -476,6 +363,5 @@ __all__ = [
     "parse_list",
     "progress_field",
     "progress_option",
-    "running_command",
     "wheelhouse_option",
 ]

@@ -36,7 +36,7 @@ def same_run(out: Path, recipe, ignore: Collection[str] = NOT_WEIGHTS) -> bool:
 
     Args:
         out: the run directory.
-        recipe: the :class:`~gqakit.uptrain.recipe.Recipe` about to run.
+        recipe: the :class:`~gqakit.uptrain.recipe_schema.Recipe` about to run.
         ignore: top-level sections that may differ.
     """
     saved = out / "recipe.yaml"

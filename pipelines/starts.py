@@ -13,10 +13,10 @@ from typing import Any
 
 import yaml
 
-from gqakit.cli_options import Problems
 from gqakit.convert import PRESETS, ConvertOptions
 from gqakit.convert.methods import METHODS
 from gqakit.names import NameTable
+from gqakit.problems import Problems
 
 METHOD_STARTS = ("first", "random", "calibrated")  # the methods that are no preset of their own
 CONVERT = "model.convert."  # the --set prefix of the conversion settings

@@ -15,8 +15,8 @@ import click
 from gqakit.assets import fetch_asset
 from gqakit.cli_options import device_field, opt, progress_field
 from gqakit.console import quiet_transformers
+from gqakit.locks import working_directory
 from gqakit.pipelines.store import ResultStore
-from gqakit.storage import working_directory
 
 
 def _stderr(message: str) -> None:

@@ -26,7 +26,8 @@ from gqakit.assets import ASSETS, BUILD_VERSION, MANIFEST, fetch_asset, list_ass
 from gqakit.checkpoint import model_source
 from gqakit.cli import main
 from gqakit.errors import GqakitError
-from gqakit.storage import one_at_a_time, write_json
+from gqakit.locks import one_at_a_time
+from gqakit.storage import write_json
 from gqakit.testing import save_tiny_model
 
 WIKI = ASSETS["wiki-en"]

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from gqakit.cli import COMMANDS, load_command, main
-from gqakit.cli_options import Problems, command_flags, parse_list
+from gqakit.cli_options import parse_list
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, PAPER_METHODS, POOLING_METHODS
 from gqakit.convert.options import PRESETS, ConvertOptions, check_groups
 from gqakit.errors import GqakitError
@@ -23,6 +23,7 @@ from gqakit.names import NameTable
 from gqakit.pipelines.demo.options import DemoOptions
 from gqakit.pipelines.probe.options import ProbeOptions
 from gqakit.pipelines.replicate.options import ARMS, ReplicateOptions
+from gqakit.problems import Problems, command_flags
 
 # A flag as a message names it: ``--seq-len``, not the ``--num`` of lm-eval's ``--num_fewshot``.
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*(?![\w])")

@@ -1,4 +1,5 @@
-"""gqakit.storage: atomic files and output directories, the locks, and the cached copies.
+"""gqakit.storage, gqakit.locks and gqakit.cached_copies: atomic files and output directories, the
+locks, and the cached copies.
 
 A second process is refused a working directory with the first's pid and command, and a killed holder
 leaves nothing that blocks the next run. A cached copy's record says when a newer copy supersedes it, and a
@@ -25,20 +26,21 @@ from pathlib import Path
 
 import pytest
 
-from gqakit import storage
-from gqakit.errors import GqakitError
-from gqakit.storage import (
-    OWNER_FILE,
+from gqakit import cached_copies, locks
+from gqakit.cached_copies import (
     CopyKind,
-    atomic_output_dir,
-    atomic_write,
-    exclusive,
     remove_superseded,
     superseded_by_record,
     use_file,
-    working_directory,
-    write_json,
     write_record,
+)
+from gqakit.errors import GqakitError
+from gqakit.locks import exclusive, working_directory
+from gqakit.storage import (
+    OWNER_FILE,
+    atomic_output_dir,
+    atomic_write,
+    write_json,
 )
 
 NO_SIGKILL = pytest.mark.skipif(sys.platform == "win32", reason="the holder is killed with SIGKILL")
@@ -80,7 +82,7 @@ def _holder(work) -> subprocess.Popen:
     code = textwrap.dedent(
         f"""
         import sys, time
-        from gqakit.storage import working_directory
+        from gqakit.locks import working_directory
         with working_directory({str(work)!r}):
             print("held", flush=True)
             time.sleep(600)
@@ -136,7 +138,7 @@ def test_a_working_directory_that_cannot_be_written_is_named(tmp_path, monkeypat
     def read_only(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(storage.os, "open", read_only)  # as in a directory this user cannot write
+    monkeypatch.setattr(locks.os, "open", read_only)  # as in a directory this user cannot write
     message = r"--work-dir .*w cannot be created or written \(Permission denied\)"
     with pytest.raises(GqakitError, match=message):
         with working_directory(tmp_path / "w"):
@@ -155,19 +157,17 @@ def test_where_flock_does_not_work_the_block_runs_unguarded_with_a_warning(
     def no_flock(fd, op):
         raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
-    monkeypatch.setattr(storage.fcntl, "flock", no_flock)
-    caplog.set_level(logging.WARNING, logger="gqakit.storage")
+    monkeypatch.setattr(locks.fcntl, "flock", no_flock)
+    caplog.set_level(logging.WARNING, logger="gqakit.locks")
     ran = []
     with exclusive(tmp_path / ".w.lock", "in use ({owner})"):
         ran.append("exclusive")
-    with storage.one_at_a_time(tmp_path / ".a.lock", lambda owner: None):
+    with locks.one_at_a_time(tmp_path / ".a.lock", lambda owner: None):
         ran.append("one_at_a_time")
     assert ran == ["exclusive", "one_at_a_time"]
     assert caplog.text.count("has no working flock); going on without the lock") == 2
     assert not list(tmp_path.iterdir())  # the lock files are removed as usual
-    monkeypatch.setattr(
-        storage.fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.EIO, "io"))
-    )
+    monkeypatch.setattr(locks.fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.EIO, "io")))
     with pytest.raises(OSError, match="io"), exclusive(tmp_path / ".w.lock", "in use ({owner})"):
         pass  # any other error still stops the command
 
@@ -238,14 +238,14 @@ def _kind(removed: list[Path]) -> CopyKind:
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock")
 def test_a_copy_is_held_once_per_process_and_let_go_when_its_source_has_a_newer_one(tmp_path):
     old = _copy(tmp_path / "cache" / "m-aaaa")
-    assert storage.in_use(lambda: old, _complete) == old
-    fd = storage._HELD[old]
-    assert storage.in_use(lambda: old, _complete) == old and storage._HELD[old] == fd  # reused
+    assert cached_copies.in_use(lambda: old, _complete) == old
+    fd = cached_copies._HELD[old]
+    assert cached_copies.in_use(lambda: old, _complete) == old and cached_copies._HELD[old] == fd  # reused
     new = _copy(tmp_path / "cache" / "m-bbbb")
     removed: list[Path] = []
     # this process asks for the newer copy now: its own hold on the old one does not keep it
     assert remove_superseded(_kind(removed), "m", new, lambda: [old]) == [old] == removed
-    assert old not in storage._HELD and not use_file(old).exists()
+    assert old not in cached_copies._HELD and not use_file(old).exists()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock")
@@ -266,7 +266,7 @@ def test_a_reader_that_races_a_removal_takes_the_copy_written_anew(tmp_path):
     remover = os.open(use_file(copy), os.O_RDWR | os.O_CREAT)
     fcntl.flock(remover, fcntl.LOCK_EX)
     got: list[Path] = []
-    reader = threading.Thread(target=lambda: got.append(storage.in_use(get, _complete)))
+    reader = threading.Thread(target=lambda: got.append(cached_copies.in_use(get, _complete)))
     reader.start()
     time.sleep(0.5)  # the reader waits for the removal's lock
     assert asked == [1] and not got
@@ -283,21 +283,21 @@ def test_a_reader_that_races_a_removal_takes_the_copy_written_anew(tmp_path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
-    storage.release(copy)
+    cached_copies.release(copy)
     assert remove_superseded(_kind([]), "m", new, lambda: [copy]) == [copy]
 
 
 def test_a_copy_removed_each_time_it_is_handed_out_is_an_error(tmp_path):
     gone = tmp_path / "cache" / "m-aaaa"
     with pytest.raises(GqakitError, match="removed each time it was handed out"):
-        storage.in_use(lambda: gone, _complete)
+        cached_copies.in_use(lambda: gone, _complete)
 
 
 def test_without_flock_nothing_is_removed(tmp_path, monkeypatch):
     """Windows has no shared locks to tell which copies other processes use: superseded ones are kept."""
     old = _copy(tmp_path / "cache" / "m-aaaa")
     new = _copy(tmp_path / "cache" / "m-bbbb")
-    monkeypatch.setattr(storage, "fcntl", None)
+    monkeypatch.setattr(cached_copies, "fcntl", None)
     removed: list[Path] = []
     assert remove_superseded(_kind(removed), "m", new, lambda: [old]) == [] == removed
     assert _complete(old)
@@ -308,16 +308,16 @@ def test_an_orphan_is_a_copy_whose_recorded_source_is_gone(tmp_path):
     src.mkdir()
     record = tmp_path / "copy" / "source.json"
     write_record(record, {**CURRENT, "source": str(src)})
-    assert not storage.orphaned(record)
+    assert not cached_copies.orphaned(record)
     src.rmdir()
-    assert storage.orphaned(record)
+    assert cached_copies.orphaned(record)
     write_record(record, {**CURRENT, "source": str(tmp_path / "afile" / "m")})  # a file where a folder was
     (tmp_path / "afile").write_text("")
-    assert storage.orphaned(record)
+    assert cached_copies.orphaned(record)
     record.write_text(json.dumps({**CURRENT, "source": str(src), "host": "another-machine"}))
-    assert not storage.orphaned(record)  # that machine's path: it may well exist there
+    assert not cached_copies.orphaned(record)  # that machine's path: it may well exist there
     record.write_text("{not json")
-    assert not storage.orphaned(record) and not storage.orphaned(tmp_path / "none.json")
+    assert not cached_copies.orphaned(record) and not cached_copies.orphaned(tmp_path / "none.json")
 
 
 def _recorded(path: Path, source: Path) -> Path:
@@ -334,14 +334,14 @@ def test_an_orphan_this_process_holds_is_kept_and_goes_once_let_go(tmp_path, cap
     src.mkdir()
     orphan = _recorded(tmp_path / "cache" / "m-aaaa", src)
     new = _copy(tmp_path / "cache" / "n-bbbb")
-    assert storage.in_use(lambda: orphan, _complete) == orphan
+    assert cached_copies.in_use(lambda: orphan, _complete) == orphan
     src.rmdir()
     removed: list[Path] = []
     kind = dataclasses.replace(_kind(removed), record=lambda c: c / "source.json")
     caplog.set_level(logging.INFO, logger="test")
     assert remove_superseded(kind, "n", new, lambda: [orphan]) == [] == removed
     assert _complete(orphan) and "in use by this process" in caplog.text
-    storage.release(orphan)  # as when the process that held it has exited
+    cached_copies.release(orphan)  # as when the process that held it has exited
     assert remove_superseded(kind, "n", new, lambda: [orphan]) == [orphan] == removed
 
 
@@ -360,10 +360,10 @@ def test_a_reader_that_finds_its_copy_removed_leaves_no_use_file_for_it(tmp_path
         calls.append(copy)
         ok = _complete(copy)
         if len(calls) == 1:
-            storage._remove_unused(_kind([]), copy)
+            cached_copies._remove_unused(_kind([]), copy)
         return ok
 
-    got = storage.in_use(lambda: new if calls else old, complete)
+    got = cached_copies.in_use(lambda: new if calls else old, complete)
     assert got == new and not old.exists() and not use_file(old).exists()
     # the removal runs while the reader waits on the .use file: it finds it unlinked, the copy gone
     older = _copy(tmp_path / "cache" / "m-0000")
@@ -375,7 +375,7 @@ def test_a_reader_that_finds_its_copy_removed_leaves_no_use_file_for_it(tmp_path
         asked.append(1)
         return older if len(asked) == 1 else new
 
-    reader = threading.Thread(target=lambda: storage.in_use(get, _complete))
+    reader = threading.Thread(target=lambda: cached_copies.in_use(get, _complete))
     reader.start()
     time.sleep(0.5)
     shutil.rmtree(older)
@@ -409,12 +409,12 @@ def test_where_flock_fails_copies_are_handed_out_unheld_and_none_is_removed(
     """A filesystem without working flock (NFS without lockd, some FUSE): as on Windows, not a crash."""
     old = _copy(tmp_path / "cache" / "m-aaaa")
     new = _copy(tmp_path / "cache" / "m-bbbb")
-    monkeypatch.setattr(storage, "_NO_FLOCK", False)
-    monkeypatch.setattr(storage, "_HELD", {})
-    monkeypatch.setattr(storage.fcntl, "flock", _no_flock(code))
+    monkeypatch.setattr(cached_copies, "_NO_FLOCK", False)
+    monkeypatch.setattr(cached_copies, "_HELD", {})
+    monkeypatch.setattr(cached_copies.fcntl, "flock", _no_flock(code))
     caplog.set_level(logging.DEBUG)
-    assert storage.in_use(lambda: new, _complete) == new and new not in storage._HELD
-    assert storage.in_use(lambda: old, _complete) == old
+    assert cached_copies.in_use(lambda: new, _complete) == new and new not in cached_copies._HELD
+    assert cached_copies.in_use(lambda: old, _complete) == old
     assert caplog.text.count("flock fails here") == 1
     removed: list[Path] = []
     assert remove_superseded(_kind(removed), "m", new, lambda: [old]) == [] == removed and _complete(old)
@@ -423,8 +423,8 @@ def test_where_flock_fails_copies_are_handed_out_unheld_and_none_is_removed(
     for only_use in (False, True):
         if only_use and not Path("/proc/self/fd").is_dir():
             continue
-        monkeypatch.setattr(storage, "_NO_FLOCK", False)
-        monkeypatch.setattr(storage.fcntl, "flock", _no_flock(code, only_use))
+        monkeypatch.setattr(cached_copies, "_NO_FLOCK", False)
+        monkeypatch.setattr(cached_copies.fcntl, "flock", _no_flock(code, only_use))
         assert remove_superseded(_kind(removed), "m", new, lambda: [old]) == [] == removed and _complete(old)
-        assert storage._NO_FLOCK and "could not remove" not in caplog.text
+        assert cached_copies._NO_FLOCK and "could not remove" not in caplog.text
     assert "WARNING" not in caplog.text

@@ -10,9 +10,11 @@ The run reads top to bottom in :mod:`gqakit.uptrain.train`; the recipe and its v
 :mod:`gqakit.uptrain.recipe`, the checks before any work :mod:`gqakit.uptrain.preflight`.
 """
 
+from gqakit.uptrain.checkpoints import read_history
 from gqakit.uptrain.preflight import resolve_precision
-from gqakit.uptrain.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
-from gqakit.uptrain.train import UptrainResult, read_history, uptrain, validation_perplexity
+from gqakit.uptrain.recipe import RecipeError, load_recipe, recipe_from_dict
+from gqakit.uptrain.recipe_schema import Recipe
+from gqakit.uptrain.train import UptrainResult, uptrain, validation_perplexity
 
 __all__ = [
     "Recipe",

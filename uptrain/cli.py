@@ -24,7 +24,8 @@ import yaml
 from gqakit.cli_options import force_option
 from gqakit.errors import GqakitError
 from gqakit.uptrain.preflight import deepspeed_problems, launch_problems, process_state, uses_cpu
-from gqakit.uptrain.recipe import Recipe, load_recipe
+from gqakit.uptrain.recipe import load_recipe
+from gqakit.uptrain.recipe_schema import Recipe
 from gqakit.uptrain.train import uptrain
 
 # The address recipes/accelerate/multi-node.yaml ships with: to be replaced by machine 0's.

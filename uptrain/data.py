@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.uptrain.recipe import DataConfig, expand
+from gqakit.uptrain.recipe import expand
+from gqakit.uptrain.recipe_schema import DataConfig
 
 # File suffix -> datasets builder.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -26,7 +26,8 @@ from gqakit.models import check_causal_lm, check_seq_len, device_unavailable, re
 from gqakit.storage import writable_dir
 from gqakit.text import load_texts
 from gqakit.uptrain.data import BUILDERS, resolve_files
-from gqakit.uptrain.recipe import Recipe, expand
+from gqakit.uptrain.recipe import expand
+from gqakit.uptrain.recipe_schema import Recipe
 from gqakit.uptrain.schedule import resolve_budget
 from gqakit.uptrain.state_io import PROVENANCE, latest_checkpoint, read_checkpoint_record
 

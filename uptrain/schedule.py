@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from gqakit.uptrain.recipe import BudgetConfig
+from gqakit.uptrain.recipe_schema import BudgetConfig
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ supersedes are removed: those of the same file (by that record) from before it c
 reader, those whose recorded file is gone (orphans), and copies an older gqakit wrote without a record
 (see :func:`remove_superseded`). A copy that another process is dequantizing into holds its lock and is kept,
 and so is one that another process was handed and may still open: each process holds the copies it gets
-in use until it exits (:func:`gqakit.storage.in_use`).
+in use until it exits (:func:`gqakit.cached_copies.in_use`).
 """
 
 from __future__ import annotations
@@ -25,15 +25,14 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gqakit import storage
+from gqakit import cached_copies
+from gqakit.cached_copies import CopyKind, write_record
 from gqakit.errors import GqakitError
 from gqakit.gguf.readback import gguf_config
 from gqakit.storage import (
-    CopyKind,
     atomic_output_dir,
     cache_root,  # noqa: F401 - where the copies are, read by tests
     fingerprint,
-    write_record,
 )
 
 if TYPE_CHECKING:
@@ -93,12 +92,12 @@ def dequantize_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None = 
 
 def cache_name(path: Path) -> str:
     """The cached copy's folder name: the file's stem and fingerprint, and the reader's version."""
-    return storage.copy_name(_COPIES, path, fingerprint(path))
+    return cached_copies.copy_name(_COPIES, path, fingerprint(path))
 
 
 def dequantized_gguf(gguf_path: str | Path) -> Path:
     """A ``.gguf`` model as a checkpoint directory, dequantized once and cached, and held in use until
-    this process exits (:func:`gqakit.storage.cached_copy`). Later calls return the cached directory at
+    this process exits (:func:`gqakit.cached_copies.cached_copy`). Later calls return the cached directory at
     once; each call, whether it writes the copy or reuses it, then removes the copies it supersedes
     (:func:`remove_superseded`: a listing and a few small records when there are none).
 
@@ -115,12 +114,12 @@ def dequantized_gguf(gguf_path: str | Path) -> Path:
             dequantize_gguf(path, tmp)
             write_record(tmp / SOURCE_RECORD, record)
 
-    return storage.cached_copy(_COPIES, path, build, f"dequantizing {path.name} into {{copy}}")
+    return cached_copies.cached_copy(_COPIES, path, build, f"dequantizing {path.name} into {{copy}}")
 
 
 def remove_superseded(path: Path, current: Path) -> list[Path]:
     """Remove the copies in ``current``'s cache folder that its copy of ``path`` supersedes, by the rules of
-    :func:`gqakit.storage.sweep` (the reader's version is the writer's), and return them.
+    :func:`gqakit.cached_copies.sweep` (the reader's version is the writer's), and return them.
 
     A copy without a record cannot be matched to its file, only to the file's stem (``_COPIES.legacy``).
     Every copy this reader (3 and up) writes has a record, so a copy without one is an older gqakit's,
@@ -132,7 +131,7 @@ def remove_superseded(path: Path, current: Path) -> list[Path]:
         path: the ``.gguf`` file, resolved.
         current: its cached copy, just written or reused.
     """
-    return storage.sweep(_COPIES, path, current)
+    return cached_copies.sweep(_COPIES, path, current)
 
 
 def _remove_copy(copy: Path) -> int | None:
@@ -150,7 +149,7 @@ def _complete(copy: Path) -> bool:
     return (copy / "config.json").is_file()
 
 
-# the cache's copies: how storage.remove_superseded names them in messages and removes one
+# the cache's copies: how cached_copies.remove_superseded names them in messages and removes one
 _COPIES = CopyKind(
     ("copy", "copies"),
     "a dequantized copy",

@@ -6,10 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.cli_options import Problems, device_problem, opt
+from gqakit.cli_options import opt
 from gqakit.dtypes import LOAD_DTYPES
 from gqakit.pipelines.starts import STARTS, split_sets
 from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
+from gqakit.problems import Problems, device_problem
 
 SMOLLM2 = "smollm2-135m"
 WIKI = "wiki-en"

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqakit.cli_options import Problems, device_field, device_problem, opt
+from gqakit.cli_options import device_field, opt
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS
+from gqakit.problems import Problems, device_problem
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from gqakit.convert.methods import MERGE_METHODS, METHODS
 from gqakit.convert.plan import RegroupSpec, plan_regroup
 from gqakit.errors import GqakitError
 from gqakit.eval import load_texts, perplexity
-from gqakit.families import ArchAdapter, Retarget, family_of, get_adapter
+from gqakit.families import family_of, get_adapter
+from gqakit.family_parts import ArchAdapter, Retarget
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_tokenizer
 from gqakit.pipelines.probe.options import ProbeOptions

@@ -13,10 +13,11 @@ from typing import Any
 
 import yaml
 
-from gqakit.cli_options import Problems, device_problem, finite_positive, opt, rate_problem
+from gqakit.cli_options import opt
 from gqakit.convert import ConvertOptions
 from gqakit.pipelines.starts import STARTS, STARTS_HELP, convert_options_for, split_sets
 from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
+from gqakit.problems import Problems, device_problem, finite_positive, rate_problem
 from gqakit.storage import fingerprint
 from gqakit.uptrain.schedule import warmup_steps
 

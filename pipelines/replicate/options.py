@@ -18,11 +18,12 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gqakit.cli_options import Problems, device_problem, opt, rate_problem
+from gqakit.cli_options import opt
 from gqakit.convert.methods import PAPER_METHODS
 from gqakit.names import NameTable
 from gqakit.pipelines.starts import STARTS, STARTS_HELP, split_sets
 from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
+from gqakit.problems import Problems, device_problem, rate_problem
 
 # The conversions an MQA arm can start from (gqakit.pipelines.starts): the presets and the other methods.
 ARMS = STARTS

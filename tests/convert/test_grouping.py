@@ -17,7 +17,7 @@ from gqakit.convert.grouping import (
     query_order,
     similarity_groups,
 )
-from gqakit.families import ArchAdapter, Role
+from gqakit.family_parts import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
 from gqakit.testing import TINY_TEXT, save_tiny_model, tiny_model, tiny_tokenizer
 

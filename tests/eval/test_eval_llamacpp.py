@@ -185,7 +185,7 @@ def test_the_export_of_another_checkpoint_with_the_same_name_is_kept(tmp_path, c
 
 def test_a_superseded_export_another_process_is_writing_is_kept(tmp_path, cache, caplog):
     from gqakit.eval.llamacpp_engine import gguf_for
-    from gqakit.storage import one_at_a_time
+    from gqakit.locks import one_at_a_time
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
     old = gguf_for(str(model), "f32")
@@ -262,7 +262,7 @@ def test_a_command_while_another_exports_the_same_checkpoint_waits_and_reuses_it
 ):
     from gqakit.eval import llamacpp_engine as engine
     from gqakit.gguf.export import export_gguf
-    from gqakit.storage import one_at_a_time
+    from gqakit.locks import one_at_a_time
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
     dst = cache / "gguf" / f"m-{engine.fingerprint(model)}-f32-e{engine.EXPORT_VERSION}.gguf"
@@ -321,7 +321,7 @@ def test_a_superseded_export_another_process_still_uses_is_kept_until_it_exits(t
         proc.wait()
     # once it has exited, nothing holds the old export
     assert engine.remove_superseded_exports(model.resolve(), "f32", new) == [old]
-    assert _exports(cache) == [new.name] and not engine.storage.use_file(old).exists()
+    assert _exports(cache) == [new.name] and not engine.cached_copies.use_file(old).exists()
 
 
 def _held_elsewhere(export: Path) -> int:
@@ -329,7 +329,7 @@ def _held_elsewhere(export: Path) -> int:
     import fcntl
     import os
 
-    from gqakit.storage import use_file
+    from gqakit.cached_copies import use_file
 
     fd = os.open(use_file(export), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_SH)
@@ -358,10 +358,10 @@ def test_the_export_of_a_dequantized_gguf_copy_goes_once_the_copy_is_replaced(tm
     .gguf changes, its new copy replaces the old one, and the old copy's export is an orphan."""
     import os
 
+    from gqakit.cached_copies import release
     from gqakit.eval.llamacpp_engine import gguf_for
     from gqakit.gguf.dequantize import local_model
     from gqakit.gguf.export import export_gguf
-    from gqakit.storage import release
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
     gguf = export_gguf(model, tmp_path / "m.gguf", out_type="f32").path
@@ -378,19 +378,19 @@ def test_an_export_removed_as_it_is_reused_leaves_no_record(tmp_path, cache, mon
     takes the export meanwhile (another process's, the checkpoint re-saved) leaves no record without it."""
     import os
 
-    from gqakit import storage
+    from gqakit import cached_copies
     from gqakit.eval import llamacpp_engine as engine
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
     old = engine.gguf_for(str(model), "f32")
-    storage.release(old)
+    cached_copies.release(old)
     real, calls = engine._record_path, []
 
     def record_path(export):
         calls.append(export)
         if len(calls) == 1:  # just after it found the export: another process replaces and removes it
             os.utime(model / "config.json", ns=(time.time_ns(), time.time_ns() + 10**9))
-            storage._remove_unused(engine._EXPORTS, old)
+            cached_copies._remove_unused(engine._EXPORTS, old)
         return real(export)
 
     monkeypatch.setattr(engine, "_record_path", record_path)
@@ -404,16 +404,16 @@ def test_a_cached_export_is_handed_out_where_flock_fails(tmp_path, cache, monkey
     import errno
     import os
 
-    from gqakit import storage
+    from gqakit import cached_copies
     from gqakit.eval.llamacpp_engine import gguf_for
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
     export = gguf_for(str(model), "f32")
-    monkeypatch.setattr(storage, "_NO_FLOCK", False)
-    monkeypatch.setattr(storage, "_HELD", {})  # a fresh process
+    monkeypatch.setattr(cached_copies, "_NO_FLOCK", False)
+    monkeypatch.setattr(cached_copies, "_HELD", {})  # a fresh process
 
     def flock(fd, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(storage.fcntl, "flock", flock)
+    monkeypatch.setattr(cached_copies.fcntl, "flock", flock)
     assert gguf_for(str(model), "f32") == export

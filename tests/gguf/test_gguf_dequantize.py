@@ -20,7 +20,8 @@ import gqakit.gguf.dequantize as deq
 from gqakit.convert.api import ConvertOptions, convert_checkpoint, inspect_checkpoint
 from gqakit.errors import GqakitError
 from gqakit.gguf.export import export_gguf
-from gqakit.storage import atomic_output_dir, one_at_a_time
+from gqakit.locks import one_at_a_time
+from gqakit.storage import atomic_output_dir
 
 
 @pytest.fixture
@@ -260,7 +261,7 @@ def test_a_superseded_copy_another_process_still_uses_is_kept_until_it_exits(
         proc.wait()
     # once it has exited, nothing holds the old copy
     assert deq.remove_superseded(gguf.resolve(), new) == [old]
-    assert _copies() == [new.name] and not deq.storage.use_file(old).exists()
+    assert _copies() == [new.name] and not deq.cached_copies.use_file(old).exists()
 
 
 def _held_elsewhere(copy: Path) -> int:
@@ -268,7 +269,7 @@ def _held_elsewhere(copy: Path) -> int:
     this process's removal cannot lock exclusively); close the descriptor to let go."""
     import fcntl
 
-    fd = os.open(deq.storage.use_file(copy), os.O_RDWR | os.O_CREAT)
+    fd = os.open(deq.cached_copies.use_file(copy), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
 
@@ -297,7 +298,7 @@ def test_the_copy_of_a_deleted_gguf_is_removed_once_nothing_holds_it(exported, t
     caplog.set_level(logging.INFO, logger="gqakit.gguf.dequantize")
     assert deq.dequantized_gguf(kept) == current and (orphan / "config.json").is_file()  # this process's
     assert "in use by this process" in caplog.text
-    deq.storage.release(orphan)  # as when the command that got it has exited
+    deq.cached_copies.release(orphan)  # as when the command that got it has exited
     assert deq.dequantized_gguf(kept) == current and _copies() == [current.name]
     assert f"removed {orphan} (" in caplog.text and "a dequantized copy whose source is gone" in caplog.text
 
@@ -309,11 +310,11 @@ def test_a_cached_copy_is_handed_out_where_flock_fails(exported, tmp_path, count
     _, mha = exported("llama", "mha", "f32")
     gguf = _copy_of(mha.path, tmp_path / "model.gguf")
     copy = deq.dequantized_gguf(gguf)
-    monkeypatch.setattr(deq.storage, "_NO_FLOCK", False)
-    monkeypatch.setattr(deq.storage, "_HELD", {})  # a fresh process
+    monkeypatch.setattr(deq.cached_copies, "_NO_FLOCK", False)
+    monkeypatch.setattr(deq.cached_copies, "_HELD", {})  # a fresh process
 
     def flock(fd, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(deq.storage.fcntl, "flock", flock)
+    monkeypatch.setattr(deq.cached_copies.fcntl, "flock", flock)
     assert deq.dequantized_gguf(gguf) == copy and len(counted) == 1

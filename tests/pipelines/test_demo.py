@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
+from gqakit.locks import working_directory
 from gqakit.pipelines.demo import DemoAssets, DemoOptions, Variant, render_table, run_demo
-from gqakit.storage import working_directory
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
 # The shipped recipe, shrunk to the tiny model: a few optimizer steps on 32-token blocks.

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
+from gqakit.locks import working_directory
 from gqakit.pipelines.recovery.curves import (
     Reach,
     Saving,
@@ -24,7 +25,6 @@ from gqakit.pipelines.recovery.curves import (
 )
 from gqakit.pipelines.recovery.options import RecoveryOptions
 from gqakit.pipelines.recovery.run import run_recovery
-from gqakit.storage import working_directory
 from gqakit.testing import TINY_TEXT, save_tiny_model
 
 # ------------------------------------------------------------------------------------ curve arithmetic

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from gqakit.cli import main
 from gqakit.cli_options import parse_list
 from gqakit.errors import GqakitError
+from gqakit.locks import working_directory
 from gqakit.pipelines.replicate import run_replicate
 from gqakit.pipelines.replicate.options import ModelShape, ReplicateOptions
 from gqakit.pipelines.replicate.report import _markdown, findings
 from gqakit.pipelines.replicate.run import Arm, _arm_plan
-from gqakit.storage import working_directory
 from gqakit.testing import TINY_TEXT
 
 TINY = ModelShape(vocab=300, layers=2, hidden=32, heads=4, intermediate=64, seq_len=32)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gqakit.uptrain import train
+from gqakit.uptrain.setup import Run
 
 
 class Killed(Exception):
@@ -29,7 +30,7 @@ def die_after_step(
     function (``monkeypatch.setattr`` in a test, so it is undone afterwards)."""
     log_train = train.log_train
 
-    def logged_then_die(run: train.Run, *args: Any, **kwargs: Any) -> None:
+    def logged_then_die(run: Run, *args: Any, **kwargs: Any) -> None:
         log_train(run, *args, **kwargs)
         if run.state.step == step:
             die()

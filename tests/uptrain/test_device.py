@@ -10,7 +10,8 @@ import torch
 from gqakit.uptrain import recipe_from_dict
 from gqakit.uptrain.preflight import environment_problems, process_state
 from gqakit.uptrain.recipe import RecipeError
-from gqakit.uptrain.train import make_accelerator, validation_perplexity
+from gqakit.uptrain.setup import make_accelerator
+from gqakit.uptrain.train import validation_perplexity
 
 
 @pytest.fixture

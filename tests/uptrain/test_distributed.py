@@ -100,7 +100,7 @@ def test_two_processes_match_one_with_the_same_global_batch(recipe, assets, tmp_
 
 
 def test_both_processes_stop_when_another_run_holds_the_run_directory(assets, tmp_path):
-    from gqakit.uptrain.train import hold_run_dir
+    from gqakit.uptrain.checkpoints import hold_run_dir
 
     with hold_run_dir(tmp_path / "held"):  # as a run under way holds it
         held = f"output_dir={tmp_path / 'held'}"

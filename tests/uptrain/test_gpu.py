@@ -138,15 +138,15 @@ def test_speed_levers_train_like_the_plain_loop_on_a_gpu(recipe, tmp_path, kerne
 def test_a_non_finite_fp16_step_on_a_gpu_is_skipped_and_training_goes_on(recipe, monkeypatch, poison_loss):
     """Real fp16 on CUDA (accelerate's GradScaler): a step whose loss is infinite is skipped, the scaler
     backs off, and the next steps train (without the scaler's update the next unscale_() raises)."""
-    from gqakit.uptrain import train
+    from gqakit.uptrain import setup
 
-    make, accs = train.make_accelerator, []
+    make, accs = setup.make_accelerator, []
 
     def keeps_the_accelerator(recipe, out):
         accs.append(make(recipe, out))
         return accs[-1]
 
-    monkeypatch.setattr(train, "make_accelerator", keeps_the_accelerator)
+    monkeypatch.setattr(setup, "make_accelerator", keeps_the_accelerator)
     poison_loss({3}, float("inf"))
     res = uptrain(
         recipe(

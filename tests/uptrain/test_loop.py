@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gqakit.errors import GqakitError
 from gqakit.testing import save_tiny_model
-from gqakit.uptrain import read_history, train, uptrain
+from gqakit.uptrain import read_history, setup, train, uptrain
 
 
 def _weights(path):
@@ -187,7 +187,7 @@ def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe
     import gqakit.uptrain.preflight as preflight
 
     monkeypatch.setattr(preflight, "precision_problem", lambda precision, device_type: None)
-    make, scalers = train.make_accelerator, []
+    make, scalers = setup.make_accelerator, []
 
     def with_scaler(recipe, out):
         acc = make(recipe, out)
@@ -197,7 +197,7 @@ def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe
         scalers.append(acc.scaler)
         return acc
 
-    monkeypatch.setattr(train, "make_accelerator", with_scaler)
+    monkeypatch.setattr(setup, "make_accelerator", with_scaler)
     poison_loss({3}, float("inf"))
     res = uptrain(
         recipe(

@@ -12,7 +12,7 @@ import torch
 from gqakit.testing import tiny_model
 from gqakit.uptrain import read_history, uptrain
 from gqakit.uptrain.objectives import Objective, fused_linear_loss, install_fused_loss
-from gqakit.uptrain.train import decoder_layers, resolve_speed
+from gqakit.uptrain.setup import decoder_layers, resolve_speed
 
 
 @pytest.mark.parametrize("kind", ["lm", "distill", "mix"])
@@ -69,7 +69,7 @@ def test_fused_loss_under_bf16_autocast_stays_within_bf16_rounding():
 
 
 def _speed(**kw):
-    from gqakit.uptrain.recipe import SpeedConfig
+    from gqakit.uptrain.recipe_schema import SpeedConfig
 
     return SpeedConfig(**kw)
 

@@ -13,7 +13,7 @@ import pytest
 from die_after_step import kill_after
 
 from gqakit.errors import GqakitError
-from gqakit.uptrain import read_history, train
+from gqakit.uptrain import read_history, setup, train
 from gqakit.uptrain.train import uptrain
 
 
@@ -83,7 +83,7 @@ def _forbid_work(monkeypatch) -> None:
         pytest.fail("validation came after the expensive part")
 
     monkeypatch.setattr(train, "convert_first", fail)
-    monkeypatch.setattr(train, "load_student", fail)
+    monkeypatch.setattr(setup, "load_student", fail)
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_what_the_machine_cannot_run_is_refused(recipe, distributed, device, ove
 
 
 def test_a_run_directory_another_run_holds_is_refused_before_any_work(recipe, tmp_path, no_work):
-    from gqakit.uptrain.train import hold_run_dir
+    from gqakit.uptrain.checkpoints import hold_run_dir
 
     run = tmp_path / "run"
     run.mkdir()

@@ -1,0 +1,312 @@
+"""The run's named setup helpers: the accelerator, the student (frozen as asked, with the speed levers this
+device runs), the teacher, the data and the optimizer, gathered into a :class:`Run` by :func:`setup`.
+The run itself reads top to bottom in :mod:`gqakit.uptrain.train`."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from gqakit.dtypes import dtype_name, torch_dtype
+from gqakit.errors import GqakitError
+from gqakit.families import get_adapter
+from gqakit.models import load_causal_lm, load_tokenizer
+from gqakit.uptrain.data import Blocks, build_blocks
+from gqakit.uptrain.objectives import Objective, fused_loss_unsupported, install_fused_loss
+from gqakit.uptrain.preflight import flat, process_state, resolve_precision
+from gqakit.uptrain.recipe_schema import Recipe, SpeedConfig
+from gqakit.uptrain.schedule import Budget, resolve_budget
+from gqakit.uptrain.state_io import TrainState
+
+log = logging.getLogger("gqakit.uptrain")
+
+
+@dataclass
+class Run:
+    """One run's set-up pieces (:func:`setup`) and its counters: what every function below takes."""
+
+    recipe: Recipe  # with train.precision resolved: what runs
+    out: Path
+    model_path: str
+    acc: Any
+    model: Any
+    teacher: Any
+    speed: SpeedConfig  # resolved: no auto left
+    save_dtype: torch.dtype
+    tokenizer: Any
+    blocks: Blocks
+    budget: Budget
+    objective: Objective
+    optimizer: Any
+    train_loader: Any = None
+    val_loader: Any = None
+    state: TrainState = field(default_factory=TrainState)
+
+
+# ---------------------------------------------------------------------------------------------------- Setup
+
+
+def setup(recipe: Recipe, out: Path, model_path: str) -> Run:
+    """Everything the loop needs before its first step, in order; logs what the run is."""
+    # ``auto`` becomes what this machine runs, once: every step, evaluation and record then agree
+    precision = resolve_precision(recipe.train.precision, recipe.speed.device)
+    recipe = replace(recipe, train=replace(recipe.train, precision=precision))
+    acc = make_accelerator(recipe, out)
+    model, speed, save_dtype = load_student(recipe, model_path, acc)
+    teacher = load_teacher(recipe, acc, speed)
+    tokenizer, blocks, train_loader, val_loader = load_data(recipe, model_path, acc)
+    t = recipe.train
+    budget = resolve_budget(recipe.budget, t.batch_size * t.grad_accum * acc.num_processes * blocks.seq_len)
+    o = recipe.objective
+    # the fused loss's chunk products run in the autocast dtype
+    autocast = None if t.precision == "fp32" else torch_dtype(t.precision)
+    objective = Objective(o.kind, o.temperature, o.distill_weight, compute_dtype=autocast)
+    run = Run(
+        recipe, out, model_path, acc, model, teacher, speed, save_dtype, tokenizer, blocks, budget,
+        objective, optimizer=make_optimizer(t, model),
+    )  # fmt: skip
+    # No scheduler: each step sets its learning rate from the step (set_lr). Nothing is registered with
+    # accelerate for checkpointing: gqakit writes and reads its checkpoints itself (gqakit.uptrain.state_io).
+    run.model, run.optimizer, run.train_loader, run.val_loader = acc.prepare(
+        model, run.optimizer, train_loader, val_loader
+    )
+    if acc.log_with:
+        scalars = {
+            k: v if isinstance(v, int | float | str | bool) else str(v)
+            for k, v in flat(recipe.to_dict()).items()
+        }
+        acc.init_trackers("uptrain", config=scalars)
+    log.info(
+        "data: %d train / %d validation blocks of %d tokens from %s",
+        len(blocks.train), len(blocks.val), blocks.seq_len, blocks.source,
+    )  # fmt: skip
+    log.info("budget: %s; %s tokens per step", budget.describe(), f"{budget.tokens_per_step:,}")
+    return run
+
+
+def make_accelerator(recipe: Recipe, out: Path):
+    """The ``Accelerator`` of this process: precision, exact gradient accumulation, a seeded data order,
+    trackers; the process placed on ``speed.device`` and seeded."""
+    # deferred: accelerate takes seconds to import
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        GradientAccumulationPlugin,
+        ProjectConfiguration,
+        set_seed,
+    )
+
+    r = recipe
+    # The accelerator state is a process-wide singleton that refuses a second, different precision, and
+    # one process may run several recipes (a notebook, the demo, tests): start it afresh. The process
+    # group (PartialState) is kept.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    process_state(r.speed.device)  # a single process on the recipe's device (auto: accelerate's)
+    tensorboard = r.log.tensorboard and (
+        importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
+    )
+    try:
+        acc = Accelerator(
+            mixed_precision="no" if r.train.precision == "fp32" else r.train.precision,
+            # Exactly grad_accum micro-batches per step, also across an epoch boundary.
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=r.train.grad_accum, sync_with_dataloader=False, adjust_scheduler=False
+            ),
+            # The data order depends on the seed and the epoch only, so a resumed run sees the same.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=r.seed),
+            log_with=["tensorboard"] if tensorboard else None,
+            project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tb")),
+        )
+    except ValueError as e:  # e.g. bf16 on a GPU without it
+        raise GqakitError(f"train.precision={r.train.precision} cannot run here: {e}") from None
+    set_seed(r.seed)
+    return acc
+
+
+def load_student(recipe: Recipe, model_path: str, acc: Any) -> tuple[Any, SpeedConfig, torch.dtype]:
+    """The model to train in float32 master weights (bf16/fp16 are autocast by accelerate), frozen as
+    ``train.trainable`` says, with the speed levers this device runs; and the dtype to save it in."""
+    r = recipe
+    model = load_causal_lm(model_path, device="cpu")  # in its own dtype; accelerate.prepare places it
+    save_dtype = model.dtype if r.model.save_dtype == "auto" else torch_dtype(r.model.save_dtype)
+    model.float()  # float32 master weights; bf16/fp16 are autocast by accelerate
+    n_trainable, n_params = apply_trainable(model, r.train.trainable)
+    if r.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    speed, said = resolve_speed(r.speed, acc.device.type, acc.distributed_type.value, model)
+    log.info(
+        "uptrain %s: %s trainable of %s parameters (%s); %s processes (%s), precision %s",
+        model_path, f"{n_trainable:,}", f"{n_params:,}", r.train.trainable, acc.num_processes,
+        acc.distributed_type.value, r.train.precision,
+    )  # fmt: skip
+    log.info(said)
+    speed_up(model, speed)
+    if speed.fused_loss:
+        install_fused_loss(model)
+    return model, speed, save_dtype
+
+
+def apply_trainable(model: torch.nn.Module, mode: str) -> tuple[int, int]:
+    """Freeze every parameter that ``train.trainable`` does not train: ``all`` (the paper), ``attention``
+    (the attention blocks) or ``kv`` (the K/V projections, a fused qkv projection whole, and the norms
+    regrouped with them), located by the family's adapter. Returns (trainable, total) parameter counts.
+
+    Raises:
+        GqakitError: the family has no adapter (for ``attention`` / ``kv``), or nothing matched.
+    """
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    if mode == "all":
+        for p in params.values():
+            p.requires_grad_(True)
+        return total, total
+    model_type = getattr(model.config, "model_type", "")
+    a = get_adapter(model_type)
+    # ``model.layers.{layer}.self_attn.k_proj`` -> a regex matching its parameters
+    templates = (
+        [a.o.rsplit(".", 1)[0]]
+        if mode == "attention"
+        else [a.k, a.v, a.qkv, a.k_norm_flat, a.k_norm_per_head]
+    )
+    patterns = [
+        re.escape(t).replace(r"\{layer\}", r"\d+").replace(r"\{head\}", r"\d+") + r"\."
+        for t in templates
+        if t
+    ]
+    regex = re.compile("|".join(patterns))
+    chosen = 0
+    for name, p in params.items():
+        p.requires_grad_(bool(regex.match(name)))
+        chosen += p.numel() if p.requires_grad else 0
+    if chosen == 0:
+        raise GqakitError(
+            f"train.trainable={mode} matched no parameter of this {model_type} model (first names: "
+            f"{', '.join(list(params)[:3])}). Use train.trainable=all."
+        )
+    return chosen, total
+
+
+def load_teacher(recipe: Recipe, acc: Any, speed: SpeedConfig) -> Any:
+    """The frozen teacher of ``distill`` / ``mix`` in the run's precision on its device; None for ``lm``."""
+    r = recipe
+    if r.objective.kind == "lm":
+        if r.teacher:
+            log.warning("teacher %s is not used: objective.kind is lm", r.teacher)
+        return None
+    teacher = load_causal_lm(r.teacher, dtype=dtype_name(r.train.precision), device=str(acc.device))
+    teacher.requires_grad_(False)
+    speed_up(teacher, speed)
+    why = fused_loss_unsupported(teacher) if speed.fused_loss else None
+    if why:
+        raise GqakitError(
+            f"speed.fused_loss cannot use the teacher {r.teacher}: {why}. Set speed.fused_loss=false."
+        )
+    return teacher
+
+
+def load_data(recipe: Recipe, model_path: str, acc: Any) -> tuple[Any, Blocks, DataLoader, DataLoader]:
+    """The tokenizer, the packed blocks (tokenized once, by the main process first) and their loaders."""
+    r = recipe
+    tokenizer = load_tokenizer(model_path)
+    with acc.main_process_first():
+        blocks = build_blocks(r.data, tokenizer, r.seed)
+    world = acc.num_processes
+    if len(blocks.train) < r.train.batch_size * world:
+        raise GqakitError(
+            f"The training text gives {len(blocks.train)} block(s) of {r.data.seq_len} tokens, fewer than "
+            f"one batch (train.batch_size={r.train.batch_size} x {world} process(es)). Add text, or lower "
+            "data.seq_len or train.batch_size."
+        )
+    train_loader = DataLoader(blocks.train, batch_size=r.train.batch_size, shuffle=True, drop_last=True)
+    val_loader = DataLoader(blocks.val, batch_size=r.eval.batch_size or r.train.batch_size)
+    return tokenizer, blocks, train_loader, val_loader
+
+
+def make_optimizer(t: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, weight decay on matrices only (not norms or biases)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    try:  # the fused kernel (CPU and GPU) is the fastest AdamW, and what HF Trainer uses by default
+        return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps)
+
+
+# --- Speed levers: each recipe option under ``speed:``, ``auto`` resolved per device (docs/uptrain.md#speed)
+
+
+def resolve_speed(
+    cfg: SpeedConfig, device_type: str, distributed_type: str, model: torch.nn.Module
+) -> tuple[SpeedConfig, str]:
+    """The levers this run uses (no ``auto`` left) and the log line saying what runs and what is off.
+
+    ``auto`` is what was measured fastest (benchmarks/bench_uptrain.py): on a CUDA GPU in one process or
+    DDP, ``compile`` and with it the fused loss (eager, the fused loss's chunk loop costs more than it
+    saves there; liger's kernels stop compile's own fusions, so they stay off); on a CPU the fused loss
+    alone (compiling costs more than short CPU runs gain); under FSDP and DeepSpeed nothing (not measured
+    there). An explicit lever the device cannot run is turned off with the reason.
+    """
+    cuda = device_type == "cuda"
+    simple = distributed_type in ("NO", "MULTI_GPU", "MULTI_CPU")
+    off: list[str] = []
+    compile_ = cfg.compile is True or (cfg.compile == "auto" and cuda and simple)
+    if cfg.compile == "auto" and not compile_:
+        off.append("compile (auto: on for CUDA in one process or DDP only)")
+    fused = cfg.fused_loss is True or (cfg.fused_loss == "auto" and simple and (compile_ or not cuda))
+    reason = fused_loss_unsupported(model) if fused else None
+    if reason:
+        off.append(f"fused loss ({reason})")
+    elif cfg.fused_loss == "auto" and not simple:
+        off.append(f"fused loss (auto: not measured under {distributed_type}; set speed.fused_loss=true)")
+    kernels = "none"
+    if cfg.kernels == "liger" and not cuda:
+        off.append("kernels liger (needs a CUDA GPU)")
+    elif cfg.kernels == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        off.append("kernels liger (not installed: pip install liger-kernel)")
+    elif cfg.kernels == "liger":
+        kernels = "liger"
+    speed = SpeedConfig(fused_loss=fused and not reason, compile=compile_, kernels=kernels, device=cfg.device)
+    on = [n for n, v in (("fused loss", speed.fused_loss), ("compile", compile_)) if v]
+    on += ["kernels liger"] if kernels == "liger" else []
+    said = "speed: " + (", ".join(on) if on else "plain eager loop")
+    return speed, said + ("; off: " + "; ".join(off) if off else "")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated decoder blocks: modules of the classes transformers will not split."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def speed_up(model: torch.nn.Module, speed: SpeedConfig) -> None:
+    """Liger's fused RMSNorm/RoPE/SwiGLU kernels, then ``torch.compile`` of each decoder layer in place
+    (one compiled graph serves every layer; parameter names and checkpoints are unchanged)."""
+    if speed.kernels == "liger":
+        # deferred: liger-kernel is optional (CUDA only)
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(  # (its loss is gqakit's fused loss)
+            model,
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=False,
+        )
+    if speed.compile:
+        for layer in decoder_layers(model):
+            layer.compile()
