@@ -48,7 +48,8 @@ SMOLLM2_135M = dict(
 
 
 def build_models(root: Path, src: str | None) -> dict[str, Path]:
-    from gqakit.testing import save_tiny_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tiny_models.py
+    from tiny_models import save_tiny_model
 
     mha = Path(src) if src else save_tiny_model(root / "mha", "llama", **SMOLLM2_135M)
     heads = json.loads((mha / "config.json").read_text())["num_attention_heads"]
@@ -69,11 +70,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--static-cache", action="store_true")
     ap.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the decode step (implies --static-cache; on a GPU, CUDA graphs)",
-    )
-    ap.add_argument(
         "--prefill",
         choices=["random", "model"],
         default="random",
@@ -85,8 +81,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.compile:  # one compiled graph per model and shape; dynamo's default allows 8 in all
-        torch._dynamo.config.recompile_limit = 64
     batches = [int(x) for x in args.batch_sizes.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
 
@@ -98,8 +92,7 @@ def main() -> None:
     print(
         f"# torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
         f"dtype {args.dtype}, new_tokens {args.new_tokens}, rounds {args.rounds}, "
-        f"{'static' if args.static_cache or args.compile else 'dynamic'} cache"
-        f"{', compiled' if args.compile else ''}, {args.prefill} prefill, "
+        f"{'static' if args.static_cache else 'dynamic'} cache, {args.prefill} prefill, "
         f"load avg {os.getloadavg()[0]:.1f}",
         flush=True,
     )
@@ -112,7 +105,6 @@ def main() -> None:
             warmup=0,
             progress=False,
             static_cache=args.static_cache,
-            compile=args.compile,
             prefill=args.prefill,
         )
 
@@ -128,10 +120,9 @@ def main() -> None:
                         batch_sizes=[b],
                         contexts=[c],
                         new_tokens=args.new_tokens,
-                        warmup=1 if args.compile else 0,  # a new shape compiles: keep it out of the timing
+                        warmup=0,
                         progress=False,
                         static_cache=args.static_cache,
-                        compile=args.compile,
                         prefill=args.prefill,
                     )[0]
                     runs.setdefault((name, b, c), []).append(p.to_dict())

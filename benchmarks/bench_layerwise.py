@@ -6,11 +6,7 @@ would run ``gqakit convert``, and reports:
 - peak RSS (``ru_maxrss`` of the child, from ``wait4``) against the budget
   ``3 x (one decoder layer in float32) + embedding (float32) + calibration hidden states (float32)``;
 - wall time per layer (from the output's gqakit.json) and in total; a flat per-layer time means total
-  time grows linearly with depth;
-- with ``--whole-model``, the same conversion calibrated over the whole loaded model (gqakit's
-  ``plan_with_merges``, the path ``gqakit probe`` uses), which needs the model in memory: on a machine
-  smaller than the float32 model it is killed (the exit signal and the peak RSS at that point are
-  reported).
+  time grows linearly with depth.
 
     python benchmarks/bench_layerwise.py /tmp/llama7b-mha --groups 8 --calib-tokens 2048 \\
         --refine-steps 10 --out benchmarks/results/layerwise-7b.json
@@ -28,21 +24,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-WHOLE = r"""
-import sys, time
-from gqakit.checkpoint import resolve_checkpoint
-from gqakit.convert import ConvertOptions, RegroupSpec, get_adapter
-from gqakit.convert.api import plan_with_merges, write_converted
-from gqakit.geometry import AttentionGeometry
-src, dst, groups, calib, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-opts = ConvertOptions(groups=groups, method="calibrated", calib_data=calib, calib_tokens=tokens)
-with resolve_checkpoint(src) as ckpt:
-    adapter, geom = get_adapter(ckpt.model_type), AttentionGeometry.from_config(ckpt.config)
-    plan, rec = plan_with_merges(ckpt, adapter, geom, RegroupSpec(groups, "calibrated"), opts)
-    record = {"command": "convert", "groups": groups, "method": "calibrated", "dtype": "keep", **rec}
-    write_converted(ckpt, dst, plan, geom, groups, None, False, record, time.perf_counter())
-"""
 
 
 def run_child(argv: list[str]) -> dict:
@@ -90,7 +71,6 @@ def main() -> None:
     ap.add_argument("--refine-steps", type=int, default=10)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gqakit-bench-layerwise"))
-    ap.add_argument("--whole-model", action="store_true", help="also run the whole-model calibration")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
 
@@ -124,13 +104,6 @@ def main() -> None:
             if "refine" in prov
             else None,
         )
-    if args.whole_model:
-        whole = args.workdir / "whole"
-        shutil.rmtree(whole, ignore_errors=True)
-        wcmd = [sys.executable, "-c", WHOLE, str(args.src), str(whole), str(args.groups), args.calib_data]
-        wcmd.append(str(args.calib_tokens))
-        print("whole model:", shlex.join(wcmd[:2]) + " ...", flush=True)
-        res["whole_model"] = run_child(wcmd)
     shutil.rmtree(dst, ignore_errors=True)
 
     b, lw = res["budget"], res["layerwise"]
@@ -150,10 +123,6 @@ def main() -> None:
         print(f"  per layer: median {lw['median_layer_s']:.1f} s, "
               f"first quarter {lw['first_quarter_mean_s']:.1f} s, "
               f"last quarter {lw['last_quarter_mean_s']:.1f} s")  # fmt: skip
-    if "whole_model" in res:
-        w = res["whole_model"]
-        how = f"killed by signal {w['signal']}" if w["signal"] else f"exit {w['exit_code']}"
-        print(f"whole model: {how} after {w['wall_s']:.0f} s, peak RSS {gib(w['peak_rss_bytes'])}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         res["command"] = shlex.join(sys.argv)

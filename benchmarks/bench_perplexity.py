@@ -23,13 +23,14 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from gqakit.eval.lm_eval_bridge import TASKS_DIR
 from gqakit.eval.perplexity import perplexity
-from gqakit.testing import tiny_model, tiny_tokenizer
 from gqakit.text import load_texts
 
 SHAPES = {
@@ -54,6 +55,9 @@ def main() -> None:
 
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tiny_models.py
+    from tiny_models import tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
     tok.model_max_length = 10**9

@@ -19,7 +19,7 @@
 
     python benchmarks/bench_uptrain.py                              # CPU: plain vs auto, small llama
     python benchmarks/bench_uptrain.py --shape tinyllama-1.1b --seq-len 2048 --batch-size 4 --threads 0 \
-        --rows plain,fused-loss,compile,liger,compile+liger,auto,trainer,plain:distill,auto:distill  # GPU
+        --rows plain,fused-loss,compile,auto,trainer,plain:distill,auto:distill  # GPU
     python benchmarks/bench_uptrain.py --quality --smol /tmp/assets/smol_st --text-dir WIKI_DIR
 """
 
@@ -63,11 +63,9 @@ def _blocks(args):
 
 # Rows of the throughput table: the recipe's ``speed:`` section for each (unset keys: the defaults).
 ROWS: dict[str, dict] = {
-    "plain": {"fused_loss": False, "compile": False, "kernels": "none"},  # every lever off
-    "fused-loss": {"fused_loss": True, "compile": False, "kernels": "none"},
-    "compile": {"fused_loss": True, "compile": True, "kernels": "none"},
-    "liger": {"fused_loss": True, "compile": False, "kernels": "liger"},
-    "compile+liger": {"fused_loss": True, "compile": True, "kernels": "liger"},
+    "plain": {"fused_loss": False, "compile": False},  # every lever off
+    "fused-loss": {"fused_loss": True, "compile": False},
+    "compile": {"fused_loss": True, "compile": True},
     "auto": {},
 }
 

@@ -6,9 +6,8 @@ is, in one run:
 
 1. Perplexity on the first ``--eval-tokens`` wiki-en test tokens over exactly the transformers engine's
    windows, vLLM (prompt log-probabilities) against transformers; target: within 1e-3 relative.
-2. Greedy continuations of the engine's four fixed prompts (``--new-tokens`` each), token by token.
-3. KV capacity vLLM allocates in ``--kv-budget`` GiB: each model's tokens over MHA-9's beside H/G.
-4. Output tokens/s at each concurrency, ``--prompt-tokens`` random prompt tokens and ``--new-tokens``
+2. KV capacity vLLM allocates in ``--kv-budget`` GiB: each model's tokens over MHA-9's beside H/G.
+3. Output tokens/s at each concurrency, ``--prompt-tokens`` random prompt tokens and ``--new-tokens``
    output tokens per sequence. The three models are loaded in vLLM at once and every round runs every
    (model, concurrency) point in a rotated order, so a change of machine load hits all models alike
    (``gqakit eval`` measures one model after another); ``--rounds`` rounds, the median, its spread, and
@@ -33,8 +32,8 @@ from relative_paths import relative_text
 
 from gqakit.convert import ConvertOptions, convert_checkpoint, expand_checkpoint
 from gqakit.eval import EvalOptions, evaluate_models
-from gqakit.eval.decode_rounds import interleaved, round_stats, speedup
-from gqakit.eval.vllm_client import VllmWorker, vllm_python
+from gqakit.eval.decode import interleaved, round_stats, speedup
+from gqakit.eval.vllm_engine import VllmWorker, vllm_python
 from gqakit.models import cpu_model
 from gqakit.storage import cache_root
 
@@ -136,7 +135,6 @@ def main() -> None:
                 "ppl_vllm": ppl_vllm,
                 "ppl_relative_difference": ppl_vllm / ppl_hf - 1,
                 "ppl_tokens": m.perplexity.tokens,
-                "greedy_identical": s.greedy.describe(),
                 "kv_capacity_tokens": s.kv_tokens,
                 "capacity_ratio": s.kv_tokens / base.serving.kv_tokens,
                 "capacity_bound": base.kv_bytes_per_token / m.kv_bytes_per_token,
@@ -147,7 +145,7 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['model']:6} G={r['kv_heads']}: ppl {r['ppl_vllm']:.4f} vLLM vs {r['ppl_transformers']:.4f} "
-            f"transformers ({100 * r['ppl_relative_difference']:+.4f}%), greedy {r['greedy_identical']}, "
+            f"transformers ({100 * r['ppl_relative_difference']:+.4f}%), "
             f"KV {r['kv_capacity_tokens']:,} tokens ({r['capacity_ratio']:.2f}x, bound "
             f"{r['capacity_bound']:.2f}x)"
         )

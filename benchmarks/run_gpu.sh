@@ -2,14 +2,14 @@
 # The GPU figures of docs/gpu.md, on one CUDA GPU. Name the steps to run (each takes 1 to 5 minutes on
 # an H100; all of them by default):
 #
-#   bash benchmarks/run_gpu.sh OUT_DIR                      # tests perplexity decode-eager uptrain decode-compiled
+#   bash benchmarks/run_gpu.sh OUT_DIR                      # tests perplexity decode-eager uptrain
 #   bash benchmarks/run_gpu.sh OUT_DIR tests perplexity     # some of them
 #
 # Every step writes OUT_DIR/<step>.log; a failed step is reported and the next one still runs.
 set -u
 out=${1:?usage: run_gpu.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-tests perplexity decode-eager uptrain decode-compiled}
+steps=${*:-tests perplexity decode-eager uptrain}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -36,9 +36,6 @@ for s in $steps; do
         --batch-sizes 1,8,32 --contexts 512,2048,8192 --new-tokens 64 --rounds 2 --json "$out/decode-eager.json" ;;
     uptrain) step uptrain 240 python3 benchmarks/bench_uptrain.py --shape tinyllama-1.1b --seq-len 2048 \
         --batch-size 4 --steps 30 --warmup 5 --repeats 2 --threads 0 ;;
-    decode-compiled) step decode-compiled 420 python3 benchmarks/bench_decode.py --device cuda --dtype bfloat16 \
-        --batch-sizes 8 --contexts 2048,8192 --new-tokens 32 --rounds 1 --compile \
-        --json "$out/decode-compiled.json" ;;
-    *) echo "unknown step $s (tests perplexity decode-eager uptrain decode-compiled)"; exit 2 ;;
+    *) echo "unknown step $s (tests perplexity decode-eager uptrain)"; exit 2 ;;
     esac
 done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 # Random-weight llamas to train: "small" for a CPU; the others are real models' shapes, for a GPU
@@ -20,7 +21,8 @@ SHAPES = {
 
 
 def make_model(path: Path, shape: str, seq_len: int, seed: int) -> str:
-    from gqakit.testing import save_tiny_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tiny_models.py
+    from tiny_models import save_tiny_model
 
     positions = max(seq_len, 256)
     model = save_tiny_model(path, "llama", seed=seed, max_position_embeddings=positions, **SHAPES[shape])
@@ -30,7 +32,8 @@ def make_model(path: Path, shape: str, seq_len: int, seed: int) -> str:
 def make_text(root: Path, text_dir: str | None) -> str:
     if text_dir and (Path(text_dir) / "train.txt").is_file():
         return str(Path(text_dir) / "train.txt")
-    from gqakit.testing import TINY_TEXT
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tiny_models.py
+    from tiny_models import TINY_TEXT
 
     path = root / "train.txt"
     sentences = [s for s in TINY_TEXT.split(". ") if s]

@@ -1,29 +1,26 @@
 """The typed entry points behind ``gqakit convert`` and ``gqakit expand``.
 
 Options live in :mod:`gqakit.convert.options`, the writer in :mod:`gqakit.convert.write` and
-``gqakit inspect`` in :mod:`gqakit.convert.inspect`; they are re-exported here for callers that import
-the whole API from one place.
+``gqakit inspect`` in :mod:`gqakit.convert.inspect` (re-exported here with the options).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from gqakit.checkpoint import Checkpoint, resolve_checkpoint
-from gqakit.convert.calibrate import CalibrationStats, calibrate, calibration_sequences
-from gqakit.convert.inspect import Inspection, inspect_checkpoint
+from gqakit.convert.calibrate import calibration_sequences
+from gqakit.convert.inspect import inspect_checkpoint
 from gqakit.convert.layerwise import write_layerwise
-from gqakit.convert.layerwise_resume import claim_layerwise, tokens_digest
-from gqakit.convert.merge_fit import fit_layer_merges, merge_report
-from gqakit.convert.merge_plan import plan_merged
+from gqakit.convert.layerwise_resume import claim_layerwise, resume_key
 from gqakit.convert.methods import METHODS
 from gqakit.convert.options import DTYPE_CHOICES, PRESETS, ConvertOptions, check_groups
-from gqakit.convert.plan import OutputTensor, RegroupSpec, plan_regroup
+from gqakit.convert.plan import RegroupSpec, plan_regroup
 from gqakit.convert.refine import check_sequences
 from gqakit.convert.retarget import convert_retargeted
 from gqakit.convert.write import ConvertResult, source_path, write_converted
@@ -31,8 +28,8 @@ from gqakit.errors import GqakitError
 from gqakit.families import family_of, get_adapter
 from gqakit.family_parts import ArchAdapter
 from gqakit.geometry import AttentionGeometry
-from gqakit.problems import Problems
-from gqakit.storage import fingerprint
+from gqakit.problems import Problems, check_options
+from gqakit.storage import check_output_dir
 
 
 def convert_checkpoint(
@@ -59,7 +56,8 @@ def convert_checkpoint(
     Raises:
         GqakitError: for any input a user can fix; nothing is left at ``dst`` then.
     """
-    options.validate()
+    check_options(options, "convert")
+    _check_dst(src, dst, options.force)
     start = time.perf_counter()
     options = with_calibration_text(options).resolved()
     with resolve_checkpoint(src) as ckpt:
@@ -75,9 +73,14 @@ def _convert(
     start: float,
     extra: dict[str, Any] | None = None,
     progress: bool = True,
+    attention: ArchAdapter | None = None,
+    kv_config: dict[str, Any] | None = None,
 ) -> ConvertResult:
-    """Convert an open checkpoint of a family in the adapter registry; ``extra`` joins the provenance."""
-    adapter = get_adapter(ckpt.model_type)
+    """Convert an open checkpoint of a family in the adapter registry, or of a rewrite's target class
+    (its ``attention``, and ``kv_config``: the config entries that state G in that class, by default
+    ``num_key_value_heads``); ``extra`` joins the provenance."""
+    adapter = attention or get_adapter(ckpt.model_type)
+    kv_config = kv_config or {"num_key_value_heads": options.groups}
     geom = AttentionGeometry.from_config(ckpt.config)
     check_groups(geom, options.groups)
     spec = RegroupSpec(
@@ -99,7 +102,7 @@ def _convert(
         record["seed"] = options.seed
     write = partial(
         write_converted, ckpt, dst, geom=geom, groups=options.groups, out_dtype=spec.out_dtype,
-        force=options.force, record=record, start=start,
+        force=options.force, record=record, start=start, config={**ckpt.config, **kv_config},
     )  # fmt: skip
     if not options.needs_text:
         return write(plan_regroup(ckpt.tensor_infos(), adapter, geom, spec), progress=progress)
@@ -107,10 +110,16 @@ def _convert(
     sequences = calibration_sequences(ckpt, options.calib_data, options.calib_tokens)  # type: ignore[arg-type]
     if options.refine_steps:
         check_sequences(sequences)
-    key = _resume_key(ckpt, options, sequences)
+    key = resume_key(ckpt, options, sequences)
     with claim_layerwise(dst, options.force, source_path(ckpt), key) as resume:
-        job = (ckpt, adapter, geom, spec, options, sequences, record)
+        job = (ckpt, adapter, geom, spec, options, sequences, record, kv_config)
         return write(partial(write_layerwise, *job, resume=resume, progress=progress))
+
+
+def _check_dst(src: str | Path, dst: str | Path, force: bool) -> None:
+    """DST checked before SRC is fetched, dequantized or read (and again, when written)."""
+    local = Path(src).expanduser()
+    check_output_dir(Path(dst), force, local if local.is_dir() else None)
 
 
 def with_calibration_text(options: ConvertOptions) -> ConvertOptions:
@@ -131,36 +140,6 @@ def with_calibration_text(options: ConvertOptions) -> ConvertOptions:
     return replace(options, calib_data=str(train))
 
 
-def _resume_key(ckpt: Checkpoint, options: ConvertOptions, sequences: list) -> dict[str, Any]:
-    """What the finished layers of a layer-wise conversion depend on: the source's files, every option
-    but ``force``, and the calibration tokens."""
-    origin = Path(ckpt.origin)
-    return {
-        "source": fingerprint(origin) if origin.exists() else ckpt.origin,
-        "options": {k: v for k, v in asdict(options).items() if k != "force"},
-        "tokens": tokens_digest(sequences),
-    }
-
-
-def plan_with_merges(
-    ckpt: Checkpoint,
-    adapter: ArchAdapter,
-    geom: AttentionGeometry,
-    spec: RegroupSpec,
-    options: ConvertOptions,
-    stats: CalibrationStats | None = None,
-) -> tuple[list[OutputTensor], dict[str, Any]]:
-    """The whole-model merged plan: calibrate over a loaded model (unless ``stats`` is given), fit every
-    layer's merges, and plan; return the plan and its record. ``gqakit probe`` uses it to share one
-    calibration among many conversions."""
-    o = options.resolved()
-    if stats is None and o.calib_data:
-        stats = calibrate(ckpt, adapter, geom, o.calib_data, o.calib_tokens, o.device)  # type: ignore[arg-type]
-    merges, key_merge = fit_layer_merges(ckpt, adapter, geom, stats, o.groups, o.method, o.grouping)  # type: ignore[arg-type]
-    plan = plan_merged(ckpt.tensor_infos(), adapter, geom, spec, merges)
-    return plan, merge_report(o.method, o.grouping, key_merge, stats, merges).to_record()  # type: ignore[arg-type]
-
-
 def expand_checkpoint(
     src: str | Path, dst: str | Path, dtype: str = "keep", force: bool = False, progress: bool = True
 ) -> ConvertResult:
@@ -169,6 +148,7 @@ def expand_checkpoint(
     if dtype not in DTYPE_CHOICES:
         flag = Problems("expand").flag("dtype")
         raise GqakitError(f"{flag} {dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
+    _check_dst(src, dst, force)
     start = time.perf_counter()
     with resolve_checkpoint(src) as ckpt:
         adapter = get_adapter(ckpt.model_type)
@@ -181,17 +161,4 @@ def expand_checkpoint(
         )
 
 
-__all__ = [
-    "DTYPE_CHOICES",
-    "PRESETS",
-    "ConvertOptions",
-    "ConvertResult",
-    "Inspection",
-    "check_groups",
-    "convert_checkpoint",
-    "expand_checkpoint",
-    "inspect_checkpoint",
-    "plan_with_merges",
-    "with_calibration_text",
-    "write_converted",
-]
+__all__ = ["ConvertOptions", "convert_checkpoint", "expand_checkpoint", "inspect_checkpoint"]

@@ -4,13 +4,12 @@ A calibrated conversion (``--method calibrated``, ``--grouping similarity``, ``-
 three steps:
 
 1. calibration (this module): ``--calib-tokens`` tokens of calibration text, tokenized once; a forward
-   hook on each layer's key projection adds ``[X, 1]^T [X, 1]`` of each batch to the layer's statistic
-   and drops the activations, so memory holds one ``(hidden + 1)^2`` matrix per layer, independent of
-   the number of tokens. :func:`calibrate` does this over a whole loaded model (``gqakit probe``, which
-   loads the model anyway); ``convert`` runs it one decoder layer at a time
+   hook on each layer's key projection adds ``[X, 1]^T [X, 1]`` of each batch (:func:`batch_gram`) to
+   the layer's statistic and drops the activations, so memory holds one ``(hidden + 1)^2`` matrix per
+   layer, independent of the number of tokens. ``convert`` runs the model one decoder layer at a time
    (:mod:`gqakit.convert.layerwise`), so a 70B checkpoint needs one layer in memory.
 2. fitting each layer's merges (:mod:`gqakit.convert.merge_fit`);
-3. planning the output tensors (:mod:`gqakit.convert.merge_plan`), optionally refined
+3. planning the output tensors (:mod:`gqakit.convert.merge_fit`), optionally refined
    (:mod:`gqakit.convert.refine`).
 
 Calibration text shorter than ``--calib-tokens`` stops the conversion with a message that says how many
@@ -19,41 +18,20 @@ tokens it holds (a merge fitted on fewer tokens than asked for would be a silent
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 
 from gqakit.checkpoint import Checkpoint
 from gqakit.errors import GqakitError
-from gqakit.family_parts import ArchAdapter
-from gqakit.geometry import AttentionGeometry
-from gqakit.models import load_causal_lm, load_tokenizer, max_positions, resolve_device
+from gqakit.models import load_tokenizer, max_positions
 from gqakit.storage import sha256_file
 from gqakit.text import DOC_SEPARATOR, load_texts
 
 CALIB_SEQ_LEN = 512  # tokens per calibration sequence (capped by the model's max positions)
 CALIB_BATCH = 4  # calibration sequences per forward pass
-
-
-@dataclass
-class CalibrationStats:
-    """Second moments of each layer's K/V projection input.
-
-    Attributes:
-        grams: per layer, ``[X, 1]^T [X, 1]`` summed over the calibration tokens (float64).
-        record: what was measured on, for provenance: path, sha256, tokens, seq_len, device.
-        elapsed_s: seconds spent loading the model and running it.
-    """
-
-    grams: list[torch.Tensor]
-    record: dict[str, Any]
-    elapsed_s: float = 0.0
 
 
 def load_calibration_texts(path: str | Path, text_field: str = "text") -> list[str]:
@@ -94,46 +72,10 @@ def batch_gram(x: torch.Tensor) -> torch.Tensor:
     return (x.T @ x).double().cpu()
 
 
-@torch.no_grad()
-def capture_grams(
-    model,
-    adapter: ArchAdapter,
-    num_layers: int,
-    sequences: Sequence[torch.Tensor],
-    batch_size: int = CALIB_BATCH,
-) -> list[torch.Tensor]:
-    """Run ``model`` over ``sequences``; return each layer's ``[X, 1]^T [X, 1]`` at its K projection input.
-
-    A forward pre-hook folds each batch into a float64 accumulator and keeps nothing else.
-    """
-    device = next(model.parameters()).device
-    grams: list[torch.Tensor | None] = [None] * num_layers
-
-    def hook(layer: int, module, args) -> None:
-        g = batch_gram(args[0])
-        grams[layer] = g if grams[layer] is None else grams[layer] + g
-
-    handles = [
-        model.get_submodule(adapter.key_input(layer)).register_forward_pre_hook(partial(hook, layer))
-        for layer in range(num_layers)
-    ]
-    try:
-        base = model.base_model  # skip the LM head: only the layers' inputs are needed
-        for batch in batches(sequences, batch_size):
-            base(input_ids=batch.to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    if any(g is None for g in grams):
-        raise RuntimeError("calibration hooks did not fire for every layer")
-    return grams  # type: ignore[return-value]
-
-
 def batches(sequences: Sequence[torch.Tensor], batch_size: int):
     """Stack runs of equal-length sequences into batches of at most ``batch_size``.
 
-    Calibration batches 4 sequences (:data:`CALIB_BATCH`) both over a whole model and layer by layer, so
-    both paths sum the same per-batch statistics in the same order.
+    Calibration batches 4 sequences (:data:`CALIB_BATCH`).
     """
     i = 0
     while i < len(sequences):
@@ -144,47 +86,12 @@ def batches(sequences: Sequence[torch.Tensor], batch_size: int):
         i = j
 
 
-def load_model_for_calibration(path: Path, device: str = "auto"):
-    """The source model for calibration: its own dtype on a GPU, float32 on the CPU."""
-    dev = resolve_device(device)
-    return load_causal_lm(path, dtype="auto" if dev.type == "cuda" else "float32", device=str(dev))
-
-
 def calibration_sequences(ckpt: Checkpoint, data: str | Path, tokens: int) -> list[torch.Tensor]:
     """The first ``tokens`` tokens of ``data`` under ``ckpt``'s tokenizer, in sequences of
     ``CALIB_SEQ_LEN`` (or the model's maximum positions, when shorter)."""
     tokenizer = load_tokenizer(ckpt.path)
     seq_len = min(CALIB_SEQ_LEN, max_positions(SimpleNamespace(**ckpt.config)) or CALIB_SEQ_LEN)
     return calibration_ids(tokenizer, load_calibration_texts(data), tokens, seq_len)
-
-
-def calibrate(
-    ckpt: Checkpoint,
-    adapter: ArchAdapter,
-    geom: AttentionGeometry,
-    data: str | Path,
-    tokens: int = 4096,
-    device: str = "auto",
-    model=None,
-) -> CalibrationStats:
-    """Measure every layer's K/V projection input on ``tokens`` tokens of ``data``.
-
-    Args:
-        ckpt: the resolved source checkpoint (its tokenizer and weights are loaded from ``ckpt.path``).
-        adapter, geom: the family and geometry.
-        data: calibration text file.
-        tokens: how many tokens to run.
-        device: where to run the model.
-        model: an already loaded source model to reuse (the probe has one).
-    """
-    start = time.perf_counter()
-    sequences = calibration_sequences(ckpt, data, tokens)
-    model = model if model is not None else load_model_for_calibration(ckpt.path, device)
-    run_on = str(next(model.parameters()).device)
-    grams = capture_grams(model, adapter, geom.num_layers, sequences)
-    return CalibrationStats(
-        grams, calibration_record(data, tokens, sequences, run_on), time.perf_counter() - start
-    )
 
 
 def calibration_record(data: str | Path, tokens: int, sequences: Sequence[torch.Tensor], device: str) -> dict:

@@ -1,6 +1,6 @@
 """Click commands for convert, expand and inspect: parse, call one typed function, print.
 
-``gqakit probe`` converts and then evaluates, so it lives above the verbs: :mod:`gqakit.pipelines.probe.cli`.
+``gqakit probe`` converts and then evaluates, so it lives above the verbs: :mod:`gqakit.pipelines.probe.run`.
 """
 
 from __future__ import annotations
@@ -8,16 +8,9 @@ from __future__ import annotations
 import click
 
 from gqakit.cli_options import click_options, dtype_option, force_option, options_from, progress_option
-from gqakit.convert.api import (
-    DTYPE_CHOICES,
-    ConvertOptions,
-    ConvertResult,
-    convert_checkpoint,
-    expand_checkpoint,
-    inspect_checkpoint,
-)
-from gqakit.convert.options import DEFAULT_PRESET, DTYPE_HELP
-from gqakit.problems import Problems
+from gqakit.convert.api import convert_checkpoint, expand_checkpoint, inspect_checkpoint
+from gqakit.convert.options import DEFAULT_PRESET, DTYPE_CHOICES, DTYPE_HELP, ConvertOptions
+from gqakit.convert.write import ConvertResult
 
 
 @click.command("convert")
@@ -27,10 +20,7 @@ from gqakit.problems import Problems
 @progress_option()
 def convert_cmd(src: str, dst: str, progress: bool, **kwargs) -> None:
     """Convert SRC (directory, .gguf file or hub id) to GROUPS K/V heads in DST."""
-    p = Problems("convert")
-    options = options_from(ConvertOptions, kwargs, p)
-    options.check(p)
-    p.raise_if_any()
+    options = options_from(ConvertOptions, kwargs)
     click.echo(summary(convert_checkpoint(src, dst, options, progress=progress)))
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,26 +24,6 @@ from gqakit.checkpoint import Checkpoint, TensorReader
 from gqakit.dtypes import config_dtype
 from gqakit.errors import GqakitError
 from gqakit.family_parts import ArchAdapter
-
-
-def skeleton(path: Path) -> torch.nn.Module:
-    """The causal LM of the checkpoint at ``path`` with every parameter on the meta device and real
-    buffers: nothing is read but its config."""
-    # deferred: transformers takes seconds to import
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(str(path))
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return model.eval()
-
-
-def compute_dtype(config: dict[str, Any], device: torch.device) -> torch.dtype:
-    """float32 on the CPU (fast there, and exact); the checkpoint's own dtype on a GPU."""
-    if device.type != "cuda":
-        return torch.float32
-    return config_dtype(config)
 
 
 def _set_parameter(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -72,10 +51,17 @@ class DecoderStream:
         batches: Sequence[torch.Tensor],
         device: torch.device,
     ) -> None:
+        # deferred: transformers takes seconds to import
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         self.reader, self.device = reader, device
         self.infos = ckpt.tensor_infos()
-        self.dtype = compute_dtype(ckpt.config, device)
-        self.model = skeleton(ckpt.path)
+        # float32 on the CPU (fast there, and exact); the checkpoint's own dtype on a GPU
+        self.dtype = config_dtype(ckpt.config) if device.type == "cuda" else torch.float32
+        # every parameter on the meta device and real buffers: nothing is read but the config
+        with init_empty_weights(include_buffers=False):
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(ckpt.path))).eval()
         # "model.layers.{i}.self_attn" -> decoder layers at "model.layers", attention at "self_attn"
         layer_path, self.attention_name = adapter.attention_module(0).rsplit(".", 1)
         self.layers_path = layer_path.rsplit(".", 1)[0]
@@ -96,19 +82,22 @@ class DecoderStream:
     def _load_embedding(self) -> None:
         """Load every parameter outside the decoder layers that the base model runs (not the LM head),
         and move the buffers (rotary tables, embedding scales) to the device."""
-        prefix = self.model.base_model_prefix + "."
-        for name, _ in list(self.model.named_parameters()):
-            if not name.startswith(prefix) or name.startswith(self.layers_path + "."):
-                continue
-            if name not in self.infos:
-                raise GqakitError(
-                    f"{name} is missing from the checkpoint's shards: is the checkpoint complete?"
-                )
-            _set_parameter(self.model, name, self.reader.read(name).to(self.device, self.dtype))
+        base, layers = self.model.base_model_prefix + ".", self.layers_path + "."
+        names = [
+            n for n, _ in self.model.named_parameters() if n.startswith(base) and not n.startswith(layers)
+        ]
+        self._load(self.model, "", names, ": is the checkpoint complete?")
         for name, b in list(self.model.named_buffers()):
-            if not name.startswith(self.layers_path + ".") and b.device.type != "meta":
+            if not name.startswith(layers) and b.device.type != "meta":
                 owner, _, attr = name.rpartition(".")
                 self.model.get_submodule(owner)._buffers[attr] = b.to(self.device)
+
+    def _load(self, module: torch.nn.Module, prefix: str, names: list[str], missing: str) -> None:
+        """Set ``module``'s parameters ``names`` from the shards (tensor ``prefix + name``) on the device."""
+        for name in names:
+            if prefix + name not in self.infos:
+                raise GqakitError(f"{prefix + name} is missing from the checkpoint's shards{missing}")
+            _set_parameter(module, name, self.reader.read(prefix + name).to(self.device, self.dtype))
 
     def _recorder(self, index: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -140,15 +129,11 @@ class DecoderStream:
     def layer(self, index: int) -> Iterator[torch.nn.Module]:
         """Decoder layer ``index`` with its weights loaded from the shards, freed again on exit."""
         module = self.layers[index]
-        prefix = self.layer_prefix(index)
-        for name, _ in list(module.named_parameters()):
-            full = prefix + name
-            if full not in self.infos:
-                raise GqakitError(
-                    f"{full} is missing from the checkpoint's shards (decoder layer {index}): the checkpoint "
-                    "is incomplete or its index is wrong. Re-download it."
-                )
-            _set_parameter(module, name, self.reader.read(full).to(self.device, self.dtype))
+        names = [n for n, _ in module.named_parameters()]
+        missing = (
+            f" (decoder layer {index}): the checkpoint is incomplete or its index is wrong. Re-download it."
+        )
+        self._load(module, self.layer_prefix(index), names, missing)
         module.to(self.device)  # the layer's own buffers, if any
         try:
             yield module

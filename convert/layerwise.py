@@ -11,13 +11,13 @@ one decoder layer (plus the embedding and those hidden states) whatever the dept
 each layer on the GPU in turn.
 
 Each layer sees the original model's hidden states, so it is fitted to the inputs it had before
-conversion; over the calibrated merge this gives exactly the statistics, merges and tensors of
-calibrating the whole model at once (tested). Feeding each layer the hidden states of the model
-converted so far instead, with the original layer's result on them as the target, as GPTQ-style
-quantizers do, was measured worse on SmolLM2-135M -> MQA (zero-shot test perplexity 110.7 calibrated and
-36.0 refined, against 91.9 and 30.9; CHANGELOG). The ``layer-corrective`` refinement target
-(:data:`~gqakit.convert.refine.REFINE_TARGETS`) carries the converted model's hidden states beside the
-original's, and fits each block on them to the original's result on the original's states.
+conversion; over the calibrated merge this gave exactly the statistics, merges and tensors of calibrating
+the whole model at once (gqakit 0.2.0, bit for bit: docs/convert.md). Feeding each layer the hidden
+states of the model converted so far instead, with the original layer's result on them as the target, as
+GPTQ-style quantizers do, was measured worse on SmolLM2-135M -> MQA (zero-shot test perplexity 110.7
+calibrated and 36.0 refined, against 91.9 and 30.9; CHANGELOG). The ``layer-corrective`` refinement
+target (:data:`~gqakit.convert.refine.REFINE_TARGETS`) carries the converted model's hidden states beside
+the original's, and fits each block on them to the original's result on the original's states.
 """
 
 from __future__ import annotations
@@ -35,24 +35,28 @@ from gqakit.console import progress as progress_bar
 from gqakit.convert.calibrate import CALIB_BATCH, batch_gram, batches, calibration_record
 from gqakit.convert.decoder_stream import DecoderStream
 from gqakit.convert.layerwise_resume import LayerwiseResume
-from gqakit.convert.merge_fit import KEY_FALLBACK, MergeReport, fit_one_layer
-from gqakit.convert.merge_plan import base_plan, merged_layer
+from gqakit.convert.merge_fit import (
+    KEY_FALLBACK,
+    base_plan,
+    fit_one_layer,
+    merge_record,
+    merged_layer,
+    rotary_channels,
+)
 from gqakit.convert.options import ConvertOptions
 from gqakit.convert.plan import OutputTensor, RegroupSpec, execute, plan_regroup
 from gqakit.convert.refine import (
     REFINE_TARGETS,
-    RefineReport,
     RefineSettings,
-    RefineTarget,
     fit_block,
     layer_output,
+    refine_record,
     split_batches,
     to_float,
     token_weights,
 )
 from gqakit.convert.stream import PlanWriter
 from gqakit.dtypes import torch_dtype
-from gqakit.families import rotary_dims
 from gqakit.family_parts import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import release_memory, resolve_device
@@ -101,6 +105,7 @@ def write_layerwise(
     options: ConvertOptions,
     sequences: list[torch.Tensor],
     record: dict[str, Any],
+    kv_config: dict[str, Any],
     out_dir: Path,
     resume: LayerwiseResume | None = None,
     progress: bool = True,
@@ -115,7 +120,7 @@ def write_layerwise(
     """
     start = time.perf_counter()
     with ckpt.reader() as reader:
-        job = _LayerwiseJob(ckpt, reader, adapter, geom, spec, options, sequences)
+        job = _LayerwiseJob(ckpt, reader, adapter, geom, spec, options, sequences, kv_config)
         writer = PlanWriter(ckpt, job.plan, out_dir, reader, f"convert -> G={options.groups}", progress=False)
         first = resume.done if resume is not None else 0
         bar = progress_bar(
@@ -129,14 +134,14 @@ def write_layerwise(
                 for out, value in job.finished_layer(i, resume):  # type: ignore[arg-type]
                     writer.write(out, value)
             if first:
-                job.carried = resume.hidden()  # type: ignore[union-attr]
+                job.resume_from(resume.hidden())  # type: ignore[union-attr]
             for i in range(first, geom.num_layers):
                 outs = job.convert_layer(i)
                 for out, value in outs:
                     writer.write(out, value)
                 if resume is not None:
                     computed = {out.name: v for out, v in outs if v is not None}
-                    resume.save(i, computed, job.layer_info(i), job.carried)
+                    resume.save(i, computed, job.measured[-1], job.carried)
                 bar.update(1)
             for out in job.rest:
                 writer.write(out)
@@ -153,7 +158,9 @@ def write_layerwise(
 class _LayerwiseJob:
     """The state carried from one decoder layer to the next, and the conversion of one layer."""
 
-    def __init__(self, ckpt, reader, adapter, geom, spec, options: ConvertOptions, sequences) -> None:
+    def __init__(
+        self, ckpt, reader, adapter, geom, spec, options: ConvertOptions, sequences, kv_config
+    ) -> None:
         self.reader, self.adapter, self.geom, self.spec, self.options = reader, adapter, geom, spec, options
         self.infos = ckpt.tensor_infos()
         self.sequences = sequences
@@ -167,59 +174,39 @@ class _LayerwiseJob:
                 options.refine_target,
                 options.refine_qk_lr,
             )
-            self.fit_runs, check_runs = split_batches(sequences)
+            self.fit_runs, self.check_runs = split_batches(sequences)
         else:
-            self.fit_runs, check_runs = list(batches(sequences, CALIB_BATCH)), []
+            self.fit_runs, self.check_runs = list(batches(sequences, CALIB_BATCH)), []
+        # what the blocks are fitted to (None without refinement); a corrective target fits each block in
+        # its decoder layer, on the converted model's hidden states (see RefineTarget)
+        self.target = None if self.refine is None else REFINE_TARGETS[self.refine.target]
+        self.corrective = self.target is not None and self.target.corrective
         planner = base_plan if options.merged else plan_regroup
         self.plan = planner(self.infos, adapter, geom, spec)
-        self.stream = DecoderStream(ckpt, reader, adapter, self.fit_runs + check_runs, self.device)
+        self.stream = DecoderStream(ckpt, reader, adapter, self.fit_runs + self.check_runs, self.device)
         self.conv_config = copy.deepcopy(self.stream.model.config)
-        self.conv_config.num_key_value_heads = options.groups
-        self.rdim = rotary_dims(ckpt.config, geom.head_dim)
+        for key, value in kv_config.items():  # the converted blocks' G, as the output config states it
+            setattr(self.conv_config, key, value)
+        self.rdim = rotary_channels(ckpt.config, adapter, geom.head_dim)
         self.per_layer: list[list[OutputTensor]] = [[] for _ in range(geom.num_layers)]
         self.rest: list[OutputTensor] = []
         for out in self.plan:
             i = layer_of(out.name, self.stream.layers_path + ".")
             (self.rest if i is None else self.per_layer[i]).append(out)
-        self.hidden = self.stream.hidden
-        # the hidden states of the model converted so far, when the blocks read them (see RefineTarget)
-        self.conv_hidden: list[torch.Tensor] | None = list(self.hidden) if self._corrective else None
-        self.merges = MergeReport(options.method, options.grouping, options.method, None)
-        self.refined = None
-        if self.refine is not None:
-            tokens = sum(b.numel() for b in self.fit_runs), sum(b.numel() for b in check_runs)
-            self.refined = RefineReport(self.refine, *tokens)
-        self.seconds: list[float] = []
+        # the hidden states the next layer reads: the original's, then (corrective) the converted model's
+        self.carried = list(self.stream.hidden) * (2 if self.corrective else 1)
+        # per finished layer, what was measured on it (merge, refinement, seconds), as a resumed run reads it
+        self.measured: list[dict[str, Any]] = []
 
-    @property
-    def _target(self) -> RefineTarget | None:
-        """What the blocks are fitted to; None without refinement."""
-        return None if self.refine is None else REFINE_TARGETS[self.refine.target]
-
-    @property
-    def _corrective(self) -> bool:
-        """Whether the blocks are fitted in their decoder layer, on the converted model's hidden states."""
-        return self._target is not None and self._target.corrective
-
-    @property
-    def carried(self) -> list[torch.Tensor]:
-        """The hidden states the next layer reads: the original's, then the converted model's if kept."""
-        return self.hidden + (self.conv_hidden or [])
-
-    @carried.setter
-    def carried(self, states: list[torch.Tensor]) -> None:
-        # a resumed run's states come back from LayerwiseResume on the CPU; the layers run on self.device
-        states = [s.to(self.device) for s in states]
-        n = len(states) // 2 if self._corrective else len(states)
-        self.hidden = states[:n]
-        if self._corrective:
-            self.conv_hidden = states[n:]
+    def resume_from(self, states: list[torch.Tensor]) -> None:
+        """Carry on from the hidden states a resumed run saved (on the CPU; the layers run on the device)."""
+        self.carried = [s.to(self.device) for s in states]
 
     def _capture(self, module: torch.nn.Module, i: int, gram: bool, hidden: list[torch.Tensor]):
         """Run the loaded layer ``i`` on ``hidden`` with capture hooks; return (capture, outputs)."""
         key = self.adapter.key_input(i)[len(self.stream.layer_prefix(i)) :]
         # the block is fitted to the attention output, or to the whole layer's (its own inputs and output)
-        target = "" if self._corrective else self.stream.attention_name
+        target = "" if self.corrective else self.stream.attention_name
         cap = LayerCapture(module, key, target, gram, self.refine is not None)
         try:
             return cap, self.stream.run(i, module, hidden)
@@ -234,15 +221,18 @@ class _LayerwiseJob:
         of their own, run after it is freed (its unchanged tensors are copied from the shards).
         """
         t0 = time.perf_counter()
+        n = len(self.carried) // 2 if self.corrective else len(self.carried)
+        hidden, conv_hidden = self.carried[:n], self.carried[n:]
         layer_copy = None
         conv_io = None
         with self.stream.layer(i) as module:
-            capture, next_hidden = self._capture(module, i, self.options.merged, self.hidden)
-            if self.conv_hidden is not None:  # the same block's inputs in the converted model
-                conv_io = self._capture(module, i, False, self.conv_hidden)[0].io
+            capture, next_hidden = self._capture(module, i, self.options.merged, hidden)
+            if self.corrective:  # the same block's inputs in the converted model
+                conv_io = self._capture(module, i, False, conv_hidden)[0].io
                 layer_copy = copy.deepcopy(module).float().requires_grad_(False)
         release_memory(self.device)
-        outs = self._merged_outputs(i, capture.gram)
+        info: dict[str, Any] = {"merge": None, "key_merge": self.options.method, "refine": None}
+        outs = self._merged_outputs(i, capture.gram, info)
         base = {id(o) for o in self.per_layer[i]}
         # the merged tensors, computed once: written, and kept for a resumed run
         values = {o.name: execute(o, self.reader.read) for o in outs if id(o) not in base}
@@ -260,11 +250,11 @@ class _LayerwiseJob:
                 run = layer_copy
             # the per-token loss weighs each token by the residual state it lands in: a whole layer's
             # output is that state (the per-token target is the corrective, whole-layer one)
-            per_token = self._target.loss == "per-token"  # type: ignore[union-attr]
+            per_token = self.target.loss == "per-token"  # type: ignore[union-attr]
             weights = [token_weights(t) for _, _, t in pairs] if per_token else None
             qk = qk_parameters(self.adapter, i, path, block)
             fitted = fit_block(run, pairs[:n], pairs[n:], self.refine, block, qk, weights)
-            self.refined.layers.append({"layer": i, **fitted})  # type: ignore[union-attr]
+            info["refine"] = {"layer": i, **fitted}
             del pairs
             by_name = {o.name: o for o in outs}
             for name, p in block.named_parameters():
@@ -272,24 +262,15 @@ class _LayerwiseJob:
                 if out is None:
                     raise RuntimeError(f"layer-wise refinement: no output tensor for {path}.{name}")
                 values[out.name] = p.detach().to("cpu", torch_dtype(out.dtype)).contiguous()
-            if self.conv_hidden is not None:  # the converted layer's outputs: the next layer's inputs
-                outs_conv = self.stream.run(i, layer_copy, [h.float() for h in self.conv_hidden], to_float)
-                self.conv_hidden = [h.to(self.stream.dtype) for h in outs_conv]
+            if self.corrective:  # the converted layer's outputs: the next layer's inputs
+                outs_conv = self.stream.run(i, layer_copy, [h.float() for h in conv_hidden], to_float)
+                conv_hidden = [h.to(self.stream.dtype) for h in outs_conv]
             del block, run, layer_copy
-        self.hidden = next_hidden
+        self.carried = next_hidden + conv_hidden
         self.stream.release(i)
         release_memory(self.device)
-        self.seconds.append(round(time.perf_counter() - t0, 3))
+        self.measured.append({**info, "seconds": round(time.perf_counter() - t0, 3)})
         return [(out, values.get(out.name)) for out in outs]
-
-    def layer_info(self, i: int) -> dict[str, Any]:
-        """What was measured on layer ``i`` (just converted), as a resumed run needs it back."""
-        return {
-            "merge": self.merges.layers[-1] if self.options.merged else None,
-            "key_merge": self.merges.key_merge,
-            "refine": self.refined.layers[-1] if self.refined is not None else None,
-            "seconds": self.seconds[-1],
-        }
 
     def finished_layer(
         self, i: int, resume: LayerwiseResume
@@ -297,42 +278,41 @@ class _LayerwiseJob:
         """Layer ``i`` as an earlier run converted it: its computed tensors from ``resume``, the rest as
         planned; its measurements join this run's records."""
         values, info = resume.layer(i)
-        if info["merge"] is not None:
-            self.merges.layers.append(info["merge"])
-            self.merges.key_merge = info["key_merge"]
-        if info["refine"] is not None and self.refined is not None:
-            self.refined.layers.append(info["refine"])
-        self.seconds.append(info["seconds"])
+        self.measured.append(info)
         self.stream.release(i)
         return [(out, values.get(out.name)) for out in self.per_layer[i]]
 
-    def _merged_outputs(self, i: int, gram: torch.Tensor | None) -> list[OutputTensor]:
-        """Layer ``i``'s planned output tensors, its attention merged when the conversion merges."""
+    def _merged_outputs(self, i: int, gram: torch.Tensor | None, info: dict[str, Any]) -> list[OutputTensor]:
+        """Layer ``i``'s planned output tensors, its attention merged when the conversion merges (what
+        was measured goes into ``info``)."""
         overrides: dict[str, OutputTensor] = {}
         if self.options.merged:
-            lm, keys = fit_one_layer(
+            lm, info["key_merge"] = fit_one_layer(
                 self.reader.read, self.infos, self.adapter, self.geom, i, gram,
                 self.options.groups, self.options.method, self.options.grouping, self.rdim,
             )  # fmt: skip
             overrides = merged_layer(self.infos, self.adapter, self.geom, self.spec, i, lm)
-            self.merges.layers.append(lm.report_entry(i, self.options.grouping))
-            if keys == KEY_FALLBACK:
-                self.merges.key_merge = keys
+            info["merge"] = lm.report_entry(i, self.options.grouping)
         return [overrides.get(o.name, o) for o in self.per_layer[i]]
 
     def record(self, elapsed_s: float) -> dict[str, Any]:
         """What the conversion measured, for gqakit.json."""
-        rec: dict[str, Any] = {}
-        if self.options.merged:
-            calib = calibration_record(
-                self.options.calib_data, self.options.calib_tokens, self.sequences, str(self.device)
-            )  # type: ignore[arg-type]
-            self.merges.calibration = {**calib, "elapsed_s": round(elapsed_s, 3)}
-            rec.update(self.merges.to_record())
-        if self.refined is not None:
-            self.refined.elapsed_s = elapsed_s
-            rec["refine"] = self.refined.to_record()
-        rec["layerwise"] = {"device": str(self.device), "seconds_per_layer": self.seconds}
+        o, rec = self.options, {}
+        if o.merged:
+            calib = calibration_record(o.calib_data, o.calib_tokens, self.sequences, str(self.device))  # type: ignore[arg-type]
+            calib["elapsed_s"] = round(elapsed_s, 3)
+            # the keys' treatment: the method's, unless some layer normalized its keys per head
+            keys = next((m["key_merge"] for m in self.measured if m["key_merge"] == KEY_FALLBACK), o.method)
+            rec = merge_record(o.method, o.grouping, keys, calib, [m["merge"] for m in self.measured])  # type: ignore[arg-type]
+        if self.refine is not None:
+            tokens = sum(b.numel() for b in self.fit_runs), sum(b.numel() for b in self.check_runs)
+            rec["refine"] = refine_record(
+                self.refine, *tokens, [m["refine"] for m in self.measured], elapsed_s
+            )
+        rec["layerwise"] = {
+            "device": str(self.device),
+            "seconds_per_layer": [m["seconds"] for m in self.measured],
+        }
         if self.device.type == "cuda":
             rec["layerwise"]["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return rec
@@ -367,7 +347,7 @@ def planned_block(
 ) -> torch.nn.Module:
     """The converted attention block of ``layer`` in float32, with the planned (merged) weights: a fresh
     module of ``original``'s class, built for the converted ``config``."""
-    block = type(original)(config, layer).to(device=device, dtype=torch.float32).eval()
+    block = type(original)(config, layer_idx=layer).to(device=device, dtype=torch.float32).eval()
     by_name = {o.name: o for o in outs}
     with torch.no_grad():
         for n, p in block.named_parameters():

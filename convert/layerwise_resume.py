@@ -17,15 +17,17 @@ import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from gqakit.checkpoint import Checkpoint
 from gqakit.errors import GqakitError
 from gqakit.locks import OWNER, exclusive
-from gqakit.storage import atomic_write, check_output_dir
+from gqakit.storage import atomic_write, check_output_dir, fingerprint
 
 STATE = "state.json"
 HIDDEN = "hidden.pt"
@@ -76,13 +78,19 @@ def claim_layerwise(
         resume.clear()
 
 
-def tokens_digest(sequences: list[torch.Tensor]) -> str:
-    """A hash of the calibration token ids (another text or tokenizer gives other layers)."""
-    h = hashlib.sha256()
+def resume_key(ckpt: Checkpoint, options: Any, sequences: list[torch.Tensor]) -> dict[str, Any]:
+    """What the finished layers of a layer-wise conversion depend on: the source's files, every option
+    but ``force``, and the calibration token ids (another text or tokenizer gives other layers)."""
+    origin = Path(ckpt.origin)
+    tokens = hashlib.sha256()
     for s in sequences:
-        h.update(s.to(torch.int64).contiguous().numpy().tobytes())
-        h.update(b";")
-    return h.hexdigest()[:16]
+        tokens.update(s.to(torch.int64).contiguous().numpy().tobytes())
+        tokens.update(b";")
+    return {
+        "source": fingerprint(origin) if origin.exists() else ckpt.origin,
+        "options": {k: v for k, v in asdict(options).items() if k != "force"},
+        "tokens": tokens.hexdigest()[:16],
+    }
 
 
 class LayerwiseResume:
@@ -139,4 +147,4 @@ class LayerwiseResume:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-__all__ = ["LayerwiseResume", "resume_dir", "tokens_digest"]
+__all__ = ["LayerwiseResume", "resume_dir", "resume_key"]

@@ -1,39 +1,64 @@
-"""Fitting merges: which K/V heads share a group, and one key and one value merge per group.
+"""Merged conversions: which K/V heads share a group, one key and one value merge per group, and the
+plan that applies them.
 
 :func:`fit_one_layer` fits one decoder layer from that layer's attention weights (read one tensor at a
-time) and the second moment of its K/V projection input (:mod:`gqakit.convert.calibrate`); the
-whole-model :func:`fit_layer_merges` and the layer-by-layer path (:mod:`gqakit.convert.layerwise`) both
-call it. Each merge minimizes its error where it matters downstream
-(:func:`~gqakit.convert.merge.downstream_scales`): a key error through the queries that read it, a value
-error through the o_proj columns. On SmolLM2-135M -> MQA this takes zero-shot test perplexity from 116
-(plain output error) to 92.
+time) and the second moment of its K/V projection input (:mod:`gqakit.convert.calibrate`), for the
+layer-by-layer path (:mod:`gqakit.convert.layerwise`). Each merge minimizes its error where it matters
+downstream (:func:`~gqakit.convert.merge.downstream_scales`): a key error through the queries that read
+it, a value error through the o_proj columns. On SmolLM2-135M -> MQA this takes zero-shot test
+perplexity from 116 (plain output error) to 92.
 
 Families that normalize keys per head after projection (qwen3, gemma3, olmo2, stablelm with
 ``qk_layernorm``, phi with ``qk_layernorm``) make the key merge non-linear: their keys fall back to mean
 pooling (the norm weights pool the same way), while values are still merged with calibration. The
 provenance record says ``"key_merge": "mean (keys are normalized per head)"`` for them.
+
+The plan of a merged conversion (:func:`merged_layer` over :func:`base_plan`) gives each layer's
+attention tensors as functions that permute and merge the streamed source tensors, so the output is
+written through the same atomic, shard-by-shard path as every other conversion.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from gqakit.checkpoint import Checkpoint
-from gqakit.convert.grouping import contiguous_groups, similarity_groups
-from gqakit.convert.merge import Merge, augment, downstream_scales, energy, in_metric, merge_error
+from gqakit.convert.grouping import (
+    contiguous_groups,
+    permute_cols,
+    permute_rows,
+    query_order,
+    similarity_groups,
+)
+from gqakit.convert.merge import (
+    Merge,
+    augment,
+    compensate_o_cols,
+    compensate_q_rows,
+    downstream_scales,
+    energy,
+    in_metric,
+    merge_error,
+    merge_rows,
+)
 from gqakit.convert.methods import fit_merge
-from gqakit.convert.plan import Infos
+from gqakit.convert.plan import (
+    Infos,
+    OutputTensor,
+    RegroupSpec,
+    join_qkv,
+    module_tensors,
+    plan_regroup,
+    split_qkv,
+)
+from gqakit.dtypes import torch_dtype
 from gqakit.families import rotary_dims
 from gqakit.family_parts import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
-
-if TYPE_CHECKING:
-    from gqakit.convert.calibrate import CalibrationStats
 
 # What a calibrated merge minimizes, for the provenance record (see merge.downstream_scales).
 MERGE_OBJECTIVE = (
@@ -76,6 +101,12 @@ class LayerMerge:
         return entry
 
 
+def rotary_channels(config: dict[str, Any], adapter: ArchAdapter, head_dim: int) -> int:
+    """Channels of each head that get rotary embeddings (:func:`gqakit.families.rotary_dims`); none in a
+    family with learned positions."""
+    return rotary_dims(config, head_dim) if adapter.rotary else 0
+
+
 def keys_normalized(infos: Infos, adapter: ArchAdapter, layer: int) -> bool:
     """Whether this layer normalizes keys after projection: the checkpoint holds one of the key-norm
     modules its adapter names."""
@@ -100,9 +131,9 @@ def layer_attention_weights(
 
     if adapter.qkv is not None:
         w, b = rows(adapter.tensor("qkv", layer).rsplit(".", 1)[0])
-        sizes = [h * d, kv * d, kv * d]
-        bs = b.split(sizes) if b is not None else (None, None, None)
-        triples: list[tuple[Any, Any]] = list(zip(w.split(sizes), bs, strict=True))
+        ws = split_qkv(w, h, kv, d, adapter.qkv_per_head)
+        bs = split_qkv(b, h, kv, d, adapter.qkv_per_head) if b is not None else (None, None, None)
+        triples: list[tuple[Any, Any]] = list(zip(ws, bs, strict=True))
         if not queries:
             triples[0] = (None, None)
     else:
@@ -136,7 +167,7 @@ def fit_one_layer(
         groups: K/V heads in the output.
         method: ``mean``, ``first`` or ``calibrated``.
         grouping: ``contiguous`` or ``similarity``.
-        rdim: rotary channels per head (:func:`gqakit.families.rotary_dims`).
+        rdim: rotary channels per head (:func:`rotary_channels`).
 
     Returns:
         The layer's merge, and how its keys were merged (``method``, or the per-head-norm fallback).
@@ -189,42 +220,6 @@ def fit_one_layer(
     return merge, key_treatment
 
 
-def fit_layer_merges(
-    ckpt: Checkpoint,
-    adapter: ArchAdapter,
-    geom: AttentionGeometry,
-    stats: CalibrationStats | None,
-    groups: int,
-    method: str,
-    grouping: str = "contiguous",
-) -> tuple[list[LayerMerge], str]:
-    """Choose groups and fit key/value merges for every layer (:func:`fit_one_layer` in turn).
-
-    Args:
-        ckpt: the source checkpoint (weights are read one tensor at a time).
-        stats: calibration statistics; needed for ``calibrated`` and for ``similarity`` grouping.
-        groups: K/V heads in the output.
-        method: ``mean``, ``first`` or ``calibrated``.
-        grouping: ``contiguous`` or ``similarity``.
-
-    Returns:
-        The per-layer merges, and how keys were merged (``method``, or the per-head-norm fallback).
-    """
-    infos = ckpt.tensor_infos()
-    rdim = rotary_dims(ckpt.config, geom.head_dim)
-    key_treatment = method
-    merges = []
-    with ckpt.reader() as reader:
-        for layer in range(geom.num_layers):
-            gram = stats.grams[layer] if stats is not None else None
-            merge, keys = fit_one_layer(
-                reader.read, infos, adapter, geom, layer, gram, groups, method, grouping, rdim
-            )
-            merges.append(merge)
-            key_treatment = keys if keys != method else key_treatment
-    return merges, key_treatment
-
-
 def _rows(t: torch.Tensor | None, idx: list[int]) -> torch.Tensor | None:
     return None if t is None else t[idx]
 
@@ -234,29 +229,105 @@ def _fit(fn: Callable[[torch.Tensor], Merge], w: torch.Tensor, scales: torch.Ten
     return fn(w) if scales is None else in_metric(fn, w, scales[idx])
 
 
-@dataclass
-class MergeReport:
+def merge_record(
+    method: str, grouping: str, key_merge: str, calibration: dict[str, Any], layers: list[dict[str, Any]]
+) -> dict[str, Any]:
     """What a merged conversion records in gqakit.json."""
-
-    method: str
-    grouping: str
-    key_merge: str
-    calibration: dict[str, Any] | None
-    layers: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_record(self) -> dict[str, Any]:
-        rec: dict[str, Any] = {"grouping": self.grouping, "key_merge": self.key_merge}
-        if self.method == "calibrated":
-            rec["merge_objective"] = MERGE_OBJECTIVE
-        if self.calibration is not None:
-            rec["calibration"] = self.calibration
-        rec["reconstruction_error"] = self.layers
-        return rec
+    rec: dict[str, Any] = {"grouping": grouping, "key_merge": key_merge}
+    if method == "calibrated":
+        rec["merge_objective"] = MERGE_OBJECTIVE
+    return {**rec, "calibration": calibration, "reconstruction_error": layers}
 
 
-def merge_report(
-    method: str, grouping: str, key_merge: str, stats: CalibrationStats | None, merges: list[LayerMerge]
-) -> MergeReport:
-    calib = None if stats is None else {**stats.record, "elapsed_s": round(stats.elapsed_s, 3)}
-    layers = [lm.report_entry(i, grouping) for i, lm in enumerate(merges)]
-    return MergeReport(method, grouping, key_merge, calib, layers)
+def merged_layer(
+    infos: Infos, adapter: ArchAdapter, geom: AttentionGeometry, spec: RegroupSpec, layer: int, lm: LayerMerge
+) -> dict[str, OutputTensor]:
+    """The planned tensors of one layer's attention, permuted and merged by ``lm``, by output name.
+
+    q rows (and bias) move with their K/V head and absorb the key compensation; k/v rows (and biases,
+    and flat key norms) are permuted and merged; o_proj columns move and absorb the value compensation;
+    per-head norms move (query) or are merged (key).
+    """
+    d, n_rep, kv, h = geom.head_dim, geom.queries_per_kv, geom.num_kv_heads, geom.num_heads
+    override: dict[str, OutputTensor] = {}
+
+    def put(name: str, shape: tuple[int, ...], sources: tuple[str, ...], fn) -> None:
+        dtype = spec.out_dtype or infos[sources[0]][0]
+        override[name] = OutputTensor(name, dtype, shape, sources, partial(_cast_to, fn=fn, dtype=dtype))
+
+    def tensors(role: Role) -> list[str]:
+        return module_tensors(infos, adapter.module(role, layer))
+
+    kv_order, q_order = lm.kv_order, query_order(lm.kv_order, n_rep)
+    q_fn = partial(_q_rows, q_order=q_order, keys=lm.keys, d=d, n_rep=n_rep)
+    k_fn = partial(_kv_rows, kv_order=kv_order, merges=lm.keys, d=d)
+    v_fn = partial(_kv_rows, kv_order=kv_order, merges=lm.values, d=d)
+    for name in tensors("q"):
+        put(name, infos[name][1], (name,), q_fn)
+    for name in tensors("k") + tensors("k_norm_flat"):
+        put(name, (spec.target * d, *infos[name][1][1:]), (name,), k_fn)
+    for name in tensors("v"):
+        put(name, (spec.target * d, *infos[name][1][1:]), (name,), v_fn)
+    for name in tensors("q_norm_flat"):
+        put(name, infos[name][1], (name,), partial(_permuted_rows, order=q_order, d=d))
+    for name in tensors("qkv"):
+        fn = partial(_fused, q_fn=q_fn, k_fn=k_fn, v_fn=v_fn, h=h, kv=kv, d=d, per_head=adapter.qkv_per_head)
+        put(name, ((h + 2 * spec.target) * d, *infos[name][1][1:]), (name,), fn)
+    o = adapter.tensor("o", layer)
+    put(o, infos[o][1], (o,), partial(_o_cols, q_order=q_order, values=lm.values, d=d, n_rep=n_rep))
+    for suffix in ("weight", "bias"):
+        if adapter.q_norm_per_head is not None:
+            names = [f"{adapter.q_norm_per_head.format(layer=layer, head=j)}.{suffix}" for j in range(h)]
+            if all(n in infos for n in names):
+                for j, old in enumerate(q_order):
+                    put(names[j], infos[names[old]][1], (names[old],), _copy)
+        if adapter.k_norm_per_head is not None:
+            names = [f"{adapter.k_norm_per_head.format(layer=layer, head=i)}.{suffix}" for i in range(kv)]
+            if all(n in infos for n in names):
+                for g, (members, mg) in enumerate(zip(lm.groups, lm.keys, strict=True)):
+                    new = f"{adapter.k_norm_per_head.format(layer=layer, head=g)}.{suffix}"
+                    srcs = tuple(names[i] for i in members)
+                    put(new, infos[srcs[0]][1], srcs, partial(_per_head_norm, merge=mg))
+    return override
+
+
+def base_plan(
+    infos: Infos, adapter: ArchAdapter, geom: AttentionGeometry, spec: RegroupSpec
+) -> list[OutputTensor]:
+    """The plan that merged layers override: mean pooling, whose output names, shapes and dtypes are
+    those of every merge."""
+    return plan_regroup(infos, adapter, geom, RegroupSpec(spec.target, "mean", out_dtype=spec.out_dtype))
+
+
+def _cast_to(ts: list[torch.Tensor], *, fn, dtype: str) -> torch.Tensor:
+    return fn(ts).to(torch_dtype(dtype)).contiguous()
+
+
+def _copy(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0].clone()
+
+
+def _permuted_rows(ts: list[torch.Tensor], *, order, d) -> torch.Tensor:
+    return permute_rows(ts[0], order, d)
+
+
+def _q_rows(ts: list[torch.Tensor], *, q_order, keys, d, n_rep) -> torch.Tensor:
+    return compensate_q_rows(permute_rows(ts[0], q_order, d), keys, d, n_rep)
+
+
+def _kv_rows(ts: list[torch.Tensor], *, kv_order, merges, d) -> torch.Tensor:
+    return merge_rows(permute_rows(ts[0], kv_order, d), merges, d)
+
+
+def _o_cols(ts: list[torch.Tensor], *, q_order, values, d, n_rep) -> torch.Tensor:
+    return compensate_o_cols(permute_cols(ts[0], q_order, d), values, d, n_rep)
+
+
+def _fused(ts: list[torch.Tensor], *, q_fn, k_fn, v_fn, h, kv, d, per_head) -> torch.Tensor:
+    q, k, v = split_qkv(ts[0], h, kv, d, per_head)
+    return join_qkv(q_fn([q]), k_fn([k]), v_fn([v]), d, per_head)
+
+
+def _per_head_norm(ts: list[torch.Tensor], *, merge: Merge) -> torch.Tensor:
+    d = ts[0].shape[0]
+    return merge_rows(torch.cat(ts), [merge], d)

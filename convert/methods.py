@@ -5,7 +5,7 @@
 ``calibrated``, and ``--grouping similarity`` with ``mean`` or ``first``), whether it needs calibration
 text, and whether it is one of the GQA paper's (Ainslie et al. 2023). The CLI's choices and help, the
 recipe checks, ``gqakit probe`` and ``gqakit replicate`` all read these tables; :func:`fit_merge` and
-:func:`gqakit.convert.pooling.regroup` dispatch through them. A new method is one entry here and its pure
+:func:`gqakit.convert.plan.regroup` dispatch through them. A new method is one entry here and its pure
 functions.
 """
 

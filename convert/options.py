@@ -159,12 +159,6 @@ class ConvertOptions:
         r = self.resolved()
         return {"preset": r.preset, "settings": {n: getattr(r, n) for n in PRESET_FIELDS}}
 
-    def validate(self) -> None:
-        """Raise every problem with these options together (:meth:`check`), fields named by their flags."""
-        p = Problems("convert")
-        self.check(p)
-        p.raise_if_any()
-
     def check(self, p: Problems, paths: bool = True) -> None:
         """Add every problem with these options to ``p``, each field named as ``p`` names it (a recipe
         names them ``model.convert.*``); ``paths``: whether ``calib_data`` must exist now."""

@@ -5,18 +5,29 @@ from, and the pure function that computes it (None: copy the single source uncha
 only the tensor headers, so a whole checkpoint is planned, and every problem found, before one byte is
 written; executing a plan streams it (``convert.stream``) or applies it to an in-memory state dict
 (:func:`convert_state_dict`).
+
+Pooling is pure tensor math in *head space*: a K or V projection weight ``[kv_heads * head_dim,
+hidden]`` is viewed as ``[kv_heads, head_dim, hidden]`` and the first axis is reduced (pooling) or
+repeated (expansion). HF's ``repeat_kv`` serves query head ``j`` from KV head ``j // (H / G)``, so the
+KV heads that end up sharing one new head are consecutive: new head ``g`` pools old heads
+``g*r .. g*r + r - 1`` with ``r = kv_heads / G``.
+
+Rotary embeddings rotate channel pairs *inside* a head by an angle that depends only on the channel
+index and the position, identically for every head. Averaging weight rows of several heads channel by
+channel therefore commutes with the rotation: ``R(mean_i W_i x) = mean_i R(W_i x)``. Pooling needs no
+knowledge of the rotary layout (tests/convert/test_pooling.py checks this numerically).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from gqakit.convert.methods import METHODS
-from gqakit.convert.pooling import regroup, regroup_fused_qkv, regroup_head_axis, tensor_generator
+from gqakit.convert.methods import METHODS, POOLING_METHODS
 from gqakit.dtypes import is_float, safetensors_name, torch_dtype
 from gqakit.errors import GqakitError
 from gqakit.family_parts import ArchAdapter
@@ -24,6 +35,113 @@ from gqakit.geometry import AttentionGeometry
 
 TensorFn = Callable[[list[torch.Tensor]], torch.Tensor]
 Infos = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def regroup(
+    x: torch.Tensor,
+    target: int,
+    method: str = "mean",
+    *,
+    init: str = "normal",
+    std: float = 0.02,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Regroup ``x`` of shape ``[kv_heads, ...]`` (one slice per KV head) to ``[target, ...]``.
+
+    Args:
+        x: per-head slices, heads on axis 0.
+        target: number of KV heads wanted. Fewer than ``x.shape[0]`` pools (must divide it); more
+            expands by repeating each head (must be a multiple of it); equal keeps ``x``.
+        method: one of :data:`~gqakit.convert.methods.POOLING_METHODS`: ``mean`` (average each group,
+            the paper's choice), ``first`` (keep each group's first head) or ``random`` (fresh
+            initialisation, ignoring ``x``). Expansion always repeats.
+        init: what ``random`` draws for this tensor: ``normal(0, std)`` for weights, ``zeros`` for
+            biases, ``ones`` for norm weights (transformers' own initialisation).
+        std: standard deviation for ``normal`` (the checkpoint's ``initializer_range``).
+        generator: RNG for ``random``.
+
+    Returns:
+        A tensor of ``x``'s dtype; pooling is computed in float32 and cast back.
+    """
+    k = x.shape[0]
+    rest = tuple(x.shape[1:])
+    if target <= 0:
+        raise ValueError(f"target must be positive, got {target}")
+    if method not in POOLING_METHODS:
+        raise ValueError(f"unknown pooling method {method!r}; choose one of {', '.join(POOLING_METHODS)}")
+    entry = METHODS[method]
+    if entry.fresh:
+        shape = (target, *rest)
+        if init == "zeros":
+            return torch.zeros(shape, dtype=x.dtype)
+        if init == "ones":
+            return torch.ones(shape, dtype=x.dtype)
+        return (torch.randn(shape, generator=generator, dtype=torch.float32) * std).to(x.dtype)
+    if target == k:
+        return x.clone()
+    if target > k:
+        if target % k:
+            raise ValueError(f"cannot expand {k} heads to {target}: {target} is not a multiple of {k}")
+        return x.repeat_interleave(target // k, dim=0)
+    if k % target:
+        raise ValueError(f"cannot pool {k} heads into {target} groups: {target} does not divide {k}")
+    return entry.pool(x.reshape(target, k // target, *rest)).to(x.dtype)  # type: ignore[misc]
+
+
+def regroup_head_axis(
+    t: torch.Tensor, num_kv_heads: int, target: int, head_dim: int, method: str = "mean", **kw: object
+) -> torch.Tensor:
+    """Regroup a tensor whose first axis is ``num_kv_heads * head_dim`` (K/V weights and biases)."""
+    if t.shape[0] != num_kv_heads * head_dim:
+        raise ValueError(f"expected {num_kv_heads} x {head_dim} rows, got {t.shape[0]}")
+    rest = tuple(t.shape[1:])
+    heads = t.reshape(num_kv_heads, head_dim, *rest)
+    return regroup(heads, target, method, **kw).reshape(target * head_dim, *rest)  # type: ignore[arg-type]
+
+
+def split_qkv(
+    t: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, per_head: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k and v rows of a fused projection's weight or bias: ``q | k | v`` (phi3), or with
+    ``per_head`` one head's ``q_h | k_h | v_h`` after another (gpt_bigcode's MHA ``c_attn``)."""
+    if not per_head:
+        return t.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+    rest = tuple(t.shape[1:])
+    q, k, v = t.reshape(num_heads, 3, head_dim, *rest).unbind(1)
+    return tuple(x.reshape(num_heads * head_dim, *rest) for x in (q, k, v))  # type: ignore[return-value]
+
+
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, per_head: bool = False):
+    """The fused rows of q, k and v (:func:`split_qkv`'s layout); ``per_head`` holds only while every
+    query head keeps its own K/V head (gpt_bigcode stores one shared K/V head as ``q | k | v``)."""
+    if not per_head or k.shape[0] != q.shape[0]:
+        return torch.cat([q, k, v])
+    rest = tuple(q.shape[1:])
+    heads = q.shape[0] // head_dim
+    return torch.stack([x.reshape(heads, head_dim, *rest) for x in (q, k, v)], dim=1).reshape(-1, *rest)
+
+
+def regroup_fused_qkv(
+    t: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    target: int,
+    head_dim: int,
+    method: str = "mean",
+    per_head: bool = False,
+    **kw: object,
+) -> torch.Tensor:
+    """Regroup the K and V rows of a fused projection (:func:`split_qkv`); Q passes through."""
+    q, k, v = split_qkv(t, num_heads, num_kv_heads, head_dim, per_head)
+    k = regroup_head_axis(k, num_kv_heads, target, head_dim, method, **kw)
+    v = regroup_head_axis(v, num_kv_heads, target, head_dim, method, **kw)
+    return join_qkv(q, k, v, head_dim, per_head)
+
+
+def tensor_generator(seed: int, name: str) -> torch.Generator:
+    """A generator seeded from the run's seed and the tensor's name, so ``random`` does not depend on
+    the order in which shards are streamed."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
 @dataclass(frozen=True)
@@ -123,7 +241,15 @@ def plan_regroup(
                 dtype, shape = infos[name]
                 init = _init_for(name, False)
                 fn = partial(
-                    _fused, heads=geom.num_heads, kv=kv, target=g, d=d, spec=spec, init=init, name=name
+                    _fused,
+                    heads=geom.num_heads,
+                    kv=kv,
+                    target=g,
+                    d=d,
+                    spec=spec,
+                    init=init,
+                    name=name,
+                    per_head=adapter.qkv_per_head,
                 )
                 add(name, OutputTensor(name, dtype, ((geom.num_heads + 2 * g) * d, *shape[1:]), (name,), fn))
             continue
@@ -177,9 +303,12 @@ def _head_axis(ts: list[torch.Tensor], *, kv, target, d, spec: RegroupSpec, init
     return regroup_head_axis(ts[0], kv, target, d, spec.method, init=init, std=spec.std, generator=gen)
 
 
-def _fused(ts: list[torch.Tensor], *, heads, kv, target, d, spec: RegroupSpec, init, name) -> torch.Tensor:
+def _fused(
+    ts: list[torch.Tensor], *, heads, kv, target, d, spec: RegroupSpec, init, name, per_head
+) -> torch.Tensor:
     gen = tensor_generator(spec.seed, name)
-    return regroup_fused_qkv(ts[0], heads, kv, target, d, spec.method, init=init, std=spec.std, generator=gen)
+    kw = dict(init=init, std=spec.std, generator=gen)
+    return regroup_fused_qkv(ts[0], heads, kv, target, d, spec.method, per_head, **kw)
 
 
 def _per_head(ts: list[torch.Tensor], *, spec: RegroupSpec, init, name) -> torch.Tensor:

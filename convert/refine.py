@@ -18,7 +18,7 @@ measured (whole-layer, window and cosine-schedule variants) are compared in docs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,54 +105,37 @@ class RefineSettings:
     qk_lr: float | None = None
 
 
-@dataclass
-class RefineReport:
-    """What refinement did, for gqakit.json.
-
-    Attributes:
-        settings: the steps, learning rate and seed used.
-        tokens: calibration tokens the blocks were fitted on.
-        heldout_tokens: calibration tokens held out to choose each block's best step.
-        layers: per layer, the relative attention-output errors before and after, on both (see
-            :func:`fit_block`).
-        elapsed_s: seconds spent.
-    """
-
-    settings: RefineSettings
-    tokens: int
-    heldout_tokens: int
-    layers: list[dict[str, Any]] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-    @property
-    def summary(self) -> str:
-        """One line on what was kept: the steps and the layers they improved, or that no step was kept
-        (no layer's held-out error ever fell below its merge's)."""
-        kept = sum(1 for layer in self.layers if layer["best_step"])
-        if not kept:
-            return (
-                f"refinement kept no step: in {self.settings.steps} steps/layer no layer's held-out error "
-                "fell below its merge's"
-            )
-        return f"refined {self.settings.steps} steps/layer, {kept} of {len(self.layers)} layers improved"
-
-    def to_record(self) -> dict[str, Any]:
-        target = REFINE_TARGETS[self.settings.target]
-        return {
-            "steps": self.settings.steps,
-            "lr": self.settings.lr,
-            "seed": self.settings.seed,
-            "tokens": self.tokens,
-            "heldout_tokens": self.heldout_tokens,
-            "target": self.settings.target,
-            "qk_lr": self.settings.qk_lr,
-            "loss": target.loss,
-            "objective": f"per layer, {LOSSES[target.loss]}, against {target.help}; all attention parameters "
-            "trained; each layer keeps its weights at the best held-out error (best_step 0: the merge)",
-            "summary": self.summary,
-            "attention_error": self.layers,
-            "elapsed_s": round(self.elapsed_s, 3),
-        }
+def refine_record(
+    settings: RefineSettings, tokens: int, heldout_tokens: int, layers: list[dict[str, Any]], elapsed_s: float
+) -> dict[str, Any]:
+    """What refinement did, for gqakit.json: the settings, the calibration tokens the blocks were fitted
+    on and those held out to choose each block's best step, per layer the relative errors before and
+    after on both (:func:`fit_block`), the seconds spent, and a one-line ``summary`` of what was kept: the
+    steps and the layers they improved, or that no step was kept (no layer's held-out error ever fell
+    below its merge's)."""
+    target = REFINE_TARGETS[settings.target]
+    kept = sum(1 for layer in layers if layer["best_step"])
+    summary = f"refined {settings.steps} steps/layer, {kept} of {len(layers)} layers improved"
+    if not kept:
+        summary = (
+            f"refinement kept no step: in {settings.steps} steps/layer no layer's held-out error fell below "
+            "its merge's"
+        )
+    return {
+        "steps": settings.steps,
+        "lr": settings.lr,
+        "seed": settings.seed,
+        "tokens": tokens,
+        "heldout_tokens": heldout_tokens,
+        "target": settings.target,
+        "qk_lr": settings.qk_lr,
+        "loss": target.loss,
+        "objective": f"per layer, {LOSSES[target.loss]}, against {target.help}; all attention parameters "
+        "trained; each layer keeps its weights at the best held-out error (best_step 0: the merge)",
+        "summary": summary,
+        "attention_error": layers,
+        "elapsed_s": round(elapsed_s, 3),
+    }
 
 
 def to_float(obj: Any) -> Any:

@@ -1,5 +1,5 @@
 """GPT-2 and pre-LN OPT re-expressed, exactly, as transformers' ``gpt_bigcode`` (GPT-2's block with an
-optional single K/V head, ``multi_query``), and the MQA step on it.
+optional single K/V head, ``multi_query``), and where convert finds that class's attention tensors.
 
 ``gpt_bigcode`` holds either one K/V head per query head (its fused ``c_attn`` rows per head:
 ``q_h | k_h | v_h``) or one K/V head for all (``multi_query=True``: rows ``q | k | v``). GPT-2's ``Conv1D``
@@ -15,34 +15,10 @@ from typing import Any
 
 import torch
 
-from gqakit.convert.pooling import regroup
-from gqakit.family_parts import Rewrite
+from gqakit.family_parts import ArchAdapter, Rewrite
 
 Config = dict[str, Any]
 StateDict = dict[str, torch.Tensor]
-
-
-def _bigcode_config(
-    vocab: int, positions: int, hidden: int, layers: int, heads: int, inner: int, act: str, eps: float
-) -> Config:
-    return {
-        "model_type": "gpt_bigcode",
-        "architectures": ["GPTBigCodeForCausalLM"],
-        "vocab_size": vocab,
-        "n_positions": positions,
-        "n_embd": hidden,
-        "n_layer": layers,
-        "n_head": heads,
-        "n_inner": inner,
-        "activation_function": act,
-        "layer_norm_epsilon": eps,
-        "scale_attn_weights": True,
-        "multi_query": False,
-        "tie_word_embeddings": True,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    }
 
 
 def carried(config: Config) -> Config:
@@ -51,30 +27,51 @@ def carried(config: Config) -> Config:
     return {k: config[k] for k in keys if config.get(k) is not None}
 
 
-def _carry(config: Config, out: Config) -> Config:
-    return {**out, "tie_word_embeddings": config.get("tie_word_embeddings", True), **carried(config)}
+def _bigcode_config(config: Config, **sizes: Any) -> Config:
+    """A gpt_bigcode config (MHA) of ``sizes``, with what it keeps of the source ``config``."""
+    return {
+        "model_type": "gpt_bigcode",
+        "architectures": ["GPTBigCodeForCausalLM"],
+        **sizes,
+        "scale_attn_weights": True,
+        "multi_query": False,
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        **carried(config),
+    }
 
 
 def gpt2_to_bigcode_config(config: Config) -> Config:
     """The gpt_bigcode config (MHA) that computes what ``config``'s GPT-2 computes."""
     hidden = config.get("n_embd", config.get("hidden_size"))
-    inner = config.get("n_inner") or 4 * hidden
-    out = _bigcode_config(
-        config["vocab_size"], config.get("n_positions", 1024), hidden, config.get("n_layer"),
-        config.get("n_head"), inner, config.get("activation_function", "gelu_new"),
-        config.get("layer_norm_epsilon", 1e-5),
-    )  # fmt: skip
-    return _carry(config, out)
+    return _bigcode_config(
+        config,
+        vocab_size=config["vocab_size"],
+        n_positions=config.get("n_positions", 1024),
+        n_embd=hidden,
+        n_layer=config.get("n_layer"),
+        n_head=config.get("n_head"),
+        n_inner=config.get("n_inner") or 4 * hidden,
+        activation_function=config.get("activation_function", "gelu_new"),
+        layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+    )
 
 
 def opt_to_bigcode_config(config: Config) -> Config:
     """The gpt_bigcode config (MHA) that computes what ``config``'s pre-LN OPT computes."""
-    out = _bigcode_config(
-        config["vocab_size"], config["max_position_embeddings"], config["hidden_size"],
-        config["num_hidden_layers"], config["num_attention_heads"], config["ffn_dim"],
-        config.get("activation_function", "relu"), 1e-5,  # OPT's nn.LayerNorm default eps
-    )  # fmt: skip
-    return _carry(config, out)
+    return _bigcode_config(
+        config,
+        vocab_size=config["vocab_size"],
+        n_positions=config["max_position_embeddings"],
+        n_embd=config["hidden_size"],
+        n_layer=config["num_hidden_layers"],
+        n_head=config["num_attention_heads"],
+        n_inner=config["ffn_dim"],
+        activation_function=config.get("activation_function", "relu"),
+        layer_norm_epsilon=1e-5,  # OPT's nn.LayerNorm default eps
+    )
 
 
 def _per_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
@@ -152,27 +149,20 @@ def opt_to_bigcode_state(state: StateDict, config: Config) -> StateDict:
     return _lm_head(state, out)
 
 
+# gpt_bigcode's attention as convert reads it: one fused c_attn, per head while it is MHA, and learned
+# positions (keys merge like values). Only the rewrites below produce checkpoints of it to convert.
+_BIGCODE_ATTN = "transformer.h.{layer}.attn"
+BIGCODE = ArchAdapter(
+    "gpt_bigcode",
+    q=None,
+    k=None,
+    v=None,
+    qkv=f"{_BIGCODE_ATTN}.c_attn",
+    o=f"{_BIGCODE_ATTN}.c_proj",
+    rotary=False,
+    qkv_per_head=True,
+)
+
 # The rewrites gqakit.families' gpt2 and opt entries name.
-GPT2 = Rewrite(gpt2_to_bigcode_config, gpt2_to_bigcode_state)
-OPT = Rewrite(opt_to_bigcode_config, opt_to_bigcode_state)
-
-
-def bigcode_to_mqa(state: StateDict, config: Config, method: str, seed: int = 0) -> StateDict:
-    """gpt_bigcode MHA -> MQA: each layer's K and V heads pooled into one (``method``: mean, first or
-    random, as :func:`gqakit.convert.pooling.regroup`), rows reordered to ``q | k | v``."""
-    heads, hidden = config["n_head"], config["n_embd"]
-    d = hidden // heads
-    out = dict(state)
-    gen = torch.Generator().manual_seed(seed)
-    for i in range(config["n_layer"]):
-        for part in ("weight", "bias"):
-            name = f"transformer.h.{i}.attn.c_attn.{part}"
-            t = state[name]
-            rows = t.reshape(heads, 3, d, *t.shape[1:])
-            init = "zeros" if part == "bias" else "normal"
-            std = float(config.get("initializer_range", 0.02))
-            k = regroup(rows[:, 1], 1, method, init=init, std=std, generator=gen)
-            v = regroup(rows[:, 2], 1, method, init=init, std=std, generator=gen)
-            q = rows[:, 0].reshape(hidden, *t.shape[1:])
-            out[name] = torch.cat([q, k.reshape(d, *t.shape[1:]), v.reshape(d, *t.shape[1:])]).to(t.dtype)
-    return out
+GPT2 = Rewrite(gpt2_to_bigcode_config, gpt2_to_bigcode_state, attention=BIGCODE)
+OPT = Rewrite(opt_to_bigcode_config, opt_to_bigcode_state, attention=BIGCODE)

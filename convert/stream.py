@@ -71,7 +71,7 @@ class PlanWriter:
         if value is not None:
             writer.write_tensor(out.name, value)
         elif self._raw(out):
-            writer.copy_from(out.name, partial(self.reader.copy_raw, out.sources[0]))
+            writer.copy_run([out.name], partial(self.reader.copy_raw, out.sources[0]))
         else:
             writer.write_tensor(out.name, execute(out, self.reader.read))
         self._bar.update(TensorSpec(out.name, out.dtype, out.shape).nbytes)

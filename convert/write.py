@@ -13,14 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
 from gqakit import __version__
 from gqakit.checkpoint import Checkpoint, copy_non_weight_files
 from gqakit.convert.plan import OutputTensor
 from gqakit.convert.stream import write_plan
-from gqakit.dtypes import dtype_name, torch_dtype
+from gqakit.dtypes import dtype_name
 from gqakit.geometry import AttentionGeometry
 from gqakit.storage import atomic_output_dir, sha256_file, write_json, write_text
 
@@ -62,21 +59,6 @@ def source_hashes(ckpt: Checkpoint) -> dict[str, str | None]:
     }
 
 
-def state_writer(state: dict[str, torch.Tensor], out_dtype: str | None = None) -> WeightWriter:
-    """A conversion held in memory (a rewritten family's) as one ``model.safetensors``, its floating
-    tensors cast to ``out_dtype`` (a safetensors dtype name) when given."""
-
-    def write(out: Path) -> list[str]:
-        cast = None if out_dtype is None else torch_dtype(out_dtype)
-        tensors = {
-            k: (v.to(cast) if cast and v.is_floating_point() else v).contiguous() for k, v in state.items()
-        }
-        save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
-        return ["model.safetensors"]
-
-    return write
-
-
 def write_converted(
     ckpt: Checkpoint,
     dst: str | Path,
@@ -94,11 +76,11 @@ def write_converted(
 
     Shared by every conversion method and family, so each writes the same complete, loadable directory.
     ``weights`` is either a plan (streamed tensor by tensor) or a function that writes the weight shards
-    into the temporary directory itself and returns their names (the layer-by-layer calibrated path, a
-    rewritten family's state: :func:`state_writer`); such a function may add to ``record`` what it
-    measured, which then goes into the provenance. ``config``: the output's config (a rewritten family's
-    target class); by default ``ckpt``'s with ``groups`` K/V heads. ``progress`` False: no progress bar
-    for a streamed plan. The output directory is claimed (and DST checked) before any weight is computed.
+    into the temporary directory itself and returns their names (the layer-by-layer calibrated path);
+    such a function may add to ``record`` what it measured, which then goes into the provenance.
+    ``config``: the output's config (G as its class states it); by default ``ckpt``'s with ``groups``
+    K/V heads. ``progress`` False: no progress bar for a streamed plan. The output directory is claimed
+    (and DST checked) before any weight is computed.
     """
     if config is None:
         config = {**ckpt.config, "num_key_value_heads": groups}

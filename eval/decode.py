@@ -23,8 +23,10 @@ import gc
 import logging
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,7 +34,7 @@ from gqakit.cli_options import parse_list
 from gqakit.console import progress as progress_bar
 from gqakit.errors import GqakitError
 from gqakit.eval.kv_bytes import cache_geometry, measured_kv_bytes, predicted_kv_bytes, weight_bytes_per_step
-from gqakit.models import release_memory, resolve_device
+from gqakit.models import load_causal_lm, release_memory, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +56,11 @@ class DecodePoint:
         kv_tokens: tokens the cache holds (or is allocated for, with a static cache).
         bytes_per_step: weight bytes + KV bytes at the mean decode position (see ``kv_bytes``).
         static_cache: a static cache was used.
-        compiled: the forward pass was compiled.
         error: the error message of an OOM point.
         rounds: tokens/s of each round, when the point was measured in rounds (the vLLM engine).
         spread: ``(max - min) / median`` of the rounds.
-        reliable: the rounds agree (see :func:`~gqakit.eval.decode_rounds.round_stats`); no speedup is
-            computed from an unreliable point.
+        reliable: the rounds agree (see :func:`round_stats`); no speedup is computed from an unreliable
+            point.
     """
 
     batch: int
@@ -74,7 +75,6 @@ class DecodePoint:
     kv_tokens: int = 0
     bytes_per_step: int = 0
     static_cache: bool = False
-    compiled: bool = False
     error: str | None = None
     rounds: list[float | None] | None = None
     spread: float | None = None
@@ -83,44 +83,10 @@ class DecodePoint:
     def to_dict(self) -> dict:
         return asdict(self)
 
-
-PACKED_SDPA = "gqakit_packed_sdpa"
-
-
-def _packed_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers' ``sdpa`` attention, but a one-token GQA step always runs on the K/V heads.
-
-    For one query token transformers packs the ``r`` query heads of a group as ``r`` query positions
-    against their shared K/V head (no copy of the cache), except under ``torch.compile``, where it falls
-    back to ``repeat_kv`` and copies the whole cache to full head count every step: the compiled GQA
-    model then moves more bytes than the MHA one. This does the packing in compiled code too.
-    """
-    # deferred: transformers takes seconds to import
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    one_mask = attention_mask is None or attention_mask.shape[1] == 1  # one mask for every head
-    if query.shape[2] != 1 or groups == 1 or not one_mask or kwargs.get("dropout", 0.0):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    b, h, _, d = query.shape
-    packed = query.reshape(b, h // groups, groups, d)  # heads j*r .. j*r+r-1 share K/V head j
-    out = torch.nn.functional.scaled_dot_product_attention(
-        packed, key, value, attn_mask=attention_mask, scale=scaling
-    )
-    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
-
-
-def use_packed_sdpa(model) -> str:
-    """Switch ``model`` to :func:`_packed_sdpa` (registered once); return its previous implementation."""
-    # deferred: transformers takes seconds to import
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(PACKED_SDPA, _packed_sdpa)
-    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-    before = model.config._attn_implementation
-    model.set_attn_implementation(PACKED_SDPA)
-    return before
+    @classmethod
+    def from_dict(cls, data: dict) -> DecodePoint:
+        """A point back from :meth:`to_dict`, keys of older versions (``compiled``) left out."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 def _sync(device: torch.device) -> None:
@@ -189,9 +155,7 @@ def cache_kwarg() -> str:
     return "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
 
-def _generate_once(
-    model, prompts: torch.Tensor, new_tokens: int, static_cache: bool, compile: bool, prefill: str = "model"
-):
+def _generate_once(model, prompts: torch.Tensor, new_tokens: int, static_cache: bool, prefill: str = "model"):
     """One timed ``generate``: returns (prefill s, per-step latencies s, cache object)."""
     # deferred: transformers takes seconds to import
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -213,17 +177,9 @@ def _generate_once(
         use_cache=True,
         pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0,
         eos_token_id=cfg.eos_token_id,
-        disable_compile=not compile,
+        disable_compile=True,  # a static cache would otherwise be compiled on a GPU
         return_dict_in_generate=True,
     )
-    if compile:
-        # deferred: transformers takes seconds to import
-        from transformers import CompileConfig
-
-        compile_config = CompileConfig()
-        # generate() compiles on accelerators only, unless this (attribute, not argument) says otherwise.
-        compile_config._compile_all_devices = True
-        gen_cfg.compile_config = compile_config
     kwargs = {}
     total = prompts.shape[1] + new_tokens - 1
     if prefill == "random" or static_cache:
@@ -270,7 +226,6 @@ def bench_decode(
     new_tokens: int = 32,
     warmup: int = 1,
     static_cache: bool = False,
-    compile: bool = False,
     progress: bool = True,
     seed: int = 0,
     prefill: str = "model",
@@ -284,9 +239,6 @@ def bench_decode(
         new_tokens: tokens generated per point (>= 2; the first is the prefill's).
         warmup: untimed runs before each timed point, of the same shape (compiles, fills allocators).
         static_cache: use a preallocated ``StaticCache`` instead of the growing ``DynamicCache``.
-        compile: compile the decode step with ``torch.compile`` (implies ``static_cache``); an ``sdpa``
-            model then runs one-token GQA attention on its K/V heads (:func:`_packed_sdpa`), as
-            transformers does uncompiled.
         progress: show a progress bar.
         seed: seed of the random prompts.
         prefill: ``"model"`` runs the prompt through the model and times it; ``"random"`` fills the cache
@@ -303,30 +255,20 @@ def bench_decode(
             "bench_decode needs new_tokens >= 2 (a prefill token and a decode step), warmup >= 0 and prefill "
             f"'model' or 'random', got {new_tokens}, {warmup} and {prefill!r}."
         )
-    static_cache = static_cache or compile
-    restore = None
-    if compile and model.config._attn_implementation == "sdpa":
-        restore = use_packed_sdpa(model)
-    try:
-        return [
-            _point(model, b, c, new_tokens, warmup, static_cache, compile, seed, prefill)
-            for b, c in progress_bar(
-                [(b, c) for b in batch_sizes for c in contexts], "decode", enabled=progress, unit="pt"
-            )
-        ]
-    finally:
-        if restore is not None:
-            model.set_attn_implementation(restore)
+    grid = [(b, c) for b in batch_sizes for c in contexts]
+    return [
+        _point(model, b, c, new_tokens, warmup, static_cache, seed, prefill)
+        for b, c in progress_bar(grid, "decode", enabled=progress, unit="pt")
+    ]
 
 
-def _point(model, b: int, c: int, new_tokens, warmup, static_cache, compile, seed, prefill) -> DecodePoint:
+def _point(model, b: int, c: int, new_tokens, warmup, static_cache, seed, prefill) -> DecodePoint:
     """One point of :func:`bench_decode`: batch ``b``, context ``c``."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     kv_tokens = c + new_tokens - 1  # the last generated token is never fed back
     point = DecodePoint(
-        batch=b, context=c, new_tokens=new_tokens, static_cache=static_cache, compiled=compile,
-        kv_tokens=kv_tokens,
+        batch=b, context=c, new_tokens=new_tokens, static_cache=static_cache, kv_tokens=kv_tokens,
         kv_bytes_predicted=predicted_kv_bytes(model.config, b, kv_tokens, dtype, static_cache),
         bytes_per_step=weight_bytes_per_step(model)
         + predicted_kv_bytes(model.config, b, c + new_tokens // 2, dtype, static_cache),
@@ -334,8 +276,8 @@ def _point(model, b: int, c: int, new_tokens, warmup, static_cache, compile, see
     try:
         prompts = _prompts(model, b, c, seed, device)
         for _ in range(warmup):
-            _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
-        first_s, steps, cache = _generate_once(model, prompts, new_tokens, static_cache, compile, prefill)
+            _generate_once(model, prompts, new_tokens, static_cache, prefill)
+        first_s, steps, cache = _generate_once(model, prompts, new_tokens, static_cache, prefill)
         point.prefill_s = first_s if prefill == "model" else None
         latency = statistics.median(steps)
         point.decode_ms = latency * 1e3
@@ -350,3 +292,107 @@ def _point(model, b: int, c: int, new_tokens, warmup, static_cache, compile, see
     finally:
         free_memory(device)
     return point
+
+
+# ------------------------------------------------------------------------------- side by side
+# Decode speed of several models measured side by side: short interleaved rounds, the median round and
+# its spread, and a speedup only when the rounds agree.
+#
+# A background job that starts or stops while models are measured one after another can fake a speedup of
+# any size (a loaded machine once showed MHA-9 at 2.9 tokens/s and MQA at 49.8, "16.96x"). So every model
+# is loaded once, and then each round runs a short decode of every model back to back, in an order that
+# rotates from round to round; a change of load hits every model in the rounds it spans. Each model's
+# figure is the median of its rounds, and its spread is ``(max - min) / median``: when that exceeds
+# :data:`DECODE_TOLERANCE`, the figure is marked unreliable and no speedup is computed from it.
+#
+# ``gqakit demo`` (its decode step and llama.cpp column) and ``gqakit replicate`` (decode time per G) both
+# measure this way; they cache the rounds themselves.
+
+# A model's rounds may spread by this fraction of their median before its figure counts as unreliable:
+# on a quiet 2-core CPU rounds of one model spread by under 10%; a job starting mid-measurement, by more.
+DECODE_TOLERANCE = 0.25
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """A model's decode rounds (tokens/s; None for a round that ran out of memory) and their summary.
+
+    Attributes:
+        rounds: tokens/s of each round, in the order measured.
+        median: the median round (None when every round ran out of memory).
+        spread: ``(max - min) / median`` over the rounds.
+        reliable: the spread is within the tolerance (and some round ran).
+    """
+
+    rounds: tuple[float | None, ...]
+    median: float | None
+    spread: float | None
+    reliable: bool
+
+    def describe(self) -> str:
+        if self.median is None:
+            return "out of memory"
+        text = f"{self.median:,.1f} tok/s, spread {100 * (self.spread or 0):.0f}%"
+        return text if self.reliable else text + " (unreliable: the load changed during the measurement)"
+
+
+def round_stats(rounds: Sequence[float | None], tolerance: float = DECODE_TOLERANCE) -> RoundStats:
+    """Summarize one model's rounds: median, spread, and whether the spread is within ``tolerance``."""
+    ran = [r for r in rounds if r]
+    if not ran:
+        return RoundStats(tuple(rounds), None, None, False)
+    med = statistics.median(ran)
+    spread = (max(ran) - min(ran)) / med
+    return RoundStats(tuple(rounds), med, spread, spread <= tolerance and len(ran) == len(rounds))
+
+
+def speedup(row: RoundStats | None, base: RoundStats | None) -> str:
+    """A table's speedup cell: the ratio of medians, or why there is none."""
+    if row is None or base is None or row.median is None or base.median is None:
+        return "-"
+    if not (row.reliable and base.reliable):
+        return "unreliable"
+    return f"{row.median / base.median:.2f}x"
+
+
+def interleaved(n_models: int, rounds: int, measure: Callable[[int, int], Any]) -> list[list[Any]]:
+    """``measure(model, round)`` for every model in every round, the order rotating by one model per
+    round; returns each model's results in round order."""
+    runs: list[list[Any]] = [[] for _ in range(n_models)]
+    for r in range(rounds):
+        shift = r % n_models
+        for i in list(range(shift, n_models)) + list(range(shift)):
+            runs[i].append(measure(i, r))
+    return runs
+
+
+def decode_rounds(
+    paths: Sequence[str | Path],
+    *,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    rounds: int,
+    dtype: str = "auto",
+    device: str = "auto",
+) -> list[list[Any]]:
+    """Each checkpoint's :class:`~gqakit.eval.decode.DecodePoint` per round, in transformers.
+
+    Every model is loaded once; the first round of each model has one untimed warmup (first-call and
+    allocator costs). The cache is filled with random keys and values (``prefill="random"``): a decode
+    step reads every cached entry whatever it holds, and no round pays for a prompt.
+    """
+    models = [load_causal_lm(p, dtype=dtype, device=device) for p in paths]
+
+    def one(i: int, r: int) -> Any:
+        (point,) = bench_decode(
+            models[i], batch_sizes=(batch,), contexts=(context,), new_tokens=new_tokens,
+            warmup=1 if r == 0 else 0, progress=False, prefill="random",
+        )  # fmt: skip
+        return point
+
+    try:
+        return interleaved(len(models), rounds, one)
+    finally:
+        models.clear()  # the caller's cache gets the memory back before anything else loads
+        free_memory(device)

@@ -31,14 +31,12 @@ class Engine:
         requires: ``"module:function"`` that raises a :class:`~gqakit.errors.GqakitError` with the install
             command when the backend is missing; None: nothing beyond gqakit's own dependencies.
         tasks: runs lm-eval tasks (``--tasks``).
-        gguf: runs on a GGUF export of each model (``--set gguf_type=...`` chooses its weights).
     """
 
     summary: str
     measure: str
     requires: str | None = None
     tasks: bool = False
-    gguf: bool = False
 
     def measure_fn(self) -> Callable[..., Any]:
         """The function that measures one model."""
@@ -60,16 +58,12 @@ ENGINES: NameTable[Engine] = NameTable(
             'pip install -e ".[llamacpp]"',
             "gqakit.eval.llamacpp_engine:measure_llamacpp_model",
             requires="gqakit.eval.llamacpp_engine:require_llama_cpp",
-            gguf=True,
         ),
         "vllm": Engine(
             "vLLM in its own Python (--set vllm_python=PATH or $GQAKIT_VLLM_PYTHON): serving KV capacity, "
-            "greedy agreement with transformers, throughput per concurrency",
+            "throughput per concurrency",
             "gqakit.eval.vllm_engine:measure_vllm_model",
             requires="gqakit.eval.vllm_engine:require_vllm",
-            tasks=True,
         ),
     },
 )
-# The engines that run lm-eval tasks.
-TASK_ENGINES: tuple[str, ...] = ENGINES.where(lambda e: e.tasks)

@@ -46,8 +46,8 @@ def measure_hf_model(
     if options.bench:
         res.decode = bench_decode(
             model, batch_sizes=options.batch_sizes, contexts=contexts, new_tokens=options.new_tokens,
-            warmup=options.warmup, static_cache=options.static_cache, compile=options.compile,
-            progress=options.progress, seed=options.seed,
+            warmup=options.warmup, static_cache=options.static_cache, progress=options.progress,
+            seed=options.seed,
         )  # fmt: skip
     # Free the weights before the next model loads, so the peak memory is one model's.
     del model, tokenizer

@@ -5,7 +5,7 @@ transformers repeats each shared K/V head for every query head (``repeat_kv``), 
 as many bytes as MHA; llama.cpp's kernels read a shared head once. This engine exports the checkpoint
 to GGUF once (:func:`gqakit.gguf.export.export_gguf`, cached under ``$GQAKIT_CACHE/gguf`` by the
 checkpoint's files, the weight type and the exporter's version; a new export replaces the checkpoint's
-earlier ones of that type, see :func:`gguf_for`), loads it with llama.cpp's Python binding, and fills the same
+earlier ones of that type: :func:`gguf_for`), loads it with llama.cpp's Python binding, and fills the same
 :class:`~gqakit.eval.results.ModelResult` as the transformers engine:
 
 * perplexity over exactly the transformers engine's windows: the stream is tokenized by the checkpoint's
@@ -27,7 +27,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,9 @@ import numpy as np
 
 from gqakit import cached_copies
 from gqakit.cached_copies import CopyKind, write_record
+from gqakit.checkpoint import read_config
 from gqakit.errors import GqakitError
-from gqakit.eval.decode import DecodePoint
+from gqakit.eval.decode import DecodePoint, interleaved
 from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import PerplexityResult, Window, windowed_perplexity
 from gqakit.eval.results import ModelResult
@@ -83,28 +84,20 @@ def gguf_for(path: str, out_type: str) -> Path:
 
     The export is named by the checkpoint directory's name and fingerprint, the weight type and the
     exporter's version (``_EXPORTS.name``), and records its source beside it (``<export>.source.json``,
-    written before the export appears). Otherwise it is cached as a dequantized ``.gguf`` is
-    (:func:`gqakit.cached_copies.cached_copy`): a second process waits for the first's export, each call
-    removes the exports it supersedes (:func:`remove_superseded_exports`), and this process holds the
-    export it gets until it exits."""
+    written once the export is complete). Otherwise it is cached as a dequantized ``.gguf`` is
+    (:func:`gqakit.cached_copies.cached_copy`): a second process waits for the first's export, and a new
+    export removes those it supersedes (an export of the same checkpoint with another weight type is
+    another export)."""
     src = Path(path).expanduser().resolve()
 
     def build(dst: Path, record: dict[str, Any]) -> None:
-        # the record first: an export on disk always has one, so one without is an older gqakit's. One of
-        # this version is this checkpoint's (its name's fingerprint): recorded under its lock (no removal
-        # meanwhile), the export that replaces it removes it. export_gguf writes a temporary file and
-        # renames it, so a reader never opens half an export.
-        if not _record_path(dst).is_file():
-            write_record(_record_path(dst), record)
+        # export_gguf writes a temporary file and renames it, so an export there is whole: only its record
+        # is missing (a run stopped between the two)
         if not dst.is_file():
-            try:
-                logging.getLogger("gguf").setLevel(logging.ERROR)
-                res = export_gguf(src, dst, out_type=out_type, force=True)
-            except BaseException:
-                _record_path(dst).unlink(missing_ok=True)
-                raise
+            res = export_gguf(src, dst, out_type=out_type, force=True)
             for warning in res.warnings:
                 log.warning("%s: %s", src, warning)
+        write_record(_record_path(dst), record)
 
     what = f"exporting {src} to {{copy}}"
     return cached_copies.cached_copy(_EXPORTS, src, build, what, out_type=out_type)
@@ -112,14 +105,6 @@ def gguf_for(path: str, out_type: str) -> Path:
 
 def _record_path(export: Path) -> Path:
     return export.with_name(export.name + RECORD_SUFFIX)
-
-
-def remove_superseded_exports(src: Path, out_type: str, current: Path) -> list[Path]:
-    """Remove the exports that ``current``, the export of ``src`` (resolved) with ``out_type`` weights,
-    supersedes, by the rules of the dequantized copies (:func:`gqakit.gguf.dequantize.remove_superseded`)
-    with the exporter's version for the reader's; return them. An export of the same checkpoint with
-    another weight type is another export."""
-    return cached_copies.sweep(_EXPORTS, src, current, out_type=out_type)
 
 
 def _remove_export(export: Path) -> int | None:
@@ -134,24 +119,19 @@ def _remove_export(export: Path) -> int | None:
     return size
 
 
-# the cache's exports: how cached_copies.remove_superseded names them in messages and removes one (and its
-# record); through lambdas, so that _record_path is looked up when called
+# the cache's exports: how cached_copies names, checks and removes one (and its record); through lambdas,
+# so that _record_path and EXPORT_VERSION are looked up when called
 _EXPORTS = CopyKind(
-    ("export", "exports"),
-    "a GGUF export for llama.cpp",
-    log,
-    _remove_export,
-    lambda e: f"rm -f {e} {_record_path(e)}",
-    lambda e: _record_path(e),
     folder=CACHE,
-    pattern="*.gguf",
-    is_copy=Path.is_file,
-    complete=Path.is_file,
-    ready=lambda e: e.is_file() and _record_path(e).is_file(),
+    name="{name}-{fp}-{out_type}-e{version}.gguf",
     version_key="export",
     version=lambda: EXPORT_VERSION,
-    name="{name}-{fp}-{out_type}-e{version}.gguf",
-    legacy=r"{name}-[0-9a-f]{{16}}-{out_type}(?:-e(\d+))?\.gguf",  # the oldest: <name>-<16 hex>-<type>.gguf
+    record=lambda e: _record_path(e),
+    complete=lambda e: e.is_file() and _record_path(e).is_file(),
+    remove=_remove_export,
+    rm=lambda e: f"rm -f {e} {_record_path(e)}",
+    described="a GGUF export for llama.cpp",
+    log=log,
 )
 
 
@@ -264,6 +244,25 @@ def llamacpp_decode(
     finally:
         llm.close()
     return points, kv_bytes
+
+
+def llamacpp_decode_rounds(
+    paths: Sequence[str | Path], *, context: int, new_tokens: int, rounds: int
+) -> list[list[float | None]]:
+    """Each checkpoint's tokens/s per round in llama.cpp (an f16 GGUF export, cached; batch 1).
+
+    Raises:
+        GqakitError: with the install command when llama.cpp's Python binding is missing.
+    """
+    require_llama_cpp()
+    ggufs = [gguf_for(str(p), "f16") for p in paths]
+    geoms = [AttentionGeometry.from_config(read_config(Path(p))) for p in paths]
+
+    def one(i: int, r: int) -> float | None:
+        points, _ = llamacpp_decode(ggufs[i], geoms[i], [context], new_tokens, False, r)
+        return points[0].tokens_per_s
+
+    return interleaved(len(paths), rounds, one)
 
 
 def _greedy(llm) -> int:

@@ -167,28 +167,6 @@ def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEval
 KEEP = ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples", "config")
 
 
-def lm_eval_settings(tasks: list[str] | tuple[str, ...], args: LmEvalArgs, seed: int) -> dict[str, Any]:
-    """How lm-eval runs ``tasks`` in this process or in vLLM's: the ``TaskManager``'s arguments (our tasks
-    directory and ``args.include_path`` registered; lm-eval's own few thousand tasks indexed, which takes
-    seconds, only when a task outside ours is asked for), ``simple_evaluate``'s (every seed ``seed``), and
-    the parts of its output to keep."""
-    return {
-        "manager": {
-            "include_path": [str(TASKS_DIR), *args.include_path],
-            "include_defaults": bool(args.include_path) or any(t not in OUR_TASKS for t in tasks),
-            "metadata": args.metadata,
-        },
-        "evaluate": {
-            **dict.fromkeys(
-                ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seed
-            ),
-            "log_samples": False,
-            **args.evaluate,
-        },
-        "keep": KEEP,
-    }
-
-
 @lru_cache(maxsize=4)
 def _task_manager(manager_json: str):
     # deferred: lm-eval takes seconds to import
@@ -198,8 +176,14 @@ def _task_manager(manager_json: str):
 
 
 def task_manager(tasks: list[str] | tuple[str, ...] = (), args: LmEvalArgs | None = None):
-    """lm-eval's TaskManager with our tasks directory registered (:func:`lm_eval_settings`)."""
-    manager = lm_eval_settings(tasks, args or LmEvalArgs(), 0)["manager"]
+    """lm-eval's TaskManager with our tasks directory and ``args.include_path`` registered; lm-eval's own
+    few thousand tasks are indexed, which takes seconds, only when a task outside ours is asked for."""
+    args = args or LmEvalArgs()
+    manager = {
+        "include_path": [str(TASKS_DIR), *args.include_path],
+        "include_defaults": bool(args.include_path) or any(t not in OUR_TASKS for t in tasks),
+        "metadata": args.metadata,
+    }
     return _task_manager(json.dumps(manager, sort_keys=True))
 
 
@@ -261,7 +245,8 @@ def run_lm_eval(
     if max_length is not None:
         hflm_kwargs.setdefault("max_length", max_length)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
-    kwargs = lm_eval_settings(tasks, parsed, seed)["evaluate"]
+    seeds = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+    kwargs = {**dict.fromkeys(seeds, seed), "log_samples": False, **parsed.evaluate}
     try:
         out = lm_eval.simple_evaluate(
             model=lm, tasks=list(tasks), task_manager=task_manager(tasks, parsed), **kwargs

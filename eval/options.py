@@ -13,7 +13,7 @@ from gqakit.cli_options import device_field, opt, progress_field
 from gqakit.dtypes import LOAD_DTYPES
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import parse_grid
-from gqakit.eval.engines import ENGINES, TASK_ENGINES
+from gqakit.eval.engines import ENGINES
 from gqakit.eval.lm_eval_bridge import parse_lm_eval_args, split_tasks
 from gqakit.gguf.tensors import OUT_TYPES
 from gqakit.models import resolve_device
@@ -61,7 +61,6 @@ class EvalOptions:
     )
     warmup: int = opt(1, "untimed decode runs before each point", cli="set")
     static_cache: bool = opt(False, "decode with a static KV cache", cli="set")
-    compile: bool = opt(False, "torch.compile the decode step (implies static_cache)", cli="set")
     gguf_type: str = opt("f16", "llamacpp's weights; f32 also keeps its KV cache in float32", cli="set")
     vllm_python: str | None = opt(
         None, "the Python with vLLM (default $GQAKIT_VLLM_PYTHON, else this one)", cli="set"
@@ -114,10 +113,8 @@ class EvalOptions:
             p.add(e.message)
         p.add(ENGINES.unknown(self.engine, f("engine")))
         if self.engine in ENGINES and not ENGINES[self.engine].tasks and self.tasks:
-            p.add(
-                f"{f('tasks')} runs lm-eval on transformers: use {f('engine')} {' or '.join(TASK_ENGINES)} "
-                "for tasks."
-            )
+            # plain lm-eval runs them in llama.cpp or vLLM (docs/eval.md)
+            p.add(f"{f('tasks')} runs lm-eval on transformers: use {f('engine')} hf for tasks.")
         if not (self.ppl_data or self.bench or self.tasks):
             p.add(f"Nothing to evaluate: pass {f('ppl_data')} FILE, {f('bench')} and/or {f('tasks')} NAMES.")
         p.raise_if_any()

@@ -141,11 +141,12 @@ def headline_table(results: EvalResults) -> str:
 
 
 def serving_table(results: EvalResults) -> str:
-    """Capacity, its ratio to the baseline beside H/G, greedy agreement, per model served."""
+    """Capacity and its ratio to the baseline beside H/G, per model served (its heads and KV bytes per token
+    are the headline table's)."""
     models = [m for m in results.models.values() if m.serving]
     base = results.models.get(results.baseline) if results.baseline else None
-    header = ["model", "KV heads (G/H)", "KV cache / token", "KV capacity (tokens)"]
-    header += [f"sequences of {models[0].serving.context:,}", "capacity ratio", "bound (KV bytes)"]
+    header = ["model", "KV capacity (tokens)", f"sequences of {models[0].serving.context:,}"]
+    header += ["capacity ratio", "bound (KV bytes)"]
     rows = []
     for m in models:
         s = m.serving
@@ -153,11 +154,8 @@ def serving_table(results: EvalResults) -> str:
         if base is not None and base.serving and base.serving.kv_tokens and s.kv_tokens:
             ratio = _ratio(s.kv_tokens / base.serving.kv_tokens)
             bound = _ratio(base.kv_bytes_per_token / m.kv_bytes_per_token)
-        rows.append(
-            [m.label, _heads(m), _kib(m.kv_bytes_per_token), _fmt(s.kv_tokens, 0), _fmt(s.max_sequences, 0)]
-            + [ratio, bound, s.greedy.describe() if s.greedy else DASH]
-        )
-    return _table(header + ["greedy tokens identical to transformers"], rows)
+        rows.append([m.label, _fmt(s.kv_tokens, 0), _fmt(s.max_sequences, 0), ratio, bound])
+    return _table(header, rows)
 
 
 def decode_table(results: EvalResults) -> str:
@@ -247,10 +245,9 @@ def render_markdown(results: EvalResults, plots: list[str]) -> str:
         parts += [
             "## Serving",
             "",
-            f"{s.engine}: the KV cache it allocated for {budget}, the sequences of {s.context:,} tokens "
-            f"it holds at once (whole blocks of {s.block_size}), and greedy continuations of fixed prompts "
-            "against transformers'. Capacity ratio: the model's tokens over the baseline's; bound: the "
-            "baseline's KV bytes per token over the model's (H/G).",
+            f"{s.engine}: the KV cache it allocated for {budget} and the sequences of {s.context:,} tokens "
+            f"it holds at once (whole blocks of {s.block_size}). Capacity ratio: the model's tokens over the "
+            "baseline's; bound: the baseline's KV bytes per token over the model's (H/G).",
             "",
             serving_table(results),
             "",

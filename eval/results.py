@@ -19,51 +19,13 @@ from gqakit.geometry import AttentionGeometry
 from gqakit.models import device_name
 
 # ------------------------------------------------------------------------------------------ serving
-# What a serving engine adds to a model's result: the KV-cache capacity it allocates for a memory budget,
-# and whether its greedy text is transformers' text (the report's serving table compares them).
+# What a serving engine adds to a model's result: the KV-cache capacity it allocates for a memory budget
+# (the report's serving table compares them).
 #
 # A paged KV cache (vLLM's) holds ``budget / kv_bytes_per_token`` tokens, rounded down to whole blocks, so a
 # model with G K/V heads holds H/G times the tokens of its MHA original in the same memory: H/G times the
 # sequences at once. The throughput at each concurrency level is a :class:`~gqakit.eval.decode.DecodePoint`
 # (batch = concurrent sequences) with its rounds and spread, shown in the report's decode grid.
-
-
-@dataclass
-class GreedyAgreement:
-    """Greedy continuations of fixed prompts in the engine against transformers, token by token.
-
-    Attributes:
-        prompts: prompts compared.
-        tokens_per_prompt: tokens generated for each.
-        identical: tokens that match transformers' before each prompt's first divergence, summed.
-        first_divergence: ``[prompt, position]`` of the first differing token; None when all match.
-    """
-
-    prompts: int
-    tokens_per_prompt: int
-    identical: int
-    first_divergence: list[int] | None = None
-
-    @classmethod
-    def compare(cls, engine: list[list[int]], reference: list[list[int]]) -> GreedyAgreement:
-        """Compare the engine's continuations with transformers' (same prompts, same lengths)."""
-        identical, first = 0, None
-        for i, (a, b) in enumerate(zip(engine, reference, strict=True)):
-            same = next(
-                (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-            )
-            identical += same
-            if first is None and (same < len(b) or len(a) != len(b)):
-                first = [i, same]
-        return cls(len(reference), len(reference[0]) if reference else 0, identical, first)
-
-    def describe(self) -> str:
-        total = self.prompts * self.tokens_per_prompt
-        text = f"{self.identical}/{total}"
-        if self.first_divergence is not None:
-            prompt, token = self.first_divergence
-            text += f" (first divergence: prompt {prompt}, token {token})"
-        return text
 
 
 @dataclass
@@ -78,7 +40,6 @@ class ServingResult:
         block_size: tokens per KV-cache block.
         context: the sequence length ``max_sequences`` is counted at.
         max_sequences: sequences of ``context`` tokens the cache holds at once (whole blocks each).
-        greedy: greedy agreement with transformers.
     """
 
     engine: str
@@ -87,11 +48,8 @@ class ServingResult:
     block_size: int
     context: int
     max_sequences: int | None = None
-    greedy: GreedyAgreement | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.greedy, dict):
-            self.greedy = GreedyAgreement(**self.greedy)
         if self.kv_tokens is not None and self.max_sequences is None:
             blocks = -(-self.context // self.block_size)
             self.max_sequences = self.kv_tokens // (blocks * self.block_size)
@@ -113,7 +71,7 @@ class ModelResult:
         perplexity: the perplexity result, when ``ppl_data`` was given.
         decode: the decode grid, when ``bench`` was set.
         lm_eval: lm-eval's output, when tasks were given.
-        serving: KV capacity and greedy agreement, from a serving engine (vLLM).
+        serving: KV capacity, from a serving engine (vLLM).
         cached_kv_heads: the K/V heads per layer the engine's cache holds, where they differ from
             ``num_kv_heads`` (transformers' Falcon-40B layout caches all H); ``kv_bytes_per_token`` counts
             these. None where the cache holds the weights' heads.
@@ -176,8 +134,6 @@ class ModelResult:
             parts.append(
                 f"KV capacity {s.kv_tokens:,} tokens" if s.kv_tokens is not None else "KV capacity unknown"
             )
-            if s.greedy:
-                parts.append(f"greedy tokens identical: {s.greedy.describe()}")
         return "; ".join(parts)
 
     def point(self, batch: int, context: int) -> DecodePoint | None:

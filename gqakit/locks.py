@@ -1,8 +1,9 @@
 """Locks (:func:`exclusive`, :func:`one_at_a_time`): one process at a time in a directory of resumable
-work or a cache entry being built. Two processes at once would write the same files, and a later resume
-could read a mix of both. A lock goes with its process (``kill -9`` leaves nothing to clean up); on a
-filesystem whose ``flock`` does not work (NFS without a lock service, some FUSE mounts: :data:`NO_LOCKS`)
-the block runs unguarded, with a warning, rather than not at all.
+work (:func:`gqakit.storage.working_directory`), an output being written or a cache entry being built.
+Two processes at once would write the same files, and a later resume could read a mix of both. A lock
+goes with its process (``kill -9`` leaves nothing to clean up); on a filesystem whose ``flock`` does not
+work (NFS without a lock service, some FUSE mounts, Windows: :data:`NO_LOCKS`) the block runs unguarded,
+with a warning, rather than not at all.
 """
 
 from __future__ import annotations
@@ -15,56 +16,32 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 
 from gqakit.errors import GqakitError
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no flock, every lock runs unguarded
+    fcntl = None
+
 log = logging.getLogger(__name__)
 
-
-if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
-    import msvcrt
-
-    fcntl = None  # no shared locks: cached copies are handed out without one, and none is removed
-else:
-    import fcntl
-
-
-POLL_S = 0.2  # how often a waiting process tries the lock again
 # what flock raises on a filesystem without working locks (NFS without lockd, some FUSE, Lustre noflock)
 NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 OWNER = "{owner}"  # where a refusal message names the process that holds the lock
 
 
-def _flock(fd: int, shared: bool = False, wait: bool = False) -> bool:
-    """Lock the open file ``fd`` (exclusively, or ``shared``); False when another process holds it and
-    ``wait`` is false. Any other failure is flock's OSError."""
-    if fcntl is None:  # pragma: no cover - Windows: exclusive locks only
-        try:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        except OSError:
-            return False
-        return True
+def _flock(fd: int, wait: bool) -> bool:
+    """Lock the open file ``fd`` exclusively; False when another process holds it and ``wait`` is false."""
+    if fcntl is None:  # pragma: no cover - Windows
+        raise OSError(errno.ENOSYS, "no flock on this platform")
     try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         return False
     return True
-
-
-def _same(fd: int, path: Path) -> bool:
-    """Whether ``path`` still names the file open at ``fd`` (no release or removal unlinked it)."""
-    try:
-        return os.fstat(fd).st_ino == os.stat(path).st_ino
-    except FileNotFoundError:
-        return False
-
-
-def _owner_line() -> str:
-    argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else ["python"]
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
-    return f"pid {os.getpid()} on {socket.gethostname()} since {started}: {shlex.join(argv)}"
 
 
 def _owner_of(path: Path) -> str:
@@ -74,20 +51,18 @@ def _owner_of(path: Path) -> str:
         return "a process that just finished"
 
 
-def _acquire(path: Path, busy: Callable[[str], None], strict: bool = False) -> int:
+def _acquire(path: Path, busy: Callable[[str], None]) -> int:
     """The open, locked descriptor of ``path``. While another process holds it, ``busy`` is called with
     that process's description: it raises to refuse, or returns to wait for the lock. Where the filesystem
-    cannot lock (:data:`NO_LOCKS`), the descriptor unlocked, with a warning; with ``strict``, flock's
-    OSError."""
+    cannot lock (:data:`NO_LOCKS`), the descriptor unlocked, with a warning."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if not _flock(fd):
+            if not _flock(fd, wait=False):
                 busy(_owner_of(path))
-                while not _flock(fd):
-                    time.sleep(POLL_S)
+                _flock(fd, wait=True)
         except OSError as e:
-            if strict or e.errno not in NO_LOCKS:
+            if e.errno not in NO_LOCKS:
                 os.close(fd)
                 raise
             # gqakit worked on such filesystems before it locked anything: go on, unguarded, and say so
@@ -100,19 +75,26 @@ def _acquire(path: Path, busy: Callable[[str], None], strict: bool = False) -> i
         except BaseException:
             os.close(fd)
             raise
-        if _same(fd, path):
-            return fd
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
         # the holder released and removed the file between our open and our lock: the lock we hold is on
         # a file nobody else will open again, so take the new one
         os.close(fd)
 
 
 @contextmanager
-def _held(path: Path, busy: Callable[[str], None], strict: bool = False) -> Iterator[None]:
-    fd = _acquire(path, busy, strict)
+def _held(path: Path, busy: Callable[[str], None]) -> Iterator[None]:
+    fd = _acquire(path, busy)
     try:
+        argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else ["python"]
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
         os.ftruncate(fd, 0)
-        os.write(fd, (_owner_line() + "\n").encode())
+        os.write(
+            fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}: {shlex.join(argv)}\n".encode()
+        )
         yield
     finally:
         # removed while still locked, so no process can lock this file after we let it go
@@ -124,16 +106,15 @@ def _held(path: Path, busy: Callable[[str], None], strict: bool = False) -> Iter
 
 
 @contextmanager
-def exclusive(lock_file: str | Path, busy: str, strict: bool = False) -> Iterator[None]:
+def exclusive(lock_file: str | Path, busy: str) -> Iterator[None]:
     """Hold ``lock_file`` (in an existing directory) for the ``with`` block, or refuse at once if another
     process holds it, instead of waiting for hours: a :class:`GqakitError` of ``busy`` with :data:`OWNER`
-    replaced by the holder's pid and command (which the file holds until release removes it). ``strict``:
-    raise flock's OSError where the filesystem cannot lock, instead of running unguarded."""
+    replaced by the holder's pid and command (which the file holds until release removes it)."""
 
     def refuse(owner: str) -> None:
         raise GqakitError(busy.replace(OWNER, owner))
 
-    with _held(Path(lock_file), refuse, strict):
+    with _held(Path(lock_file), refuse):
         yield
 
 
@@ -145,34 +126,7 @@ def one_at_a_time(lock_file: str | Path, waiting: Callable[[str], None]) -> Iter
         yield
 
 
-@contextmanager
-def working_directory(work_dir: str | Path, option: str = "--work-dir") -> Iterator[Path]:
-    """Create ``work_dir`` if needed and hold it for one pipeline run (:func:`exclusive`); yield it
-    resolved."""
-    work = Path(work_dir).expanduser().resolve()
-    busy = (
-        f"{option} {work} is in use by another run ({OWNER}). Two runs in one working directory would "
-        f"write the same checkpoints: wait for that run to finish, or pass another {option}."
-    )
-    with ExitStack() as held:
-        try:  # a directory that cannot be made, or an existing one that cannot be written (the lock file)
-            work.mkdir(parents=True, exist_ok=True)
-            held.enter_context(exclusive(work / ".gqakit-lock", busy))
-        except OSError as e:
-            raise GqakitError(
-                f"{option} {work_dir} cannot be created or written ({e.strerror}): choose a directory you "
-                "can write to."
-            ) from None
-        yield work
-
-
-@contextmanager
-def building(lock_file: Path, what: str, logger: logging.Logger = log) -> Iterator[None]:
-    """Hold ``lock_file`` while this process builds ``what`` into the cache; a second process asking for
+def building(lock_file: Path, what: str, logger: logging.Logger = log):
+    """:func:`one_at_a_time` while this process builds ``what`` into the cache: a second process asking for
     the same thing waits (saying so once) and then finds it built, instead of building it over the first."""
-
-    def waiting(owner: str) -> None:
-        logger.warning("waiting for %s, which is %s", owner, what)
-
-    with one_at_a_time(lock_file, waiting):
-        yield
+    return one_at_a_time(lock_file, lambda owner: logger.warning("waiting for %s, which is %s", owner, what))

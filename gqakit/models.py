@@ -57,8 +57,7 @@ def device_unavailable(device: str) -> str | None:
     if not device.startswith("cuda"):
         return None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = int(device.partition(":")[2] or 0)
-    if index < count:
+    if int(device.partition(":")[2] or 0) < count:
         return None
     has = f"{count} CUDA device(s)" if count else "no CUDA device"
     return f"speed.device={device}, but this machine has {has}: set speed.device=cpu or auto."
@@ -117,7 +116,7 @@ def causal_lm_config(path: str | Path, what: str = "model"):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if Path(path).is_dir():
-        read_config(Path(path))  # a clear error for a directory without one
+        read_config(Path(path), model_type=True)  # a clear error for a directory without one, or a bad one
     try:
         config = AutoConfig.from_pretrained(str(path))
     except Exception as e:
@@ -163,16 +162,11 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
     except (ValueError, OSError, RuntimeError) as e:
         raise GqakitError(f"Could not load {path}: {type(e).__name__}: {e}") from None
     model = model.to(resolve_device(device)).eval()
-    check_finite_parameters(model, path)
-    return model
-
-
-def check_finite_parameters(model: torch.nn.Module, where: str | Path | None = None) -> None:
-    """Refuse a model whose parameters hold NaN/Inf (a corrupt checkpoint) before anything measures or
-    trains it: one pass over the loaded weights, the same message as a conversion's."""
+    # NaN/Inf (a corrupt checkpoint) refused before anything measures or trains it, as a conversion does
     with torch.no_grad():
         for name, p in model.named_parameters():
-            check_finite(name, p, where)
+            check_finite(name, p, path)
+    return model
 
 
 def load_tokenizer(path: str | Path):

@@ -7,9 +7,8 @@ tests, and the dispatch to an implementation. An unknown name gets one message w
 closest name (lm-eval's registries work the same way)::
 
     GROUPINGS = NameTable("grouping", {"contiguous": "...", "similarity": "..."})
-    GROUPINGS.lookup("simlarity", "--grouping")
-    # GqakitError: --grouping 'simlarity' is unknown; choose one of contiguous, similarity. Did you mean
-    # "similarity"?
+    GROUPINGS.unknown("simlarity", "--grouping")
+    # --grouping 'simlarity' is unknown; choose one of contiguous, similarity. Did you mean "similarity"?
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
-from gqakit.errors import GqakitError, did_you_mean
+from gqakit.errors import did_you_mean
 
 T = TypeVar("T")
 
@@ -48,9 +47,6 @@ class NameTable(Mapping[str, T], Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def __repr__(self) -> str:
-        return f"NameTable({self.kind!r}, {list(self._entries)})"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -85,13 +81,6 @@ class NameTable(Mapping[str, T], Generic[T]):
             f"{flag} {','.join(map(str, bad))}: unknown {self.kind}{plural}; choose from {', '.join(among)}."
             f"{did_you_mean(str(bad[0]), among)}"
         )
-
-    def lookup(self, name: str, flag: str | None = None) -> T:
-        """The entry of ``name``; a :class:`GqakitError` naming ``flag`` (or the kind) when there is none."""
-        message = self.unknown(name, flag or self.kind)
-        if message:
-            raise GqakitError(message)
-        return self._entries[name]
 
     def describe(self, names: tuple[str, ...] | None = None, sep: str = "; ") -> str:
         """``name: summary`` for each of ``names`` (default: all), for help texts."""

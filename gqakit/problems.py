@@ -13,15 +13,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import click
 
 from gqakit.cli import load_command
 from gqakit.errors import GqakitError
-
-# ---------------------------------------------------------------------------------------------------
-# Shared checks
-# ---------------------------------------------------------------------------------------------------
 
 
 def finite_positive(x: float) -> bool:
@@ -55,11 +52,6 @@ def device_problem(device: str, flag: str = "--device") -> str | None:
     return f"{flag} must be {DEVICES}, got {device!r}."
 
 
-# ---------------------------------------------------------------------------------------------------
-# Problems
-# ---------------------------------------------------------------------------------------------------
-
-
 def command_flags(command: click.Command) -> dict[str, str]:
     """Parameter name -> how a user gives it: the first long flag of each visible option (``--out``),
     ``--set name`` for a field given that way, an argument's metavar (``SRC``). A trailing ``_`` of the
@@ -74,12 +66,6 @@ def command_flags(command: click.Command) -> dict[str, str]:
         elif p.name:
             flags[p.name] = p.human_readable_name
     return flags
-
-
-def running_command() -> click.Command | None:
-    """The click command being run, or None outside the CLI."""
-    ctx = click.get_current_context(silent=True)
-    return ctx.command if ctx is not None else None
 
 
 class Problems:
@@ -111,7 +97,9 @@ class Problems:
         if self.names is not None:
             return self.names(field)
         if self._flags is None:
-            self._flags = command_flags(running_command() or load_command(self.home))
+            ctx = click.get_current_context(silent=True)  # the command being run, None outside the CLI
+            command = ctx.command if ctx else (load_command(self.home) if self.home else None)
+            self._flags = command_flags(command) if command else {}
         return self._flags.get(field, field)
 
     def add(self, message: str | None) -> None:
@@ -128,12 +116,27 @@ class Problems:
             raise GqakitError(sep.join(self.messages))
 
 
-__all__ = [
-    "DEVICES",
-    "Problems",
-    "command_flags",
-    "device_problem",
-    "finite_positive",
-    "rate_problem",
-    "running_command",
-]
+_CHECKED = "_gqakit_checked"  # on an options instance: the field values check_options found no problem in
+
+
+def check_options(options: Any, home: str = "", problems: Problems | None = None) -> Any:
+    """Raise every problem ``options.check(p)`` finds as one message, before any work; return ``options``.
+
+    Every command checks first and writes after: ``check`` adds each problem that needs no heavy work
+    (arguments, files, text encoding, the source's config), so a refusal leaves nothing behind. An
+    instance is checked once: :func:`gqakit.cli_options.options_from` checks what the command line built,
+    and the typed entry point it goes to (``run_recovery``) calls this again at no cost, unless a field
+    changed in between.
+
+    Args:
+        options: a verb's options dataclass; one without a ``check`` method passes as it is.
+        home: the ``gqakit`` command the options belong to, naming the flags outside the CLI.
+        problems: problems found already (a bad ``--set``), reported with these.
+    """
+    p = problems if problems is not None else Problems(home)
+    values = {k: v for k, v in vars(options).items() if k != _CHECKED}  # a field changed since: again
+    if hasattr(options, "check") and getattr(options, _CHECKED, None) != values:
+        options.check(p)
+    p.raise_if_any()
+    object.__setattr__(options, _CHECKED, values)  # frozen dataclasses too
+    return options

@@ -7,26 +7,28 @@
   (:mod:`gqakit.assets`) and two caches of copies made from a source that changes: ``.gguf`` files
   dequantized into checkpoints (:mod:`gqakit.gguf.dequantize`) and checkpoints exported to GGUF for
   llama.cpp (:mod:`gqakit.eval.llamacpp_engine`), whose rules are at
-  :func:`gqakit.cached_copies.write_record`.
+  :func:`gqakit.cached_copies.cached_copy`.
+* A pipeline's working directory (:func:`working_directory`) is held by one run at a time.
 
-The locks are in :mod:`gqakit.locks`, the caches of copies in :mod:`gqakit.cached_copies`.
+The locks are in :mod:`gqakit.locks`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from gqakit.errors import GqakitError
+from gqakit.locks import OWNER, exclusive
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +98,33 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 
 # -------------------------------------------------------------------------------- output directories
-OWNER_FILE = ".gqakit-owner"  # inside a .partial directory: "hostname pid"
-
-
 def _writable_ancestor(path: Path) -> Path:
     """The nearest existing ancestor of ``path`` (the directory a mkdir would write into)."""
     p = path
     while not p.exists():
         p = p.parent
     return p
+
+
+CREATED: list[Path] = []  # directories make_dirs created in this process, outermost first
+
+
+def make_dirs(path: str | Path) -> Path:
+    """Create the directory ``path`` and its missing parents, recording in :data:`CREATED` each one that
+    did not exist, so that a command that then fails removes those still empty (:func:`remove_new_empty`)."""
+    path = Path(path).expanduser()
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    CREATED.extend(reversed(missing))
+    return path
+
+
+def remove_new_empty() -> None:
+    """Remove, innermost first, the directories :func:`make_dirs` created that are still empty: what a
+    failed command made and did not fill (``gqakit`` calls it on every failure)."""
+    while CREATED:
+        with contextlib.suppress(OSError):  # not empty, or gone: kept as it is
+            CREATED.pop().rmdir()
 
 
 def check_output_dir(dst: Path, force: bool, src: Path | None = None) -> Path:
@@ -148,7 +168,7 @@ def writable_dir(
         raise GqakitError(f"{option} {path} is a file: give a directory.")
     try:
         if create:
-            out.mkdir(parents=True, exist_ok=True)
+            make_dirs(out)
         probe = Path(tempfile.mkdtemp(prefix=".write-test.", dir=_writable_ancestor(out)))
         probe.rmdir()
     except OSError as e:
@@ -156,90 +176,66 @@ def writable_dir(
     return out
 
 
-def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+@contextmanager
+def atomic_output_dir(dst: Path, force: bool = False, src: Path | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling of ``dst`` (``.NAME.partial``; :func:`check_output_dir` first) to write
+    into; rename it to ``dst`` only on success. On any exception (bad input, Ctrl-C, a full disk) it is
+    removed and ``dst`` is left as it was; with ``force``, an existing ``dst`` is replaced only once the new
+    one is complete.
 
-
-def _owner_alive(partial: Path) -> bool | None:
-    """Whether the process that wrote ``partial`` still runs: True/False on this host, None when the
-    partial names no owner or another host (a shared filesystem)."""
-    try:
-        host, pid = (partial / OWNER_FILE).read_text().split()
-    except (OSError, ValueError):
-        return None
-    if host != socket.gethostname():
-        return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
-        return True
-    return True
-
-
-def clean_stale_partials(dst: Path) -> list[Path]:
-    """Remove the temporary directories of earlier runs into ``dst`` whose process is gone; report, with
-    their size and the command that removes them, those whose owner cannot be told. Return the removed."""
-    removed = []
-    for partial in sorted(dst.parent.glob(f".{dst.name}.*.partial")) + sorted(
-        dst.parent.glob(f".{dst.name}.*.old")
-    ):
-        alive = _owner_alive(partial)
-        size = _du(partial) / 2**30
-        if alive is False:
-            shutil.rmtree(partial, ignore_errors=True)
-            removed.append(partial)
-            log.warning("removed %s (%.2f GiB), left by an interrupted run into %s", partial, size, dst)
-        elif alive is None:
-            log.warning(
-                "%s (%.2f GiB) looks like what an interrupted run into %s left; if no run is writing it, "
-                "remove it: rm -rf %s",
-                partial, size, dst, partial,
-            )  # fmt: skip
-    return removed
-
-
-def _owned_tmp_dir(dst: Path, suffix: str) -> Path:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=suffix, dir=dst.parent))
-    (tmp / OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
-    return tmp
+    One command at a time writes ``dst`` (:func:`gqakit.locks.exclusive` on ``.NAME.partial.lock``; a
+    second is refused), so a ``.partial`` or ``.old`` sibling found under the lock is what a run killed
+    with ``kill -9`` left, which cannot clean up after itself: it is removed.
+    """
+    dst = check_output_dir(dst, force, src)
+    tmp, old = dst.with_name(f".{dst.name}.partial"), dst.with_name(f".{dst.name}.old")
+    busy = f"Output {dst} is being written by another command ({OWNER}): wait for it, or choose another path."
+    with ExitStack() as held:
+        try:
+            make_dirs(dst.parent)
+            held.enter_context(exclusive(tmp.with_name(tmp.name + ".lock"), busy))
+            for stale in (tmp, old):
+                if stale.exists():
+                    shutil.rmtree(stale)
+                    log.warning("removed %s, left by an interrupted run into %s", stale, dst)
+            tmp.mkdir()
+        except OSError as e:  # a read-only parent: permissions (EACCES), a read-only filesystem, sysfs...
+            raise GqakitError(
+                f"Cannot write the output {dst}: {e.strerror} ({e.filename}). Choose an output path in a "
+                "directory you can write to."
+            ) from None
+        try:
+            yield tmp
+            if dst.exists():
+                os.rename(dst, old)
+                os.rename(tmp, dst)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 @contextmanager
-def atomic_output_dir(dst: Path, force: bool = False, src: Path | None = None) -> Iterator[Path]:
-    """Yield a temporary sibling of ``dst`` (:func:`check_output_dir` first) to write into; rename it to
-    ``dst`` only on success. On any exception (bad input, Ctrl-C, a full disk) it is removed and ``dst``
-    is left as it was; with ``force``, an existing ``dst`` is replaced only once the new one is complete.
-
-    A run killed with ``kill -9`` cannot clean up after itself: its ``.partial`` directory records its
-    process, and the next run into the same DST removes it once that process is gone
-    (:func:`clean_stale_partials`).
-    """
-    dst = check_output_dir(dst, force, src)
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale_partials(dst)
-        tmp = _owned_tmp_dir(dst, ".partial")
-    except OSError as e:  # a read-only parent: permissions (EACCES), a read-only filesystem, sysfs...
-        raise GqakitError(
-            f"Cannot write the output {dst}: {e.strerror} ({e.filename}). Choose an output path in a "
-            "directory you can write to."
-        ) from None
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result looks like any new directory
-    try:
-        yield tmp
-        (tmp / OWNER_FILE).unlink()
-        if dst.exists():
-            old = _owned_tmp_dir(dst, ".old")
-            os.rename(dst, old / "x")
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def working_directory(work_dir: str | Path, option: str = "--work-dir") -> Iterator[Path]:
+    """Create ``work_dir`` if needed and hold it for one pipeline run (:func:`exclusive`); yield it
+    resolved."""
+    work = Path(work_dir).expanduser().resolve()
+    busy = (
+        f"{option} {work} is in use by another run ({OWNER}). Two runs in one working directory would "
+        f"write the same checkpoints: wait for that run to finish, or pass another {option}."
+    )
+    with ExitStack() as held:
+        try:  # a directory that cannot be made, or an existing one that cannot be written (the lock file)
+            make_dirs(work)
+            held.enter_context(exclusive(work / ".gqakit-lock", busy))
+        except OSError as e:
+            raise GqakitError(
+                f"{option} {work_dir} cannot be created or written ({e.strerror}): choose a directory you "
+                "can write to."
+            ) from None
+        yield work
 
 
 # ---------------------------------------------------------------------------------------------- cache

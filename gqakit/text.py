@@ -50,27 +50,19 @@ def load_texts(
             loaded.
     """
     path = Path(str(source)).expanduser()
-    suffix = path.suffix.lower()
     if path.is_dir():
         raise GqakitError(f"{option} {source} is a directory; point at a .txt, .jsonl or .parquet file.")
-    if suffix == ".txt" or (path.is_file() and suffix not in _TABLE_BUILDERS):
-        texts = [_read_txt(path, option)]
-    elif suffix in _TABLE_BUILDERS:
-        if not path.is_file():
-            raise GqakitError(f"{option} {source} does not exist.")
-        texts = _load_table(
-            _TABLE_BUILDERS[suffix],
-            {"data_files": {"data": str(path.resolve())}},
-            "data",
-            text_field,
-            str(source),
-            option,
-        )
-    elif _looks_local(str(source)):
-        raise GqakitError(f"{option} {source} does not exist.")
+    builder = _TABLE_BUILDERS.get(path.suffix.lower())
+    if path.is_file() and builder:
+        if builder == "json":
+            read_text_file(path, option)  # datasets lets a UnicodeDecodeError through
+        texts = _load_table(source, option, text_field, builder, "train", data_files=str(path.resolve()))
+    elif path.is_file() or _looks_local(str(source)):
+        texts = [read_text_file(path, option)]  # any other file is text; a missing one is named
     else:
-        kwargs = {"name": config} if config else {}
-        texts = _load_table(str(source), kwargs, split, text_field, str(source), option)
+        texts = _load_table(
+            source, option, text_field, str(source), split, **({"name": config} if config else {})
+        )
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise GqakitError(f"{option} {source} holds no text (every document is empty).")
@@ -86,16 +78,41 @@ def _looks_local(source: str) -> bool:
     )
 
 
-def _read_txt(path: Path, option: str) -> str:
+def read_text_file(path: str | Path, what: str = "") -> str:
+    """The text of a file the user named as ``what`` (``--data``, ``the recipe``, ``config.json``): one
+    message, naming it, when it is missing, unreadable or not UTF-8 text.
+
+    Every reader of a user's text file goes through here (or :func:`text_file_problem`, for a check that
+    reports it with the other problems of the options), so none ends in a ``UnicodeDecodeError``.
+    """
+    path = Path(path).expanduser()
+    named = f"{what} {path}".strip()
     if not path.is_file():
-        raise GqakitError(f"{option} {path} does not exist.")
+        raise GqakitError(f"{named} does not exist or is not a file.")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise GqakitError(f"{option} {path} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
+        raise GqakitError(
+            f"{named} is not UTF-8 text ({e.reason} at byte {e.start}): give a UTF-8 text file."
+        ) from None
+    except OSError as e:
+        raise GqakitError(f"{named} cannot be read ({e.strerror}).") from None
 
 
-def _load_table(path: str, kwargs: dict, split: str, text_field: str, shown: str, option: str) -> list[str]:
+def text_file_problem(path: str | Path, what: str) -> str | None:
+    """What :func:`read_text_file` would refuse in ``path``, or None: for an options ``check``."""
+    try:
+        read_text_file(path, what)
+    except GqakitError as e:
+        return e.message
+    return None
+
+
+def _load_table(
+    source: str | Path, option: str, text_field: str, path: str, split: str, **kwargs
+) -> list[str]:
+    """The ``text_field`` column of the dataset ``path`` (a builder name for a local table, or a hub
+    dataset), one message naming ``option`` and ``source`` for whatever goes wrong."""
     # deferred: datasets takes seconds to import
     import datasets
 
@@ -103,21 +120,21 @@ def _load_table(path: str, kwargs: dict, split: str, text_field: str, shown: str
         ds = datasets.load_dataset(path, split=split, **kwargs)
     except ValueError as e:
         if "split" in str(e).lower():
-            raise GqakitError(f"{option} {shown} has no split {split!r}: {e}") from None
-        raise GqakitError(f"{option} {shown} could not be read: {e}") from None
+            raise GqakitError(f"{option} {source} has no split {split!r}: {e}") from None
+        raise GqakitError(f"{option} {source} could not be read: {e}") from None
     except Exception as e:  # datasets raises many types (DatasetGenerationError, FileNotFoundError...)
         hint = ""
-        if not _looks_local(shown):
+        if not _looks_local(str(source)):
             hint = " Hub datasets need a network connection (HF_DATASETS_OFFLINE is set in tests)."
-        raise GqakitError(f"{option} {shown} could not be loaded ({type(e).__name__}: {e}).{hint}") from None
+        raise GqakitError(f"{option} {source} could not be loaded ({type(e).__name__}: {e}).{hint}") from None
     if len(ds) == 0:
-        raise GqakitError(f"{option} {shown} is empty.")
+        raise GqakitError(f"{option} {source} is empty.")
     if text_field not in ds.column_names:
         raise GqakitError(
-            f"{option} {shown} has no field {text_field!r}; its fields are {', '.join(ds.column_names)}."
+            f"{option} {source} has no field {text_field!r}; its fields are {', '.join(ds.column_names)}."
             f"{did_you_mean(text_field, ds.column_names)} Pass --text-field NAME."
         )
     texts = ds[text_field]
     if not all(isinstance(t, str) or t is None for t in texts):
-        raise GqakitError(f"{option} {shown}: field {text_field!r} is not text.")
+        raise GqakitError(f"{option} {source}: field {text_field!r} is not text.")
     return [t or "" for t in texts]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import platform
 import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gqakit.storage import write_json, write_text
+from gqakit.storage import make_dirs, write_json, write_text
 
 WIDE = 10  # values whose largest is this many times their smallest get a log axis
 
@@ -81,46 +82,35 @@ def command_line(default: str) -> str:
 
 def write_report(out: Path, text: str, results: dict[str, Any]) -> tuple[Path, Path]:
     """``out/report.md`` and ``out/results.json``, each written atomically; their paths."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     report, results_json = out / "report.md", out / "results.json"
     write_text(report, text)
     write_json(results_json, json.loads(json.dumps(results, default=str)))  # paths and the like as text
     return report, results_json
 
 
-def wall_time(elapsed_s: float, reused: int, compute_s: float, unknown: int = 0) -> str:
+def wall_time(elapsed_s: float, reused: int, compute_s: float) -> str:
     """A report's wall-time sentence: this run's time and how many results it reused, and, when it
-    reused some, what computing the figures took (the results' own recorded times, summed).
-
-    Args:
-        elapsed_s: this run's wall time.
-        reused: results reused from the working directory.
-        compute_s: the recorded compute times of the results the report shows, summed
-            (:meth:`~gqakit.pipelines.store.ResultStore.compute_time`).
-        unknown: how many of them were stored without a time (by a gqakit that did not record it).
-    """
+    reused some, what computing the figures took (the results' own recorded times, summed:
+    :meth:`~gqakit.pipelines.store.ResultStore.compute_time`)."""
     text = f"{fmt_duration(elapsed_s)} ({reused} results reused from the working directory)"
     # a run that computed (nearly) everything took about its own time: one figure says it
-    if reused and (compute_s > elapsed_s + 1 or unknown):
-        took = fmt_duration(compute_s)
-        if unknown:
-            took = (
-                f"at least {took} ({unknown} of the results were stored by an older gqakit without their "
-                "compute time; --fresh measures them all)"
-            )
-        text += f"; the runs that computed these figures took {took}"
+    if reused and compute_s > elapsed_s + 1:
+        text += f"; the runs that computed these figures took {fmt_duration(compute_s)}"
     return text
 
 
-__all__ = [
-    "command_line",
-    "fmt_duration",
-    "fmt_ppl",
-    "kv_label",
-    "log_if_wide",
-    "md_table",
-    "pyplot",
-    "save_figure",
-    "wall_time",
-    "write_report",
-]
+def versions() -> dict[str, str]:
+    """The versions a report states: gqakit's, torch's, transformers' and Python's."""
+    # deferred: torch and transformers take seconds to import
+    import torch
+    import transformers
+
+    from gqakit import __version__
+
+    return {
+        "gqakit": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }

@@ -73,8 +73,8 @@ def train_once(
     every one of ``inputs`` was written (a rebuilt start or text under the same path starts over).
 
     Returns:
-        The run's summary (``extra`` included; ``elapsed_s`` its recorded compute time, attempts killed
-        before it included) and whether it was reused.
+        The run's summary (``extra`` included; ``elapsed_s`` its recorded compute time) and whether it was
+        reused.
     """
     out = Path(recipe.output_dir)
     cached = store.get_output(name, key, out)
@@ -88,13 +88,13 @@ def train_once(
         )
         res = uptrain(recipe, resume=resume, force=not resume)
         summary = {
-            "steps": int(res.steps), "tokens": int(res.tokens), "alpha": res.alpha,
-            "initial_val_ppl": res.initial_val_ppl, "final_val_ppl": res.final_val_ppl,
-            "elapsed_s": round(res.elapsed_s, 1), "metrics": str(res.history), **(extra or {}),
-        }  # fmt: skip
+            "steps": int(res.steps),
+            "tokens": int(res.tokens),
+            "alpha": res.alpha,
+            "initial_val_ppl": res.initial_val_ppl,
+            "final_val_ppl": res.final_val_ppl,
+            "metrics": str(res.history),
+            **(extra or {}),
+        }
         cached = store.put_output(name, key, out, summary)
-    spent = store.time_of(name)
-    return {**cached, "elapsed_s": round(spent, 1)} if spent is not None else cached, reused
-
-
-__all__ = ["NOT_WEIGHTS", "same_run", "train_once", "weights_key"]
+    return {**cached, "elapsed_s": round(store.time_of(name) or 0.0, 1)}, reused

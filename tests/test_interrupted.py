@@ -28,7 +28,7 @@ def test_ctrl_c_names_the_command_that_goes_on_and_exits_130(monkeypatch, resume
     def stopped(out: str | None, recipe: str | None) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(cli.COMMANDS, "x", cli.CommandEntry("unused:unused", "a test command", resume))
+    monkeypatch.setitem(cli.COMMANDS, "x", cli.CommandEntry("unused", "a test command", resume))
     real = cli.load_command
     monkeypatch.setattr(cli, "load_command", lambda name: stopped if name == "x" else real(name))
     result = CliRunner().invoke(cli.main, args)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny_models import checkpoint_tensors, save_tiny_model
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.safetensors_io import SafetensorsFile, nonfinite_count, save_state_dict
-from gqakit.testing import checkpoint_tensors, save_tiny_model
 
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"
 DOWN_PROJ = "model.layers.1.mlp.down_proj.weight"  # copied byte for byte by convert

@@ -22,8 +22,9 @@ from gqakit.geometry import AttentionGeometry
 from gqakit.names import NameTable
 from gqakit.pipelines.demo.options import DemoOptions
 from gqakit.pipelines.probe.options import ProbeOptions
-from gqakit.pipelines.replicate.options import ARMS, ReplicateOptions
-from gqakit.problems import Problems, command_flags
+from gqakit.pipelines.replicate.options import ReplicateOptions
+from gqakit.pipelines.starts import STARTS as ARMS
+from gqakit.problems import Problems, check_options, command_flags
 
 # A flag as a message names it: ``--seq-len``, not the ``--num`` of lm-eval's ``--num_fewshot``.
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*(?![\w])")
@@ -69,11 +70,11 @@ def bad_settings(cls: type, number: float) -> dict[str, object]:
     return settings
 
 
-def problems_of(cls: type, settings: dict[str, object]) -> str:
-    """The message the options report (construction checks some, ``validate()`` the others)."""
+def problems_of(cls: type, settings: dict[str, object], home: str = "") -> str:
+    """The message the options report (construction checks some, ``check_options`` the others, naming
+    the flags of the command ``home`` outside a command, as a typed entry point does)."""
     with pytest.raises(GqakitError) as e:
-        options = cls(**settings)
-        options.validate()
+        check_options(cls(**settings), home)
     return e.value.message
 
 
@@ -113,11 +114,13 @@ def test_the_group_checks_name_only_flags_the_running_command_has(name):
 
 def test_from_python_the_options_name_their_own_commands_flags():
     demo = problems_of(
-        DemoOptions, {"seq_len": 0, "budget_scale": 0, "out": Path("x"), "work_dir": Path("x")}
+        DemoOptions, {"seq_len": 0, "budget_scale": 0, "out": Path("x"), "work_dir": Path("x")}, "demo"
     )
     assert "seq_len must be at least 1" in demo and "--seq-len" not in demo  # gqakit demo has no --seq-len
     assert "--budget-scale must be positive" in demo and "--work-dir and --out must differ" in demo
-    probe = problems_of(ProbeOptions, {"groups": (1,), "eval_data": "x", "groupings": ("simlarity",)})
+    probe = problems_of(
+        ProbeOptions, {"groups": (1,), "eval_data": "x", "groupings": ("simlarity",)}, "probe"
+    )
     assert "--grouping simlarity: unknown grouping; choose from contiguous, similarity." in probe
     assert 'similarity. Did you mean "similarity"?' in probe
 
@@ -126,7 +129,10 @@ def test_the_demo_reports_its_options_with_its_own_flags(tmp_path):
     same = str(tmp_path / "same")
     res = CliRunner().invoke(main, ["demo", "--work-dir", same, "--out", same, "--decode-rounds", "0"])
     assert res.exit_code == 2
-    assert "--decode-rounds must be at least 1, got 0. --work-dir and --out must differ." in res.output
+    assert (
+        "--decode-rounds must be at least 1, got 0." in res.output
+        and "--work-dir and --out must differ." in res.output
+    )
     assert not foreign_flags(res.output, load_command("demo"))
 
 
@@ -165,8 +171,10 @@ def test_comma_lists_parse_one_way_everywhere():
 
 
 def test_the_name_tables_say_what_each_name_is_and_suggest_the_closest():
-    with pytest.raises(GqakitError, match="--method 'calibrate' is unknown; .* Did you mean \"calibrated\""):
-        METHODS.lookup("calibrate", "--method")
+    assert re.match(
+        "--method 'calibrate' is unknown; .* Did you mean \"calibrated\"",
+        METHODS.unknown("calibrate", "--method"),
+    )
     assert (
         ENGINES.unknown("hff", "--engine")
         == "--engine 'hff' is unknown; choose one of hf, llamacpp, vllm. Did you mean \"hf\"?"

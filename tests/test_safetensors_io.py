@@ -42,7 +42,7 @@ def test_raw_copy_is_byte_identical(tmp_path):
     specs = [TensorSpec(k, src.tensors[k].dtype, src.tensors[k].shape) for k in TENSORS]
     w = SafetensorsWriter(tmp_path / "copy.safetensors", specs)
     for k in TENSORS:
-        w.copy_from(k, lambda out, k=k: src.copy_raw(k, out))
+        w.copy_run([k], lambda out, k=k: src.copy_raw(k, out))
     w.close()
     copy = SafetensorsFile(tmp_path / "copy.safetensors")
     for k in TENSORS:

@@ -76,8 +76,6 @@ def main() -> None:
             break
         if req["op"] == "nll":
             _send({"nll": [_nll(model, w, k) for w, k in zip(req["windows"], req["scored"], strict=True)]})
-        elif req["op"] == "greedy":
-            _send({"tokens": [_greedy(model, p, req["max_tokens"]) for p in req["prompts"]]})
         elif req["op"] == "throughput":
             rng = random.Random(req["seed"])
             prompts = [[rng.randrange(3, c.vocab_size) for _ in range(req["prompt_tokens"])]]

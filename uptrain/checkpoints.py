@@ -131,7 +131,7 @@ def log_train(
         record["kl"] = stats[2].item()
     record.update(
         lr=lr,
-        grad_norm=None if grad_norm is None else float(grad_norm),
+        grad_norm=float(grad_norm),
         tokens_per_s=tok_s,
         avg_tokens_per_s=steps_here * b.tokens_per_step / max(elapsed, 1e-9),
     )

@@ -4,32 +4,27 @@ With ``--accelerate-config FILE`` it checks the accelerate config first and then
 ``accelerate launch --config_file FILE -m gqakit.uptrain RECIPE ...``, run by this Python
 (``sys.executable -m accelerate.commands.launch``: no ``accelerate`` looked up on PATH, which fails in a
 virtual environment that is not activated). A config that cannot run fails late or never under
-``accelerate launch`` alone: a DeepSpeed config without DeepSpeed ends in an ImportError traceback, a
-multi-machine config whose ``main_process_ip`` is still the shipped placeholder makes every machine
-retry the rendezvous forever, and a multi-process FSDP/DDP config on a machine without the GPUs it
-asks for starts N independent single-process runs; gqakit reports every such problem with the key to
-fill in, the config to use or the package to install.
+``accelerate launch`` alone: a multi-machine config whose ``main_process_ip`` is still the shipped
+placeholder makes every machine retry the rendezvous forever, and a multi-process FSDP/DDP config on a
+machine without the GPUs it asks for starts N independent single-process runs; gqakit reports every
+such problem with the key to fill in or the config to use (and refuses DeepSpeed, retired for FSDP2).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-from pathlib import Path
+from typing import Any
 
 import click
-import yaml
+import torch
 
 from gqakit.cli_options import force_option
 from gqakit.errors import GqakitError
-from gqakit.uptrain.preflight import deepspeed_problems, launch_problems, process_state, uses_cpu
+from gqakit.uptrain.plan import GPUS, plan, read_accelerate_config
+from gqakit.uptrain.preflight import DEEPSPEED_RETIRED, process_state
 from gqakit.uptrain.recipe import load_recipe
-from gqakit.uptrain.recipe_schema import Recipe
 from gqakit.uptrain.train import uptrain
-
-# The address recipes/accelerate/multi-node.yaml ships with: to be replaced by machine 0's.
-PLACEHOLDER_IPS = ("10.0.0.1", "", "MACHINE_0_ADDRESS")
 
 
 @click.command("uptrain")
@@ -45,13 +40,24 @@ PLACEHOLDER_IPS = ("10.0.0.1", "", "MACHINE_0_ADDRESS")
 @click.option(
     "--accelerate-config",
     type=click.Path(dir_okay=False),
-    help="Check this accelerate config (DeepSpeed installed? machine 0's address set? the GPUs it asks for "
-    "here?), then run the recipe under `accelerate launch` (this Python's) with it.",
+    help="Check this accelerate config (machine 0's address set? the GPUs it asks for here?), then run the "
+    "recipe under `accelerate launch` (this Python's) with it.",
 )
 @click.option(
     "--machine-rank", type=int, help="With --accelerate-config on several machines: this one's rank."
 )
 @click.option("--main-process-ip", help="With --accelerate-config on several machines: machine 0's address.")
+@click.option(
+    "--plan",
+    "plan_only",
+    is_flag=True,
+    help="Print the memory per process (under --accelerate-config) and the budget's GPU-hours, from the "
+    "model's config.json alone, and exit: no weights read, nothing trained or written.",
+)
+@click.option(
+    "--tokens", type=click.FloatRange(min=1), help="With --plan: cost this many tokens instead of the budget."
+)
+@click.option("--gpu", type=click.Choice(sorted(GPUS)), default="h100", help="With --plan: the GPU.")
 def uptrain_cmd(
     recipe: str,
     overrides: tuple[str, ...],
@@ -62,6 +68,9 @@ def uptrain_cmd(
     accelerate_config: str | None,
     machine_rank: int | None,
     main_process_ip: str | None,
+    plan_only: bool,
+    tokens: float | None,
+    gpu: str,
 ) -> None:
     """Uptrain a (converted) model as RECIPE says; OVERRIDES are key.sub=value pairs.
 
@@ -72,14 +81,20 @@ def uptrain_cmd(
                       (or: accelerate launch --config_file recipes/accelerate/fsdp.yaml \\
                           -m gqakit.uptrain recipes/llama2-7b-gqa8.yaml)
     After a kill:     gqakit uptrain recipes/smollm2-135m-mqa.yaml --resume
+    Before a launch:  gqakit uptrain recipes/llama2-7b-gqa8.yaml --plan \\
+                          --accelerate-config recipes/accelerate/fsdp.yaml
     """
     overrides = (*overrides, *settings)
     rec = load_recipe(recipe, overrides)
     if print_recipe:
         click.echo(rec.to_yaml(), nl=False)
         return
-    if accelerate_config:
-        problems = accelerate_config_problems(accelerate_config, main_process_ip, rec)
+    launch = read_accelerate_config(accelerate_config) if accelerate_config else None
+    if plan_only:
+        click.echo(plan(rec, launch, gpu, int(tokens) if tokens is not None else None).to_text())
+        return
+    if launch is not None:
+        problems = launch_problems(launch, main_process_ip)
         if problems:
             raise GqakitError(f"--accelerate-config {accelerate_config}: " + " ".join(problems))
         # this Python's accelerate, not a PATH lookup (a virtual environment need not be activated)
@@ -90,10 +105,19 @@ def uptrain_cmd(
             argv += ["--main_process_ip", main_process_ip]
         argv += ["-m", "gqakit.uptrain", recipe, *overrides]
         argv += (["--resume"] if resume else []) + (["--force"] if force else [])
-        os.execve(argv[0], argv, launch_env(accelerate_config))  # replaces this process (tests stub it)
+        os.execve(argv[0], argv, launch_env(launch))  # replaces this process (tests stub it)
         return
 
-    res = uptrain(rec, resume=resume, force=force)
+    try:
+        res = uptrain(rec, resume=resume, force=force)
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise
+        raise GqakitError(
+            "This run lost another of its processes (a machine or process that stopped, or stopped "
+            f"answering): {str(e).splitlines()[0]} This process stopped too. Continue the run from its last "
+            "checkpoint with the same command and --resume, on every machine."
+        ) from None
 
     if process_state().is_main_process:
         alpha = f", alpha {res.alpha:.3g}" if res.alpha is not None else ""
@@ -104,47 +128,96 @@ def uptrain_cmd(
         )
 
 
-def accelerate_config_problems(path: str, main_process_ip: str | None, recipe: Recipe) -> list[str]:
-    """What stops the accelerate config ``path`` (with ``recipe``) from running here, each with its fix;
-    empty when it can be launched."""
+def launch_env(config: dict[str, Any]) -> dict[str, str]:
+    """The environment the launched processes run in: this one, plus ``ACCELERATE_USE_CPU=true`` for a
+    config with ``use_cpu: true`` (accelerate's multi-process launcher does not pass that key on, and its
+    processes would each run alone on the CPU)."""
+    return {**os.environ, **({"ACCELERATE_USE_CPU": "true"} if uses_cpu(config) else {})}
+
+
+def lost_peer(e: RuntimeError) -> bool:
+    """Whether ``e`` is a collective of a distributed run failing for a lost peer: the connection reset
+    (gloo, NCCL) or the collective timing out (GQAKIT_COLLECTIVE_TIMEOUT seconds, default 600)."""
+    # deferred: torch takes seconds to import, and `gqakit uptrain --help` needs none of it
+    import torch.distributed as dist
+
+    text = str(e)
+    return dist.is_initialized() and (
+        isinstance(e, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Timed out", "Connection"))
+    )
+
+
+# The address recipes/accelerate/multi-node.yaml ships with: to be replaced by machine 0's.
+PLACEHOLDER_IPS = ("10.0.0.1", "", "MACHINE_0_ADDRESS")
+# The distributed types whose processes each take a GPU unless the config says use_cpu.
+_GPU_TYPES = ("MULTI_GPU", "FSDP")
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def uses_cpu(config: dict[str, Any]) -> bool:
+    """Whether an accelerate config puts its processes on the CPU (``use_cpu: true``)."""
+    return _truthy(config.get("use_cpu", False))
+
+
+def launch_problems(
+    config: dict[str, Any], main_process_ip: str | None = None, gpus: int | None = None
+) -> list[str]:
+    """Why the accelerate config ``config`` would not start one distributed run on this machine, each
+    with what to use instead; empty when it would.
+
+    DeepSpeed is refused (:data:`DEEPSPEED_RETIRED`). A multi-machine config whose ``main_process_ip``
+    (or --main-process-ip) is still the shipped placeholder would make every machine retry
+    the rendezvous forever. Without GPUs and without ``use_cpu: true`` accelerate starts a multi-process
+    FSDP or DDP config as N independent single-process runs (each rank 0 of 1), which then fight over
+    output_dir; a config asking for more GPUs than this machine has fails inside torchrun. ``gpus`` is
+    this machine's GPU count (default: ``torch.cuda.device_count()``).
+    """
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    kind = str(config.get("distributed_type", "NO")).upper()
+    if kind == "DEEPSPEED":
+        return [DEEPSPEED_RETIRED]
     try:
-        config = yaml.safe_load(Path(path).expanduser().read_text())
-    except (OSError, yaml.YAMLError) as e:
-        return [f"cannot be read as YAML ({getattr(e, 'strerror', None) or e})."]
-    if not isinstance(config, dict):
-        return ["is not a mapping of accelerate settings."]
-    problems = []
-    deepspeed = str(config.get("distributed_type", "")).upper() == "DEEPSPEED"
-    if deepspeed and not importlib.util.find_spec("deepspeed"):
-        problems.append(
-            "distributed_type DEEPSPEED needs DeepSpeed, which is not installed: pip install deepspeed."
-        )
-    if deepspeed:
-        problems += deepspeed_problems(recipe)
-    try:
-        machines = int(config.get("num_machines", 1) or 1)
+        machines = max(1, int(config.get("num_machines", 1) or 1))
+        processes = int(config.get("num_processes", 1) or 1)
     except (TypeError, ValueError):
-        return [*problems, f"num_machines must be a whole number, got {config.get('num_machines')!r}."]
+        return [
+            f"num_machines and num_processes must be whole numbers, got {config.get('num_machines')!r} and "
+            f"{config.get('num_processes')!r}."
+        ]
+    problems = []
     ip = main_process_ip if main_process_ip is not None else str(config.get("main_process_ip") or "")
-    problems += launch_problems(config)
     if machines > 1 and ip in PLACEHOLDER_IPS:
         problems.append(
             f"num_machines is {machines} but main_process_ip is {ip or 'not set'!r}, the shipped "
             "placeholder: pass --main-process-ip with machine 0's address (reachable from the others), "
             "or set main_process_ip in the config. Also set --machine-rank on every machine."
         )
+    # ACCELERATE_USE_CPU=1 in the environment reaches every process too (docs/uptrain.md's 2 CPU ranks)
+    if uses_cpu(config) or _truthy(os.environ.get("ACCELERATE_USE_CPU")) or kind not in _GPU_TYPES:
+        return problems
+    here = max(1, processes // machines)  # num_processes counts every machine's
+    ids = str(config.get("gpu_ids", "all") or "all")
+    listed = [int(i) for i in ids.split(",") if i.strip().isdigit()] if ids != "all" else []
+    if gpus == 0 and (here > 1 or machines > 1):
+        problems.append(
+            f"distributed_type {kind} with num_processes {processes} puts each process on a GPU, and this "
+            "machine has no GPU: accelerate would start each process as an independent single-process run "
+            "(rank 0 of 1), not one distributed run. Without GPUs use recipes/accelerate/fsdp-cpu.yaml "
+            "(FSDP2 over 2 CPU processes; or set `use_cpu: true` in this config), run on a machine with "
+            f"{here} GPUs, or leave out --accelerate-config to train in one process."
+        )
+    elif gpus and here > gpus:
+        problems.append(
+            f"distributed_type {kind} starts {here} processes on this machine, one per GPU, and this "
+            f"machine has {gpus} GPU(s): set num_processes: {gpus * machines} in the config, or run on a "
+            f"machine with {here} GPUs."
+        )
+    elif gpus and any(i >= gpus for i in listed):
+        problems.append(
+            f"gpu_ids is {ids} and this machine has GPU(s) 0 to {gpus - 1}: set gpu_ids to GPUs it has "
+            "(or all)."
+        )
     return problems
-
-
-def launch_env(path: str) -> dict[str, str]:
-    """The environment the launched processes run in: this one, plus ``ACCELERATE_USE_CPU=true`` for a
-    config with ``use_cpu: true`` (accelerate's multi-process launcher does not pass that key on, and its
-    processes would each run alone on the CPU)."""
-    env = dict(os.environ)
-    try:
-        config = yaml.safe_load(Path(path).expanduser().read_text())
-    except (OSError, yaml.YAMLError):
-        return env
-    if isinstance(config, dict) and uses_cpu(config):
-        env["ACCELERATE_USE_CPU"] = "true"
-    return env

@@ -4,14 +4,16 @@ trains, reported as one message with every problem in it.
 The recipe's own keys, types and cross-field rules were checked when it was loaded
 (:mod:`gqakit.uptrain.recipe`); this checks what the recipe points at and where it runs: the model and
 teacher (causal LMs, enough positions, one vocabulary, a G the model can be converted to), the data files
-(present, UTF-8 text, not empty, one type), the machine (the device, the precision it can run, what a
-distributed launch and DeepSpeed allow), the output directory (free or resumable, writable, not holding
-the inputs) and, for ``--resume``, that the run being continued is the one the recipe describes.
+(present, UTF-8 text, not empty, one type, a batch for every process), the machine (the device, the
+precision it can run, what a distributed launch allows), the output directory (free or resumable,
+writable, not holding the inputs) and, for ``--resume``, that the run being continued is the one the
+recipe describes.
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,10 +24,10 @@ import yaml
 from gqakit.checkpoint import model_source, read_config
 from gqakit.convert.retarget import groups_problem
 from gqakit.errors import GqakitError
-from gqakit.models import check_causal_lm, check_seq_len, device_unavailable, resolve_device
+from gqakit.models import check_causal_lm, check_seq_len, device_unavailable, load_tokenizer, resolve_device
 from gqakit.storage import writable_dir
 from gqakit.text import load_texts
-from gqakit.uptrain.data import BUILDERS, resolve_files
+from gqakit.uptrain.data import BUILDERS, build_blocks, resolve_files
 from gqakit.uptrain.recipe import expand
 from gqakit.uptrain.recipe_schema import Recipe
 from gqakit.uptrain.schedule import resolve_budget
@@ -62,6 +64,8 @@ def preflight(recipe: Recipe, *, resume: bool = False, force: bool = False) -> N
     ]
     if resume and out.is_dir():
         problems += resume_problems(recipe, out, state.num_processes)
+    if not problems:  # the files are readable: count the blocks they give
+        problems += data_problems(recipe, state)
     if problems:
         lines = ["The recipe's inputs have problems:", *(f"  - {p}" for p in problems)]
         cache = os.environ.get("GQAKIT_CACHE")
@@ -96,7 +100,10 @@ def process_state(device: str | None = None):
     from accelerate.utils import parse_flag_from_env
 
     cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
-    state = PartialState(cpu=cpu)
+    # A lost peer ends the others' collectives after GQAKIT_COLLECTIVE_TIMEOUT seconds (default 10 minutes)
+    # instead of torch's 30. The first PartialState creates the process group: Accelerator's is too late.
+    timeout = timedelta(seconds=float(os.environ.get("GQAKIT_COLLECTIVE_TIMEOUT") or 600))
+    state = PartialState(cpu=cpu, timeout=timeout)
     if device is None or state.use_distributed or (device == "auto" and not _pinned):
         return state
     want = None if device == "auto" else resolve_device(device)
@@ -176,6 +183,25 @@ def input_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
+def data_problems(recipe: Recipe, state: Any) -> list[str]:
+    """Whether the training text gives one batch for every process: the blocks are counted by packing the
+    text as the run will (the main process first; ``datasets`` caches the blocks, which the run reads)."""
+    try:
+        tokenizer = load_tokenizer(model_source(expand(recipe.model.path)))  # a conversion keeps it
+        with state.main_process_first():
+            blocks = build_blocks(recipe.data, tokenizer, recipe.seed)
+    except GqakitError as e:
+        return [e.message]
+    batch, world = recipe.train.batch_size, state.num_processes
+    if len(blocks.train) >= batch * world:
+        return []
+    return [
+        f"The training text gives {len(blocks.train)} block(s) of {recipe.data.seq_len} tokens, fewer than "
+        f"one batch (train.batch_size={batch} x {world} process(es)). Add text, or lower data.seq_len or "
+        "train.batch_size."
+    ]
+
+
 # ---------------------------------------------------------------------------------------------- The machine
 
 
@@ -206,91 +232,21 @@ def resolve_precision(precision: str, device: str = "auto") -> str:
         return "fp32"
 
 
-def deepspeed_problems(recipe: Recipe) -> list[str]:
-    """What of the recipe DeepSpeed cannot run: resumable checkpoints, a teacher."""
-    problems = []
-    if recipe.checkpoint.every:
-        problems.append(
-            f"checkpoint.every={recipe.checkpoint.every} under DeepSpeed: DeepSpeed's checkpoints can only "
-            "be read back by DeepSpeed's own loader, which unpickles them (code in a run directory would "
-            "run), and gqakit never loads code from a run directory. Set checkpoint.every=0 (no --resume, "
-            "no rollback), or use recipes/accelerate/fsdp.yaml (sharded like ZeRO-3, resumable)."
-        )
-    if recipe.objective.kind != "lm":
-        problems.append(
-            f"objective.kind={recipe.objective.kind} is not supported under DeepSpeed (ZeRO-3 would "
-            "partition the teacher too). Use recipes/accelerate/fsdp.yaml or ddp.yaml, or objective.kind=lm."
-        )
-    return problems
-
-
-# The distributed types whose processes each take a GPU unless the config says use_cpu.
-_GPU_TYPES = ("MULTI_GPU", "FSDP", "DEEPSPEED")
-
-
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() in ("true", "1", "yes")
-
-
-def uses_cpu(config: dict[str, Any]) -> bool:
-    """Whether an accelerate config puts its processes on the CPU (``use_cpu: true``)."""
-    return _truthy(config.get("use_cpu", False))
-
-
-def launch_problems(config: dict[str, Any], gpus: int | None = None) -> list[str]:
-    """Why the accelerate config ``config`` would not start one distributed run on this machine, each
-    with what to use instead; empty when it would.
-
-    Without GPUs and without ``use_cpu: true`` accelerate starts a multi-process FSDP, DDP or DeepSpeed
-    config as N independent single-process runs (each rank 0 of 1), which then fight over output_dir;
-    a config asking for more GPUs than this machine has fails inside torchrun. ``gpus`` is this
-    machine's GPU count (default: ``torch.cuda.device_count()``).
-    """
-    gpus = torch.cuda.device_count() if gpus is None else gpus
-    kind = str(config.get("distributed_type", "NO")).upper()
-    # ACCELERATE_USE_CPU=1 in the environment reaches every process too (docs/uptrain.md's 2 CPU ranks)
-    if uses_cpu(config) or _truthy(os.environ.get("ACCELERATE_USE_CPU")) or kind not in _GPU_TYPES:
-        return []
-    try:
-        machines = max(1, int(config.get("num_machines", 1) or 1))
-        processes = int(config.get("num_processes", 1) or 1)
-    except (TypeError, ValueError):
-        return []  # reported by the caller
-    here = max(1, processes // machines)  # num_processes counts every machine's
-    ids = str(config.get("gpu_ids", "all") or "all")
-    listed = [int(i) for i in ids.split(",") if i.strip().isdigit()] if ids != "all" else []
-    if gpus == 0 and (here > 1 or machines > 1):
-        return [
-            f"distributed_type {kind} with num_processes {processes} puts each process on a GPU, and this "
-            "machine has no GPU: accelerate would start each process as an independent single-process run "
-            "(rank 0 of 1), not one distributed run. On CPUs set `use_cpu: true` with `num_processes` N "
-            f"(e.g. 2: gloo processes forming one run), run on a machine with {here} GPUs, or leave out "
-            "--accelerate-config to train in one process."
-        ]
-    if gpus == 0:
-        return []  # one process on the CPU: what a plain `gqakit uptrain` runs
-    if here > gpus:
-        return [
-            f"distributed_type {kind} starts {here} processes on this machine, one per GPU, and this "
-            f"machine has {gpus} GPU(s): set num_processes: {gpus * machines} in the config, or run on a "
-            f"machine with {here} GPUs."
-        ]
-    missing = [i for i in listed if i >= gpus]
-    if missing:
-        return [
-            f"gpu_ids is {ids} and this machine has GPU(s) 0 to {gpus - 1}: set gpu_ids to GPUs it has "
-            "(or all)."
-        ]
-    return []
+# DeepSpeed is retired: FSDP2 covers what it was used for (docs/uptrain.md#deepspeed).
+DEEPSPEED_RETIRED = (
+    "distributed_type DEEPSPEED is not supported: FSDP2 shards parameters, gradients and optimizer state as "
+    "ZeRO-3 does, with resumable checkpoints read back without unpickling and the teacher sharded too. Use "
+    "recipes/accelerate/fsdp.yaml (recipes/accelerate/fsdp-cpu.yaml on a machine without GPUs)."
+)
 
 
 def environment_problems(recipe: Recipe, distributed_type: str, device_type: str) -> list[str]:
-    """What this machine and launch cannot run of the recipe (precision, DeepSpeed's limits, a device
-    for a distributed launch)."""
+    """What this machine and launch cannot run of the recipe (precision, DeepSpeed, a device for a
+    distributed launch)."""
     # (auto always resolves to a precision the device runs)
     problems = [p for p in [precision_problem(recipe.train.precision, device_type)] if p]
-    if distributed_type == "DEEPSPEED":
-        problems += deepspeed_problems(recipe)
+    if distributed_type == "DEEPSPEED":  # launched by accelerate launch directly
+        problems.append(DEEPSPEED_RETIRED)
     if recipe.speed.device != "auto" and distributed_type != "NO":
         problems.append(
             f"speed.device={recipe.speed.device} puts a single process on a device; this run was launched "

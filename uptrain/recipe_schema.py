@@ -118,9 +118,6 @@ class SpeedConfig:
     compile: bool | Literal["auto"] = opt(
         "auto", "torch.compile each decoder layer (student and teacher). auto: CUDA in one process or DDP."
     )
-    kernels: Literal["auto", "liger", "none"] = opt(
-        "auto", "liger (liger-kernel's fused RMSNorm, RoPE, SwiGLU; CUDA) or none. auto: none."
-    )
     device: str = opt(
         "auto",
         "Where a single-process run trains: cpu, cuda, cuda:N, or auto (accelerate's choice: CUDA when "
@@ -141,7 +138,7 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     """Resumable checkpoints under OUTPUT_DIR/checkpoints (model, optimizer, RNG, data position), written
-    and read without pickled code; none under DeepSpeed (every must be 0 there)."""
+    and read without pickled code."""
 
     every: int = opt(0, "Steps between checkpoints (0: none, so no --resume and no rollback).")
     keep: int = opt(2, "How many recent checkpoints to keep (at least 1).")

@@ -4,6 +4,7 @@ The run itself reads top to bottom in :mod:`gqakit.uptrain.train`."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 import re
@@ -74,9 +75,13 @@ def setup(recipe: Recipe, out: Path, model_path: str) -> Run:
     )  # fmt: skip
     # No scheduler: each step sets its learning rate from the step (set_lr). Nothing is registered with
     # accelerate for checkpointing: gqakit writes and reads its checkpoints itself (gqakit.uptrain.state_io).
-    run.model, run.optimizer, run.train_loader, run.val_loader = acc.prepare(
-        model, run.optimizer, train_loader, val_loader
-    )
+    if sharded_here(acc):  # sharded already (shard): accelerate would wrap it in DDP, which refuses DTensors
+        run.model = acc.prepare_model(model, evaluation_mode=True)
+        run.optimizer, run.train_loader, run.val_loader = acc.prepare(run.optimizer, train_loader, val_loader)
+    else:
+        run.model, run.optimizer, run.train_loader, run.val_loader = acc.prepare(
+            model, run.optimizer, train_loader, val_loader
+        )
     if acc.log_with:
         scalars = {
             k: v if isinstance(v, int | float | str | bool) else str(v)
@@ -143,17 +148,50 @@ def load_student(recipe: Recipe, model_path: str, acc: Any) -> tuple[Any, SpeedC
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
-    speed, said = resolve_speed(r.speed, acc.device.type, acc.distributed_type.value, model)
+    speed, said = resolve_speed(r.speed, acc.device.type, distributed_kind(acc), model)
     log.info(
-        "uptrain %s: %s trainable of %s parameters (%s); %s processes (%s), precision %s",
+        "uptrain %s: %s trainable of %s parameters (%s); %s processes (%s on %s), precision %s",
         model_path, f"{n_trainable:,}", f"{n_params:,}", r.train.trainable, acc.num_processes,
-        acc.distributed_type.value, r.train.precision,
+        distributed_kind(acc), acc.device.type, r.train.precision,
     )  # fmt: skip
     log.info(said)
     speed_up(model, speed)
     if speed.fused_loss:
         install_fused_loss(model)
+    if sharded_here(acc):
+        shard(model, acc)
     return model, speed, save_dtype
+
+
+def sharded_here(acc: Any) -> bool:
+    """An FSDP launch whose processes run on the CPU. accelerate's FSDP plugin runs on GPUs only: such a
+    launch gets a plain MULTI_CPU state (DDP), so gqakit shards the model itself (:func:`shard`)."""
+    # deferred: accelerate takes seconds to import
+    from accelerate.utils import parse_flag_from_env
+
+    return acc.distributed_type.value == "MULTI_CPU" and parse_flag_from_env("ACCELERATE_USE_FSDP")
+
+
+def distributed_kind(acc: Any) -> str:
+    """How the run is distributed, as logged and recorded: FSDP for gqakit's own sharding on CPUs too."""
+    return "FSDP" if sharded_here(acc) else acc.distributed_type.value
+
+
+def shard(model: torch.nn.Module, acc: Any) -> None:
+    """FSDP2 by torch's ``fully_shard``: each decoder layer one unit, then the rest of the model, over
+    every process of the run on its device (gloo on CPUs). Each process then holds 1/N of each parameter
+    (and of its gradient and optimizer state), and gathers a layer's whole weights only while it runs."""
+    # deferred: torch.distributed's FSDP modules load only for a sharded run
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if acc.device.type == "cpu":
+        keep_large_blocks_mapped()
+    mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    # torch keeps the root's weights gathered after forward, for backward; a frozen model has none
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if model.training else True)
 
 
 def apply_trainable(model: torch.nn.Module, mode: str) -> tuple[int, int]:
@@ -196,17 +234,42 @@ def apply_trainable(model: torch.nn.Module, mode: str) -> tuple[int, int]:
     return chosen, total
 
 
+def keep_large_blocks_mapped() -> None:
+    """Make glibc return every block over 128 KiB to the system when it is freed. By default it raises
+    that threshold to the size of each large block freed, so the layer weights FSDP gathers and frees
+    again at every forward and backward end up in the heap, which keeps them: measured, a process's
+    memory grew to hold the whole model again. (Not glibc: nothing to do.)"""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD, fixed from then on
+    except (OSError, AttributeError):
+        pass
+
+
 def load_teacher(recipe: Recipe, acc: Any, speed: SpeedConfig) -> Any:
-    """The frozen teacher of ``distill`` / ``mix`` in the run's precision on its device; None for ``lm``."""
+    """The frozen teacher of ``distill`` / ``mix`` in the run's precision, in eval mode, on its device;
+    None for ``lm``. Under FSDP it is sharded like the student (:func:`shard`; no optimizer, no
+    gradients), so each process holds 1/N of it instead of a whole copy."""
     r = recipe
     if r.objective.kind == "lm":
         if r.teacher:
             log.warning("teacher %s is not used: objective.kind is lm", r.teacher)
         return None
-    teacher = load_causal_lm(r.teacher, dtype=dtype_name(r.train.precision), device=str(acc.device))
+    sharded = distributed_kind(acc) == "FSDP"
+    device = "cpu" if sharded else str(acc.device)  # fully_shard moves each process's shard to its device
+    teacher = load_causal_lm(r.teacher, dtype=dtype_name(r.train.precision), device=device)
     teacher.requires_grad_(False)
+    teacher.eval()
     speed_up(teacher, speed)
+    if sharded:
+        shard(teacher, acc)
+        here = sum(p.to_local().numel() for p in teacher.parameters())
+        log.info(
+            "teacher %s sharded over %d processes (fully_shard): %s of its %s parameters in each",
+            r.teacher, acc.num_processes, f"{here:,}", f"{teacher.num_parameters():,}",
+        )  # fmt: skip
     why = fused_loss_unsupported(teacher) if speed.fused_loss else None
+    if sharded and speed.fused_loss:
+        why = "a sharded teacher's output projection is whole only inside its forward"
     if why:
         raise GqakitError(
             f"speed.fused_loss cannot use the teacher {r.teacher}: {why}. Set speed.fused_loss=false."
@@ -215,18 +278,12 @@ def load_teacher(recipe: Recipe, acc: Any, speed: SpeedConfig) -> Any:
 
 
 def load_data(recipe: Recipe, model_path: str, acc: Any) -> tuple[Any, Blocks, DataLoader, DataLoader]:
-    """The tokenizer, the packed blocks (tokenized once, by the main process first) and their loaders."""
+    """The tokenizer, the packed blocks (tokenized once, by the main process first; counted against the
+    batch by preflight) and their loaders."""
     r = recipe
     tokenizer = load_tokenizer(model_path)
     with acc.main_process_first():
         blocks = build_blocks(r.data, tokenizer, r.seed)
-    world = acc.num_processes
-    if len(blocks.train) < r.train.batch_size * world:
-        raise GqakitError(
-            f"The training text gives {len(blocks.train)} block(s) of {r.data.seq_len} tokens, fewer than "
-            f"one batch (train.batch_size={r.train.batch_size} x {world} process(es)). Add text, or lower "
-            "data.seq_len or train.batch_size."
-        )
     train_loader = DataLoader(blocks.train, batch_size=r.train.batch_size, shuffle=True, drop_last=True)
     val_loader = DataLoader(blocks.val, batch_size=r.eval.batch_size or r.train.batch_size)
     return tokenizer, blocks, train_loader, val_loader
@@ -256,9 +313,9 @@ def resolve_speed(
 
     ``auto`` is what was measured fastest (benchmarks/bench_uptrain.py): on a CUDA GPU in one process or
     DDP, ``compile`` and with it the fused loss (eager, the fused loss's chunk loop costs more than it
-    saves there; liger's kernels stop compile's own fusions, so they stay off); on a CPU the fused loss
-    alone (compiling costs more than short CPU runs gain); under FSDP and DeepSpeed nothing (not measured
-    there). An explicit lever the device cannot run is turned off with the reason.
+    saves there); on a CPU the fused loss alone (compiling costs more than short CPU runs gain); under
+    FSDP nothing (not measured there). An explicit lever the device cannot run is turned off with the
+    reason.
     """
     cuda = device_type == "cuda"
     simple = distributed_type in ("NO", "MULTI_GPU", "MULTI_CPU")
@@ -272,16 +329,8 @@ def resolve_speed(
         off.append(f"fused loss ({reason})")
     elif cfg.fused_loss == "auto" and not simple:
         off.append(f"fused loss (auto: not measured under {distributed_type}; set speed.fused_loss=true)")
-    kernels = "none"
-    if cfg.kernels == "liger" and not cuda:
-        off.append("kernels liger (needs a CUDA GPU)")
-    elif cfg.kernels == "liger" and importlib.util.find_spec("liger_kernel") is None:
-        off.append("kernels liger (not installed: pip install liger-kernel)")
-    elif cfg.kernels == "liger":
-        kernels = "liger"
-    speed = SpeedConfig(fused_loss=fused and not reason, compile=compile_, kernels=kernels, device=cfg.device)
+    speed = SpeedConfig(fused_loss=fused and not reason, compile=compile_, device=cfg.device)
     on = [n for n, v in (("fused loss", speed.fused_loss), ("compile", compile_)) if v]
-    on += ["kernels liger"] if kernels == "liger" else []
     said = "speed: " + (", ".join(on) if on else "plain eager loop")
     return speed, said + ("; off: " + "; ".join(off) if off else "")
 
@@ -293,20 +342,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def speed_up(model: torch.nn.Module, speed: SpeedConfig) -> None:
-    """Liger's fused RMSNorm/RoPE/SwiGLU kernels, then ``torch.compile`` of each decoder layer in place
-    (one compiled graph serves every layer; parameter names and checkpoints are unchanged)."""
-    if speed.kernels == "liger":
-        # deferred: liger-kernel is optional (CUDA only)
-        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
-
-        _apply_liger_kernel_to_instance(  # (its loss is gqakit's fused loss)
-            model,
-            rope=True,
-            rms_norm=True,
-            swiglu=True,
-            cross_entropy=False,
-            fused_linear_cross_entropy=False,
-        )
+    """``torch.compile`` of each decoder layer in place (one compiled graph serves every layer; parameter
+    names and checkpoints are unchanged)."""
     if speed.compile:
         for layer in decoder_layers(model):
             layer.compile()

@@ -1,24 +1,23 @@
 """The files of a resumable checkpoint, each written and read back without running code from it.
 
 Run directories are shared (multi-node training needs a shared ``output_dir``) and downloaded, so a
-resume must not unpickle anything that can carry code. accelerate's ``load_state`` does in three places:
-registered custom objects (``custom_checkpoint_*.pkl``, ``weights_only=False``), FSDP's sharded
+resume must not unpickle anything that can carry code. accelerate's ``load_state`` does in two places:
+registered custom objects (``custom_checkpoint_*.pkl``, ``weights_only=False``) and FSDP's sharded
 checkpoints (``torch.distributed.checkpoint`` reads ``.metadata`` with ``pickle.load`` and non-tensor
-entries with ``weights_only=False``) and DeepSpeed's engine checkpoints (DeepSpeed's own loader). gqakit
-therefore writes and reads the pieces itself::
+entries with ``weights_only=False``). gqakit therefore writes and reads the pieces itself::
 
     step-NNNNNNNN/
-      model.safetensors          safetensors (FSDP: accelerate's per-rank files, see below)
+      model.safetensors          safetensors (FSDP: model_shard_<rank>.safetensors, each rank's shards)
       optimizer.pt               torch.save of the optimizer state; read with torch.load(weights_only=True)
+                                 (FSDP: optimizer_shard_<rank>.pt, each rank's part)
       scaler.json                fp16 only: the gradient scaler's numbers
       rng_state_<rank>.json      Python, NumPy, torch and accelerator RNG states, as numbers
       trainer_state.json         gqakit's counters (:class:`TrainState`), checked plain numbers
 
-Under FSDP the model and optimizer go through accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``
-with ``use_dcp=False``: per-rank ``torch.save`` files that ``load_fsdp_*`` read with
-``torch.load(weights_only=True)``. DeepSpeed's checkpoints can only be read by DeepSpeed's unpickling
-loader, so gqakit does not checkpoint under DeepSpeed (preflight refuses ``checkpoint.every`` there). The
-learning-rate schedule is a pure function of the step and needs no file.
+Under FSDP2 (accelerate's on GPUs, gqakit's own ``fully_shard`` on CPUs) every parameter is a DTensor of
+which each rank holds one shard: each rank writes and reads back its own shards as plain tensors, so a
+resume needs the same number of processes. The learning-rate schedule is a pure function of the step
+and needs no file.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch.distributed.tensor import DTensor
 
 from gqakit.errors import GqakitError
 
@@ -99,10 +99,6 @@ def rng_file(rank: int) -> str:
     return f"rng_state_{rank}.json"
 
 
-def _is(acc: Any, kind: str) -> bool:
-    return acc.distributed_type.value == kind
-
-
 # -------------------------------------------- Writing (every process calls these; each writes its own part)
 
 
@@ -111,21 +107,51 @@ def save_training_state(
 ) -> None:
     """Write the model, optimizer, gradient scaler and this process's RNG state into ``directory``, and
     (main process) ``record``, the counters, as ``trainer_state.json``."""
-    if _is(acc, "FSDP"):
-        # deferred: accelerate takes seconds to import
-        from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
-
-        plugin = acc.state.fsdp_plugin
-        save_fsdp_model(plugin, acc, model, str(directory), use_dcp=False)
-        save_fsdp_optimizer(plugin, acc, optimizer, model, str(directory), use_dcp=False)
+    model = acc.unwrap_model(model)
+    model_file, optimizer_file = _files(acc, model)
+    if _sharded(model):  # every rank its own shards, as plain tensors
+        save_file({k: _local(v) for k, v in model.state_dict().items()}, str(directory / model_file))
+        state = optimizer.state_dict()
+        state["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in state["state"].items()}
+        torch.save(state, directory / optimizer_file)
     elif acc.is_main_process:  # DDP: every process holds the same model and optimizer state
-        save_model(acc.unwrap_model(model), str(directory / MODEL))
-        torch.save(optimizer.state_dict(), directory / OPTIMIZER)
+        save_model(model, str(directory / model_file))
+        torch.save(optimizer.state_dict(), directory / optimizer_file)
     if acc.is_main_process and acc.scaler is not None:
         (directory / SCALER).write_text(json.dumps(acc.scaler.state_dict()))
     if acc.is_main_process:
         (directory / STATE_FILE).write_text(json.dumps(record))
     (directory / rng_file(acc.process_index)).write_text(json.dumps(rng_state()))
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def whole_state_dict(acc: Any, model: Any) -> dict[str, torch.Tensor]:
+    """The model's whole tensors, to save it: under FSDP2 gathered to the main process (the others get
+    an empty dict)."""
+    if not _sharded(acc.unwrap_model(model)):
+        return acc.get_state_dict(model)
+    # deferred: torch.distributed.checkpoint takes a while to import
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _files(acc: Any, model: torch.nn.Module) -> tuple[str, str]:
+    """The model's and the optimizer's file names: one of each, or one per rank under FSDP."""
+    if _sharded(model):
+        return f"model_shard_{acc.process_index}.safetensors", f"optimizer_shard_{acc.process_index}.pt"
+    return MODEL, OPTIMIZER
+
+
+def _local(value: Any) -> Any:
+    """This rank's part of a tensor (its shard of a DTensor), as a CPU copy of its own."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.detach().to("cpu", copy=True).contiguous()
 
 
 def rng_state() -> dict[str, Any]:
@@ -161,34 +187,36 @@ def load_training_state(acc: Any, model: Any, optimizer: Any, directory: Path) -
     """Read back what :func:`save_training_state` wrote, the counters first (checked: plain numbers) and
     returned; any other file in ``directory`` is ignored."""
     record = read_checkpoint_record(directory)
-    # the files this process reads, besides trainer_state.json
-    files = [rng_file(acc.process_index), *([] if _is(acc, "FSDP") else [MODEL, OPTIMIZER])]
-    missing = [n for n in files + ([SCALER] if acc.scaler else []) if not (directory / n).is_file()]
+    model = acc.unwrap_model(model)
+    model_file, optimizer_file = _files(acc, model)
+    files = [rng_file(acc.process_index), model_file, optimizer_file, *([SCALER] if acc.scaler else [])]
+    missing = [n for n in files if not (directory / n).is_file()]
     if missing:  # (accelerate's pickled files, which a checkpoint of another tool may hold, are never read)
         raise GqakitError(
             f"The checkpoint {directory} lacks {', '.join(missing)}: it is incomplete. Remove it to resume "
             "from the one before it, or start over with --force."
         )
-    if _is(acc, "FSDP"):
-        # deferred: accelerate takes seconds to import
-        from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
-
-        plugin = acc.state.fsdp_plugin
-        try:  # accelerate's per-rank files, read with torch.load(weights_only=True)
-            load_fsdp_model(plugin, acc, model, str(directory), use_dcp=False)
-            load_fsdp_optimizer(plugin, acc, optimizer, model, str(directory), use_dcp=False)
-        except Exception as e:  # a missing file, or torch refusing a pickle with code in it
-            raise _unreadable(directory, "the FSDP model or optimizer files", "cannot be read", e) from None
-    else:
-        try:
-            load_model(acc.unwrap_model(model), str(directory / MODEL))
-        except Exception as e:
-            raise _unreadable(directory, MODEL, "is not a safetensors file of this model", e) from None
-        try:
-            state = torch.load(directory / OPTIMIZER, map_location="cpu", weights_only=True)
-            optimizer.load_state_dict(state)
-        except Exception as e:  # torch refuses a pickle with code in it: UnpicklingError and friends
-            raise _unreadable(directory, OPTIMIZER, "is not plain optimizer state", e) from None
+    try:
+        if _sharded(model):
+            tensors = load_file(str(directory / model_file))
+            with torch.no_grad():
+                for name, value in model.state_dict().items():
+                    (value.to_local() if isinstance(value, DTensor) else value).copy_(tensors[name])
+        else:
+            load_model(model, str(directory / model_file))
+    except Exception as e:
+        raise _unreadable(directory, model_file, "is not a safetensors file of this model", e) from None
+    try:
+        state = torch.load(directory / optimizer_file, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state)
+    except Exception as e:  # torch refuses a pickle with code in it: UnpicklingError and friends
+        raise _unreadable(directory, optimizer_file, "is not plain optimizer state", e) from None
+    for param, state in optimizer.state.items():  # each shard back into a DTensor like its parameter's
+        for k, v in state.items():
+            if isinstance(param, DTensor) and v.shape == param.to_local().shape:
+                state[k] = DTensor.from_local(
+                    v, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                )
     if acc.scaler is not None:
         acc.scaler.load_state_dict(_json(directory, SCALER))
     name = rng_file(acc.process_index)

@@ -12,7 +12,7 @@
                     -> finite? step : skip -> log -> eval every N -> checkpoint every N
       finish        final validation -> gathered full state dict -> HF safetensors + tokenizer + gqakit.json
 
-One process or many (DDP, FSDP2, DeepSpeed, several nodes) is decided by ``accelerate launch`` and its
+One process or many (DDP, FSDP2, several nodes) is decided by ``accelerate launch`` and its
 config file, never here: the loop is accelerate's ``prepare`` / ``accumulate`` / ``backward``. Every
 process runs all of it; only the main process writes shared files.
 
@@ -61,8 +61,8 @@ from gqakit.uptrain.preflight import preflight, process_state, resolve_precision
 from gqakit.uptrain.recipe import expand
 from gqakit.uptrain.recipe_schema import Recipe
 from gqakit.uptrain.schedule import lr_multiplier, warmup_steps
-from gqakit.uptrain.setup import Run, load_data, load_student, make_accelerator, setup
-from gqakit.uptrain.state_io import CHECKPOINTS, PROVENANCE
+from gqakit.uptrain.setup import Run, distributed_kind, load_data, load_student, make_accelerator, setup
+from gqakit.uptrain.state_io import CHECKPOINTS, PROVENANCE, whole_state_dict
 
 log = logging.getLogger("gqakit.uptrain")
 
@@ -206,8 +206,7 @@ def train(run: Run) -> None:
         grad_norm = acc.clip_grad_norm_(run.model.parameters(), max_norm)
         stats = acc.reduce(sums / r.train.grad_accum, reduction="mean")
         # fp16's grad scaler skips an overflowing step by itself; only the loss counts then.
-        # (DeepSpeed clips inside its engine and may report the norm as a float, or not at all.)
-        norm_ok = grad_norm is None or r.train.precision == "fp16" or math.isfinite(float(grad_norm))
+        norm_ok = r.train.precision == "fp16" or math.isfinite(float(grad_norm))
         if bool(torch.isfinite(stats).all()) and norm_ok:
             run.optimizer.step()
             bad_streak = 0
@@ -308,7 +307,7 @@ def finish(run: Run, conversion: dict[str, Any], start: float) -> UptrainResult:
         "val_blocks": len(run.blocks.val),
         "data": run.blocks.source,
         "processes": acc.num_processes,
-        "distributed_type": acc.distributed_type.value,
+        "distributed_type": distributed_kind(acc),
         "precision": r.train.precision,
         "skipped_steps": s.skipped,
         "rollbacks": s.rollbacks,
@@ -325,13 +324,13 @@ def finish(run: Run, conversion: dict[str, Any], start: float) -> UptrainResult:
 def save_final(run: Run, provenance: dict[str, Any]) -> None:
     """Write the final model at the run directory's root: safetensors, config, tokenizer, gqakit.json.
 
-    Under FSDP and DeepSpeed the full state dict is gathered by ``accelerator.get_state_dict``; only the
-    main process writes. Files go to a temporary directory first and are moved into place with
-    ``gqakit.json`` last, whose presence marks a finished run.
+    Under FSDP the whole tensors are gathered to the main process, which alone writes. Files go to a
+    temporary directory first and are moved into place with ``gqakit.json`` last, whose presence marks a
+    finished run.
     """
     acc = run.acc
     acc.wait_for_everyone()
-    state_dict = acc.get_state_dict(run.model)
+    state_dict = whole_state_dict(acc, run.model)
     if acc.is_main_process:
         model = acc.unwrap_model(run.model)
         tmp = run.out / ".final.partial"

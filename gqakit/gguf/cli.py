@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import click
 
 from gqakit.cli_options import force_option, progress_option
@@ -28,7 +26,6 @@ from gqakit.gguf.tensors import OUT_TYPES
 def export_cmd(src: str, dst: str, out_type: str, force: bool, progress: bool) -> None:
     """Write SRC (a checkpoint directory, .gguf or hub id; MHA, GQA or MQA) as the GGUF file DST, with its
     tokenizer, for llama.cpp."""
-    logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf's own chatter about chat templates
     res = export_gguf(src, dst, out_type=out_type, force=force, progress=progress)
     for warning in res.warnings:
         click.echo(f"warning: {warning}", err=True)

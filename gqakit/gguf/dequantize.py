@@ -1,7 +1,7 @@
 """GGUF models as ordinary checkpoints: dequantized once, cached, and shared by every command.
 
 transformers reads a ``.gguf`` file and dequantizes its weights on load (with the config fields its
-reader loses put back by :mod:`gqakit.gguf.readback`). gqakit writes the result as a safetensors
+reader loses put back by :mod:`gqakit.gguf.header`). gqakit writes the result as a safetensors
 checkpoint with its tokenizer, under ``$GQAKIT_CACHE/gguf-dequantized/<stem>-<fingerprint>-r<version>``
 (the file's name, size and modification time; the version of gqakit's reading), so the first command
 that reads a GGUF pays for the dequantization and every later one (``convert``, ``expand``, ``export``,
@@ -10,12 +10,9 @@ stale copy is never used.
 
 Each copy records the file it was dequantized from (``.gqakit/source.json``: its absolute path,
 fingerprint and the reader's version; in a subfolder, which neither a checkpoint's fingerprint nor a
-conversion's copy of the small files takes in). Each time a copy is written or reused, the copies it
-supersedes are removed: those of the same file (by that record) from before it changed or from an older
-reader, those whose recorded file is gone (orphans), and copies an older gqakit wrote without a record
-(see :func:`remove_superseded`). A copy that another process is dequantizing into holds its lock and is kept,
-and so is one that another process was handed and may still open: each process holds the copies it gets
-in use until it exits (:func:`gqakit.cached_copies.in_use`).
+conversion's copy of the small files takes in). Each new copy removes those it supersedes: the same
+file's from before it changed or from an older reader (:func:`gqakit.cached_copies.sweep`); one that
+another process is dequantizing into holds its lock and is kept.
 """
 
 from __future__ import annotations
@@ -28,19 +25,15 @@ from typing import TYPE_CHECKING, Any
 from gqakit import cached_copies
 from gqakit.cached_copies import CopyKind, write_record
 from gqakit.errors import GqakitError
-from gqakit.gguf.readback import gguf_config
-from gqakit.storage import (
-    atomic_output_dir,
-    cache_root,  # noqa: F401 - where the copies are, read by tests
-    fingerprint,
-)
+from gqakit.gguf.header import gguf_config
+from gqakit.storage import atomic_output_dir, fingerprint
 
 if TYPE_CHECKING:
     import torch
 
 CACHE = "gguf-dequantized"  # the folder under the cache root
 # Part of every cached copy's name: raised whenever a copy's contents change for the same file, so an
-# older gqakit's copy is not reused (2: configs restored by gqakit.gguf.readback; 3: each copy records
+# older gqakit's copy is not reused (2: configs restored by gqakit.gguf.header; 3: each copy records
 # its source, SOURCE_RECORD, so that a copy without one is always an older reader's).
 READER_VERSION = 3
 # In each copy, the file it was dequantized from. In a subfolder: a checkpoint's fingerprint counts only
@@ -96,10 +89,8 @@ def cache_name(path: Path) -> str:
 
 
 def dequantized_gguf(gguf_path: str | Path) -> Path:
-    """A ``.gguf`` model as a checkpoint directory, dequantized once and cached, and held in use until
-    this process exits (:func:`gqakit.cached_copies.cached_copy`). Later calls return the cached directory at
-    once; each call, whether it writes the copy or reuses it, then removes the copies it supersedes
-    (:func:`remove_superseded`: a listing and a few small records when there are none).
+    """A ``.gguf`` model as a checkpoint directory, dequantized once and cached
+    (:func:`gqakit.cached_copies.cached_copy`). Later calls return the cached directory at once.
 
     Args:
         gguf_path: the ``.gguf`` file.
@@ -117,23 +108,6 @@ def dequantized_gguf(gguf_path: str | Path) -> Path:
     return cached_copies.cached_copy(_COPIES, path, build, f"dequantizing {path.name} into {{copy}}")
 
 
-def remove_superseded(path: Path, current: Path) -> list[Path]:
-    """Remove the copies in ``current``'s cache folder that its copy of ``path`` supersedes, by the rules of
-    :func:`gqakit.cached_copies.sweep` (the reader's version is the writer's), and return them.
-
-    A copy without a record cannot be matched to its file, only to the file's stem (``_COPIES.legacy``).
-    Every copy this reader (3 and up) writes has a record, so a copy without one is an older gqakit's,
-    which this gqakit never opens: removing it costs no later command a dequantization, even where it
-    belonged to another file with the same stem in another directory (that file's current copy, with its
-    record, is never touched).
-
-    Args:
-        path: the ``.gguf`` file, resolved.
-        current: its cached copy, just written or reused.
-    """
-    return cached_copies.sweep(_COPIES, path, current)
-
-
 def _remove_copy(copy: Path) -> int | None:
     """Remove one cached copy; the bytes it held, or None when another process removed it first."""
     if not copy.is_dir():
@@ -145,28 +119,16 @@ def _remove_copy(copy: Path) -> int | None:
     return size
 
 
-def _complete(copy: Path) -> bool:
-    return (copy / "config.json").is_file()
-
-
-# the cache's copies: how cached_copies.remove_superseded names them in messages and removes one
+# the cache's copies: how cached_copies names, checks and removes one
 _COPIES = CopyKind(
-    ("copy", "copies"),
-    "a dequantized copy",
-    log,
-    _remove_copy,
-    lambda c: f"rm -rf {c}",
-    lambda c: c / SOURCE_RECORD,
     folder=CACHE,
-    complete=_complete,
+    name="{stem}-{fp}-r{version}",
     version_key="reader",
     version=lambda: READER_VERSION,
-    name="{stem}-{fp}-r{version}",
-    legacy=r"{stem}-[0-9a-f]{{16}}(?:-r(\d+))?",  # before reader 2: <stem>-<16 hex digits>
+    record=lambda c: c / SOURCE_RECORD,
+    complete=lambda c: (c / "config.json").is_file(),
+    remove=_remove_copy,
+    rm=lambda c: f"rm -rf {c}",
+    described="a dequantized copy",
+    log=log,
 )
-
-
-def local_model(src: str) -> str:
-    """``src`` as ``from_pretrained`` takes it: a ``.gguf`` file becomes its cached dequantized
-    directory (:func:`dequantized_gguf`); a directory or hub id is returned as given."""
-    return str(dequantized_gguf(src)) if is_gguf(src) else src

@@ -9,6 +9,8 @@ near one tensor. The file appears under its name only when complete.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +25,11 @@ from gqakit.checkpoint import Checkpoint, resolve_checkpoint
 from gqakit.console import progress as progress_bar
 from gqakit.errors import GqakitError
 from gqakit.families import get_arch, rotary_dims
-from gqakit.gguf.arch import GgufArch, metadata, rope_freq_factors
-from gqakit.gguf.readback import RECORDED_CONFIG, recorded_config
-from gqakit.gguf.tensors import OUT_TYPES, GgufTensor, check_out_type, plan_tensors, rope_freqs_tensor
+from gqakit.gguf.arch import GgufArch, kv_heads, metadata
+from gqakit.gguf.header import RECORDED_CONFIG, recorded_config
+from gqakit.gguf.tensors import OUT_TYPES, GgufTensor, Infos, check_out_type, plan_tensors, rope_freqs_tensor
 from gqakit.gguf.vocab import Vocab, load_vocab
-from gqakit.storage import atomic_write
+from gqakit.storage import atomic_write, make_dirs, writable_dir
 
 # Raised whenever the file written for the same checkpoint changes, so caches of exports (the llama.cpp
 # engine's) do not serve an older gqakit's file (2: the recorded config, Gemma 3's legacy configs).
@@ -68,11 +70,16 @@ class ExportResult:
 
 
 def _check_destination(dst: Path, force: bool) -> Path:
+    """``dst``, resolved, once checked before any work: not a directory, not an existing file unless
+    ``force``, in a directory that can be written (or created)."""
     dst = Path(dst).expanduser().resolve()
     if dst.is_dir():
         raise GqakitError(f"Output {dst} is a directory: give a file path ending in .gguf.")
     if dst.exists() and not force:
         raise GqakitError(f"Output {dst} exists: pass --force to replace it, or choose another path.")
+    writable_dir(
+        dst.parent, "Output directory", fix=f"choose a path for {dst.name} in a directory you can write to"
+    )
     return dst
 
 
@@ -89,9 +96,9 @@ def _provenance(ckpt: Checkpoint, cfg: dict[str, Any]) -> list[tuple[str, gguf.G
         ("gqakit.version", S, __version__),
         ("gqakit.source", S, origin),
         ("gqakit.query_heads", U, int(cfg["num_attention_heads"])),
-        ("gqakit.kv_heads", U, int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])),
+        ("gqakit.kv_heads", U, kv_heads(cfg)),
         # the whole config, for what transformers' GGUF reader cannot rebuild from llama.cpp's keys
-        # (gqakit.gguf.readback puts it back when gqakit reads the file)
+        # (gqakit.gguf.header puts it back when gqakit reads the file)
         (RECORDED_CONFIG, S, recorded_config(cfg)),
     ]
     record = ckpt.path / "gqakit.json"
@@ -105,18 +112,9 @@ def _provenance(ckpt: Checkpoint, cfg: dict[str, Any]) -> list[tuple[str, gguf.G
     return out
 
 
-def _embedding_rows(
-    arch: GgufArch, cfg: dict[str, Any], infos: dict[str, tuple[str, tuple[int, ...]]]
-) -> int:
-    for name, (_, shape) in infos.items():
-        if (arch.rename(name) if arch.rename else name) == "model.embed_tokens.weight":
-            return int(shape[0])
-    return int(cfg["vocab_size"])
-
-
-def _left_out(arch: GgufArch, infos: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+def _left_out(arch: GgufArch, infos: Infos) -> list[str]:
     """A warning naming the tensors of a multimodal checkpoint that the text GGUF does not hold."""
-    left = [name for name in infos if arch.rename and arch.rename(name) is None]
+    left = [name for name in infos if arch.text_name(name) is None]
     if not left:
         return []
     return [
@@ -185,6 +183,7 @@ def export_gguf(
             layout needs. Nothing is left at ``dst`` (or beside it) after an error or Ctrl-C.
     """
     start = time.perf_counter()
+    logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf's own chatter about chat templates
     check_out_type(out_type)
     dst = _check_destination(Path(dst), force)
     with resolve_checkpoint(src) as ckpt:
@@ -199,12 +198,12 @@ def export_gguf(
                 return torch.equal(r.read("lm_head.weight"), r.read("model.embed_tokens.weight"))
 
         plan = plan_tensors(arch, cfg, infos, out_type, lm_head_is_embedding)
-        factors = rope_freq_factors(cfg, dims)
-        if factors is not None:
-            plan.append(rope_freqs_tensor(factors))
-        vocab = load_vocab(ckpt.path, _embedding_rows(arch, cfg, infos))
+        rope_freqs = rope_freqs_tensor(cfg, dims)
+        plan += [rope_freqs] if rope_freqs else []
+        rows = next((t.shape[0] for t in plan if t.name == "token_embd.weight"), cfg["vocab_size"])
+        vocab = load_vocab(ckpt.path, int(rows))  # the token list fills the embedding's rows
         warnings = warnings + _left_out(arch, infos) + vocab.warnings
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(dst.parent)
         with atomic_write(dst) as tmp:
             _write(ckpt, arch, out_type, kv + _provenance(ckpt, cfg), vocab, plan, tmp, progress)
     return ExportResult(
@@ -213,9 +212,9 @@ def export_gguf(
         arch=arch.name,
         out_type=out_type,
         num_heads=int(cfg["num_attention_heads"]),
-        num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+        num_kv_heads=kv_heads(cfg),
         tensors=len(plan),
-        parameters=sum(int(torch.Size(t.shape).numel()) for t in plan),
+        parameters=sum(math.prod(t.shape) for t in plan),
         bytes=dst.stat().st_size,
         seconds=round(time.perf_counter() - start, 3),
         tokenizer=f"{vocab.model}/{vocab.pre}",

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.gguf.arch import Config, GgufArch
+from gqakit.gguf.arch import Config, GgufArch, kv_heads, rope
 
 # --out-type -> (tensor type of matrices, general.file_type). Vectors (norms, biases) stay F32 in every
 # type, as convert_hf_to_gguf.py keeps them: llama.cpp's kernels expect F32 norms and they are tiny.
@@ -25,6 +25,7 @@ OUT_TYPES: dict[str, tuple[QT, gguf.LlamaFileType]] = {
     "f16": (QT.F16, gguf.LlamaFileType.MOSTLY_F16),
     "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
+Infos = dict[str, tuple[str, tuple[int, ...]]]  # a checkpoint's tensors: name -> (dtype, shape)
 # Tensors a checkpoint may hold that are not weights llama.cpp reads (old llama checkpoints saved
 # their rotary tables).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -65,7 +66,7 @@ class GgufTensor:
         source: the Hugging Face tensor it comes from (None for a tensor computed from the config).
         shape: the numpy shape (GGUF stores it reversed, as ``ne``).
         qtype: the stored tensor type.
-        transforms: rewrites applied in order, each with the reason it exists.
+        transforms: rewrites applied in order (:func:`plan_tensors` says why each exists).
         data: the tensor itself when it is computed rather than read (``rope_freqs``).
     """
 
@@ -73,7 +74,7 @@ class GgufTensor:
     source: str | None
     shape: tuple[int, ...]
     qtype: QT
-    transforms: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
+    transforms: list[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
     data: torch.Tensor | None = None
 
     def byte_shape(self) -> tuple[int, ...]:
@@ -86,7 +87,7 @@ class GgufTensor:
 
     def encode(self, t: torch.Tensor) -> np.ndarray:
         """Apply the rewrites and store as :attr:`qtype` (f16 by round-to-nearest-even, like torch)."""
-        for _, fn in self.transforms:
+        for fn in self.transforms:
             t = fn(t)
         return gguf.quants.quantize(t.detach().to(torch.float32).contiguous().numpy(), self.qtype)
 
@@ -103,7 +104,7 @@ def _stored_type(shape: tuple[int, ...], matrix_type: QT) -> QT:
 def plan_tensors(
     arch: GgufArch,
     cfg: Config,
-    infos: dict[str, tuple[str, tuple[int, ...]]],
+    infos: Infos,
     out_type: str,
     lm_head_is_embedding: Callable[[], bool],
 ) -> list[GgufTensor]:
@@ -120,22 +121,15 @@ def plan_tensors(
     Raises:
         GqakitError: naming every tensor llama.cpp's layout has no place for.
     """
-    layers = int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    names = gguf.get_tensor_name_map(arch.arch, layers)
+    heads, kv = int(cfg["num_attention_heads"]), kv_heads(cfg)
+    names = gguf.get_tensor_name_map(arch.arch, int(cfg["num_hidden_layers"]))
     matrix_type = OUT_TYPES[out_type][0]
     tied = bool(cfg.get("tie_word_embeddings", False))
-    rotary_rules = {
-        # suffix -> heads whose rows are permuted (see hf_to_ggml_rotary)
-        "self_attn.q_proj": heads,
-        "self_attn.k_proj": kv_heads,
-    }
     plan: list[GgufTensor] = []
     unknown: list[str] = []
     for source, (_, shape) in infos.items():
         # the name in the text model's terms (a multimodal checkpoint nests it); None: not in the GGUF
-        hf_name = arch.rename(source) if arch.rename else source
+        hf_name = arch.text_name(source)
         if hf_name is None or hf_name.endswith(_IGNORED_SUFFIXES):
             continue
         if hf_name == "lm_head.weight" and (tied or not arch.has_output):
@@ -153,15 +147,14 @@ def plan_tensors(
             continue
         t = GgufTensor(gguf_name, source, tuple(shape), _stored_type(tuple(shape), matrix_type))
         module = hf_name.rsplit(".", 1)[0]
-        for suffix, n in rotary_rules.items():
-            if arch.permute_qk and module.endswith(suffix):
-                why = f"rotary rows -> llama.cpp pairwise order ({n} heads)"
-                t.transforms.append((why, partial(hf_to_ggml_rotary, n_heads=n)))
-        if arch.qkv_per_head and kv_heads == heads and module.endswith("attn.c_attn"):
-            why = f"per-head q|k|v rows -> q, k, v blocks ({heads} heads)"
-            t.transforms.append((why, partial(per_head_to_blocks, n_heads=heads)))
+        if arch.permute_qk and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+            # rotary rows -> llama.cpp's pairwise order, over the heads of Q or K
+            n = heads if module.endswith("q_proj") else kv
+            t.transforms.append(partial(hf_to_ggml_rotary, n_heads=n))
+        if arch.qkv_per_head and kv == heads and module.endswith("attn.c_attn"):
+            t.transforms.append(partial(per_head_to_blocks, n_heads=heads))  # q|k|v per head -> in blocks
         if arch.norm_plus_one and hf_name.endswith("norm.weight"):
-            t.transforms.append(("gemma RMSNorm weight stored as 1 + w", plus_one))
+            t.transforms.append(plus_one)  # gemma's RMSNorm weight stored as 1 + w
         plan.append(t)
     if unknown:
         raise GqakitError(
@@ -183,7 +176,23 @@ def per_head_to_blocks(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape).contiguous()
 
 
-def rope_freqs_tensor(factors: torch.Tensor) -> GgufTensor:
-    """The ``rope_freqs.weight`` tensor that carries llama3 rotary scaling (computed, not read)."""
+def rope_freqs_tensor(cfg: Config, dims: int) -> GgufTensor | None:
+    """For llama3 rotary scaling, the ``rope_freqs.weight`` tensor (computed, not read): plain inverse
+    frequency / scaled one (``dims``: the rotary channels of a head); None for any other rotary.
+
+    llama.cpp divides each rotary frequency by this factor. The scaled frequencies come from transformers'
+    own llama3 rule, so the GGUF rotates exactly as the Hugging Face model does.
+    """
+    if rope(cfg)["rope_type"] != "llama3":
+        return None
+    # deferred: transformers takes seconds to import
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.for_model(cfg["model_type"], **kw), "cpu")
+    theta = float(rope(cfg)["rope_theta"])
+    plain = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+    factors = (plain / scaled.double()).float()
     name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
     return GgufTensor(name, None, tuple(factors.shape), QT.F32, data=factors)

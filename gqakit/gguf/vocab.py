@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +55,8 @@ class Vocab:
     scores: list[float] | None
     merges: list[str]
     add_space_prefix: bool | None
-    special: gguf.SpecialVocab
-    tokenizer_class: str
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str]
+    special: gguf.SpecialVocab | None = None  # set by load_vocab
 
     def add_to(self, writer: gguf.GGUFWriter) -> None:
         writer.add_tokenizer_model(self.model)
@@ -90,12 +88,6 @@ def _pre_steps(pre: dict[str, Any] | None) -> tuple[tuple[Any, ...], ...]:
         regex = pattern.get("Regex", pattern.get("String"))
         return (("Split", regex, pre.get("behavior"), pre.get("invert")),)
     return ((str(kind), json.dumps(pre, sort_keys=True)),)
-
-
-def pre_tokenizer_name(spec: dict[str, Any]) -> str | None:
-    """llama.cpp's name for this tokenizer's pre-tokenizer, or None when gqakit does not know it."""
-    normalizer = (spec.get("normalizer") or {}).get("type")
-    return PRE_TOKENIZERS.get((normalizer, _pre_steps(spec.get("pre_tokenizer"))))
 
 
 def _merges(model: dict[str, Any]) -> list[str]:
@@ -148,9 +140,12 @@ def _base_tokens(
     return tokens, types, warnings
 
 
-def _byte_level(spec: dict[str, Any], n_vocab: int) -> dict[str, Any]:
+def _byte_level(spec: dict[str, Any], n_vocab: int) -> Vocab:
     tokens, types, warnings = _base_tokens(spec, n_vocab)
-    pre = pre_tokenizer_name(spec)
+    # llama.cpp's name for this tokenizer's pre-tokenizer, or None when gqakit does not know it
+    pre = PRE_TOKENIZERS.get(
+        ((spec.get("normalizer") or {}).get("type"), _pre_steps(spec.get("pre_tokenizer")))
+    )
     if pre is None:
         pre = "default"
         warnings.append(
@@ -158,11 +153,10 @@ def _byte_level(spec: dict[str, Any], n_vocab: int) -> dict[str, Any]:
             f"{', '.join(sorted(set(PRE_TOKENIZERS.values())))}); wrote 'default', so llama.cpp may split "
             "some text differently from transformers."
         )
-    return dict(model="gpt2", pre=pre, tokens=tokens, types=types, scores=None,
-                merges=_merges(spec["model"]), add_space_prefix=None, warnings=warnings)  # fmt: skip
+    return Vocab("gpt2", pre, tokens, types, None, _merges(spec["model"]), None, warnings)
 
 
-def _byte_fallback(spec: dict[str, Any], n_vocab: int) -> dict[str, Any]:
+def _byte_fallback(spec: dict[str, Any], n_vocab: int) -> Vocab:
     unk = spec["model"].get("unk_token")
     tokens, types, warnings = _base_tokens(spec, n_vocab, unk)
     for i, text in enumerate(tokens):
@@ -185,8 +179,7 @@ def _byte_fallback(spec: dict[str, Any], n_vocab: int) -> dict[str, Any]:
         if i is not None and i not in merged:
             merged.add(i)
             scores[i] = -float(rank + 1)
-    return dict(model="llama", pre="default", tokens=tokens, types=types, scores=scores, merges=[],
-                add_space_prefix=_prepends_space(spec), warnings=warnings)  # fmt: skip
+    return Vocab("llama", "default", tokens, types, scores, [], _prepends_space(spec), warnings)
 
 
 def _nodes(node: Any):
@@ -210,19 +203,7 @@ def _prepends_space(spec: dict[str, Any]) -> bool:
     return False
 
 
-def _builder(spec: dict[str, Any]) -> Callable[[dict, int], dict] | None:
-    """The builder of a tokenizer.json's model: byte-fallback BPE, byte-level BPE, or None (another kind)."""
-    model = spec["model"]
-    if model.get("type") != "BPE":
-        return None
-    if model.get("byte_fallback"):
-        return _byte_fallback
-    # a BPE without byte fallback works on the byte-level alphabet only with a ByteLevel step
-    byte_level = "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
-    return _byte_level if byte_level else None
-
-
-# The kinds _builder lays out, as errors name them.
+# The kinds of tokenizer.json model laid out here, as errors name them.
 _SUPPORTED = "byte-fallback BPE (SentencePiece style) or byte-level BPE (GPT-2 style)"
 
 
@@ -266,14 +247,15 @@ def load_vocab(path: Path, n_vocab: int) -> Vocab:
     model = spec.get("model", {})
     if not model.get("unk_token") and tok.unk_token:
         model["unk_token"] = tok.unk_token  # a tokenizer rebuilt from GGUF declares it only here
-    builder = _builder(spec)
-    if builder is None:
+    # a BPE without byte fallback works on the byte-level alphabet only with a ByteLevel step
+    byte_level = "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+    if model.get("type") != "BPE" or not (model.get("byte_fallback") or byte_level):
         raise GqakitError(
             f"The tokenizer of {path} is {cls} with a {model.get('type')} model, which gqakit cannot embed "
             f"in a GGUF. Supported: {_SUPPORTED} from tokenizer.json."
         )
-    parts = builder(spec, n_vocab)
-    special = gguf.SpecialVocab(path, load_merges=False, n_vocab=n_vocab)
+    vocab = (_byte_fallback if model.get("byte_fallback") else _byte_level)(spec, n_vocab)
+    special = vocab.special = gguf.SpecialVocab(path, load_merges=False, n_vocab=n_vocab)
     # Whether BOS/EOS are added is measured on the tokenizer itself: it is what transformers (and so
     # gqakit's eval) does, whatever the config files claim.
     with_special = tok(_PROBE, add_special_tokens=True)["input_ids"]
@@ -283,4 +265,4 @@ def load_vocab(path: Path, n_vocab: int) -> Vocab:
         "bos": bool(extra and tok.bos_token_id is not None and with_special[0] == tok.bos_token_id),
         "eos": bool(extra and tok.eos_token_id is not None and with_special[-1] == tok.eos_token_id),
     }
-    return Vocab(special=special, tokenizer_class=cls, **parts)
+    return vocab

@@ -20,29 +20,22 @@ Rows of the table come from :data:`VARIANTS`: each is a conversion of the MHA ba
 uptrained. Another conversion method adds a row by adding a :class:`Variant`.
 
 The package's parts: ``options`` (assets, variants, options), ``measure`` (each cached measurement),
-``decode`` (the side-by-side decode step), ``report`` (table, report, plots), ``run`` (the pipeline) and
-``cli`` (the click command), on the shared ``gqakit.pipelines`` ``store``, ``steps`` and ``reporting``.
+``decode`` (the side-by-side decode step), ``report`` (table, report, plots) and ``run`` (the pipeline
+and its click command), on the shared ``gqakit.pipelines`` ``store``, ``steps`` and ``reporting``.
 """
 
-from gqakit.pipelines.demo.cli import demo_cmd
 from gqakit.pipelines.demo.measure import ModelEval
-from gqakit.pipelines.demo.options import KV_TOKENS, RECIPE, VARIANTS, DemoAssets, DemoOptions, Variant
-from gqakit.pipelines.demo.report import render_table, write_demo_plots, write_demo_report
-from gqakit.pipelines.demo.run import DemoResult, fetch_demo_assets, run_demo
+from gqakit.pipelines.demo.options import DemoAssets, DemoOptions, Variant
+from gqakit.pipelines.demo.report import render_table
+from gqakit.pipelines.demo.run import DemoResult, demo_cmd, run_demo
 
 __all__ = [
-    "KV_TOKENS",
-    "RECIPE",
-    "VARIANTS",
     "DemoAssets",
     "DemoOptions",
     "DemoResult",
     "ModelEval",
     "Variant",
     "demo_cmd",
-    "fetch_demo_assets",
     "render_table",
     "run_demo",
-    "write_demo_plots",
-    "write_demo_report",
 ]

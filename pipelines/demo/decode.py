@@ -1,5 +1,5 @@
 """The demo's decode step: every model's decode speed measured side by side
-(:mod:`gqakit.eval.decode_rounds`), cached in the demo's result store by the models and the settings."""
+(:mod:`gqakit.eval.decode`), cached in the demo's result store by the models and the settings."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from gqakit.errors import GqakitError
 from gqakit.eval import DecodePoint
-from gqakit.eval.decode_rounds import decode_rounds, llamacpp_decode_rounds, round_stats
-from gqakit.eval.llamacpp_engine import INSTALL, require_llama_cpp
+from gqakit.eval.decode import decode_rounds, round_stats
+from gqakit.eval.llamacpp_engine import INSTALL, llamacpp_decode_rounds, require_llama_cpp
 from gqakit.eval.vllm_engine import require_vllm, vllm_decode_rounds
 from gqakit.models import device_name, resolve_device
 from gqakit.pipelines.steps import Steps
@@ -40,7 +40,7 @@ def _settings(s: Settings, *names: str) -> dict:
 
 def decode_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, steps: Steps) -> None:
     """Measure the decode point of every model in ``evals`` in ``s.decode_rounds`` interleaved rounds and
-    attach each model's median point and :class:`~gqakit.eval.decode_rounds.RoundStats` to it (cached by
+    attach each model's median point and :class:`~gqakit.eval.decode.RoundStats` to it (cached by
     models and settings)."""
     paths = [e.result.path for e in evals]
     key = {
@@ -61,7 +61,7 @@ def decode_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore,
 
     cached = _measured(store, steps, "decode-side-by-side", key, measure)
     for e, raw in zip(evals, cached["points"], strict=True):
-        points = [DecodePoint(**p) for p in raw]
+        points = [DecodePoint.from_dict(p) for p in raw]
         e.decode_stats = round_stats([p.tokens_per_s for p in points])
         ok = sorted((p for p in points if p.tokens_per_s), key=lambda p: p.tokens_per_s)
         e.result.decode = [ok[(len(ok) - 1) // 2] if ok else points[0]]  # the median round's point
@@ -127,6 +127,3 @@ def vllm_side_by_side(evals: list[ModelEval], s: Settings, store: ResultStore, s
         e.vllm_kv_tokens, e.vllm_stats = kv_tokens, round_stats(rounds)
         steps.note(f"{e.label}: vLLM {e.vllm_stats.describe()}, KV capacity {kv_tokens:,} tokens in 1 GiB")
     return True
-
-
-__all__ = ["decode_side_by_side", "llamacpp_side_by_side", "vllm_side_by_side"]

@@ -1,7 +1,6 @@
 """The demo's measurements: settings resolved against the machine, each model's quality and the
-exactness checks (the decode speed of all models side by side is in ``decode``). Every result is
-cached in a
-:class:`~gqakit.pipelines.store.ResultStore`, keyed by the settings and the models' fingerprints."""
+exactness checks (the decode speed of all models side by side is in ``decode``). Every result is cached
+in a :class:`~gqakit.pipelines.store.ResultStore`, keyed by the settings and the models' fingerprints."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from gqakit.pipelines.store import ResultStore, fingerprint
 
 if TYPE_CHECKING:
     from gqakit.eval import EvalOptions, ModelResult
-    from gqakit.eval.decode_rounds import RoundStats
+    from gqakit.eval.decode import RoundStats
 
 
 @dataclass
@@ -38,7 +37,7 @@ class ModelEval:
     label: str
     result: ModelResult
     eval_s: float
-    decode_stats: RoundStats | None = None  # the side-by-side decode rounds (gqakit.eval.decode_rounds)
+    decode_stats: RoundStats | None = None  # the side-by-side decode rounds (gqakit.eval.decode)
     llamacpp_stats: RoundStats | None = None  # the same in llama.cpp, when its binding is installed
     vllm_stats: RoundStats | None = None  # the same in vLLM, when a Python with vLLM is found
     vllm_kv_tokens: int | None = None  # tokens vLLM's KV cache holds in 1 GiB
@@ -155,7 +154,7 @@ def _model_result(data: dict[str, Any]) -> ModelResult:
         **{
             **data,
             "perplexity": PerplexityResult(**ppl) if ppl else None,
-            "decode": [DecodePoint(**p) for p in data.get("decode", [])],
+            "decode": [DecodePoint.from_dict(p) for p in data.get("decode", [])],
         }
     )
 
@@ -190,31 +189,18 @@ def evaluate(
 
 def max_logit_diff(a: Path, b: Path, texts: list[str], s: Settings, store: ResultStore) -> float:
     """max |logits(a) - logits(b)| on two 128-token rows of the test text, in float32."""
-    key = {"a": fingerprint(a), "b": fingerprint(b), "device": s.device}
-    name = f"logits-{Path(a).name}-vs-{Path(b).name}"
-    cached = store.get(name, key)
-    if cached is not None:
-        return float(cached["max_abs_diff"])
 
-    tok = load_tokenizer(a)
-    ids = tok("\n".join(texts)[:20_000], add_special_tokens=False).input_ids[:256]
-    batch = torch.tensor(ids[: len(ids) // 2 * 2]).view(2, -1)
-    logits = []
-    with torch.inference_mode():
+    @torch.inference_mode()
+    def measure() -> dict[str, float]:
+        tok = load_tokenizer(a)
+        ids = tok("\n".join(texts)[:20_000], add_special_tokens=False).input_ids[:256]
+        batch = torch.tensor(ids[: len(ids) // 2 * 2]).view(2, -1)
+        logits = []
         for path in (a, b):
             model = load_causal_lm(path, dtype="float32", device=s.device)
             logits.append(model(batch.to(model.device)).logits.float().cpu())
             del model
-    diff = float((logits[0] - logits[1]).abs().max())
-    store.put(name, key, {"max_abs_diff": diff})
-    return diff
+        return {"max_abs_diff": float((logits[0] - logits[1]).abs().max())}
 
-
-__all__ = [
-    "ModelEval",
-    "Settings",
-    "eval_options",
-    "evaluate",
-    "max_logit_diff",
-    "resolve_settings",
-]
+    key = {"a": fingerprint(a), "b": fingerprint(b), "device": s.device}
+    return float(store.value(f"logits-{Path(a).name}-vs-{Path(b).name}", key, measure)["max_abs_diff"])

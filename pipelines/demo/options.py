@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from gqakit.cli_options import opt
 from gqakit.dtypes import LOAD_DTYPES
-from gqakit.pipelines.starts import STARTS, split_sets
-from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
-from gqakit.problems import Problems, device_problem
+from gqakit.errors import GqakitError
+from gqakit.pipelines.starts import STARTS
+from gqakit.pipelines.steps import PipelineOptions, at_least, out_field, work_dir_field
+from gqakit.problems import Problems
+from gqakit.uptrain.recipe import load_recipe
 
 SMOLLM2 = "smollm2-135m"
 WIKI = "wiki-en"
@@ -81,7 +84,6 @@ class DemoOptions(PipelineOptions):
         "Short interleaved rounds of the side-by-side decode measurement (the table shows each model's "
         "median and spread; no speedup when the rounds disagree).",
     )
-    sets: tuple[str, ...] = opt((), cli=False)  # --set, declared by the command (repeatable)
     seq_len: int = opt(512, cli=False)
     decode_batch: int = opt(8, cli=False)
     decode_context: int | None = opt(None, cli=False)  # None: 512 on CPU, 2048 on a GPU
@@ -92,17 +94,14 @@ class DemoOptions(PipelineOptions):
     llamacpp: bool = opt(True, cli=False)
     vllm: bool = opt(True, cli=False)
 
-    def validate(self) -> None:
-        p = Problems("demo")
+    def check(self, p: Problems) -> None:
+        """Every problem with the options, and with the uptraining recipes and their overrides, at once:
+        a misspelled ``--recipe`` or a malformed ``--set`` is reported at once, not after the first
+        steps' minutes."""
+        super().check(p)
         f = p.flag
-        p.add(device_problem(self.device, f("device")))
-        split_sets(self.sets, p)
-        for name in ("seq_len", "decode_batch", "new_tokens", "decode_rounds"):
-            if getattr(self, name) < 1:
-                p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
-        for name in ("eval_tokens", "decode_context"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
+        at_least(p, self, 1, "seq_len", "decode_batch", "new_tokens", "decode_rounds")
+        at_least(p, self, 1, "eval_tokens", "decode_context")  # None: the machine's default
         if self.new_tokens == 1:
             p.add(f"{f('new_tokens')} must be at least 2, got {self.new_tokens}.")
         if not self.budget_scale > 0:
@@ -112,19 +111,39 @@ class DemoOptions(PipelineOptions):
         p.add(STARTS.unknown_in(tuple(v.start for v in self.variants), f("variants")))
         if not any(v.uptrain for v in self.variants):
             p.add(f"at least one of {f('variants')} must be uptrained.")
-        if Path(self.work_dir).resolve() == Path(self.out).resolve():
-            p.add(f"{f('work_dir')} and {f('out')} must differ.")
-        p.raise_if_any()
+        if p:
+            return
+        placeholder = DemoAssets(Path("model"), Path("train.txt"), Path("validation.txt"), Path("test.txt"))
+        for name in dict.fromkeys(v.recipe or self.recipe for v in self.variants if v.uptrain):
+            try:
+                load_demo_recipe(self, placeholder, Path("student"), Path("teacher"), Path("out"), name)
+            except GqakitError as e:
+                p.add(e.message)
 
 
-__all__ = [
-    "KV_TOKENS",
-    "RECIPE",
-    "REFINED_RECIPE",
-    "SMOLLM2",
-    "VARIANTS",
-    "WIKI",
-    "DemoAssets",
-    "DemoOptions",
-    "Variant",
-]
+def load_demo_recipe(
+    options: DemoOptions, assets: DemoAssets, student: Path, teacher: Path, out: Path, recipe_name: str
+):
+    """The shipped recipe pointed at this run's checkpoints and data, with the user's overrides."""
+    paths = [
+        f"model.path={json.dumps(str(student))}",
+        "model.convert=null",
+        f"teacher={json.dumps(str(teacher))}",
+        f"data.files={json.dumps([str(assets.train)])}",
+        f"data.val_files={json.dumps([str(assets.validation)])}",
+        f"output_dir={json.dumps(str(out))}",
+        # where every other step runs (auto: where accelerate puts it); not in the cache key (speed.*)
+        f"speed.device={json.dumps(options.device)}",
+    ]
+    if not options.progress:
+        paths.append("log.progress=false")
+    recipe = load_recipe(recipe_name, [*paths, *options.recipe_sets])
+    if options.budget_scale != 1.0:
+        b = recipe.budget
+        if b.steps is not None:
+            b.steps = max(1, round(b.steps * options.budget_scale))
+        elif b.tokens is not None:
+            b.tokens = max(1, round(b.tokens * options.budget_scale))
+        else:
+            b.alpha = b.alpha * options.budget_scale
+    return recipe

@@ -11,24 +11,22 @@ import torch
 
 from gqakit import __version__
 from gqakit.dtypes import short_name
-from gqakit.eval import EvalResults
-from gqakit.eval import write_report as write_eval_report
-from gqakit.eval.api import environment
-from gqakit.eval.decode_rounds import DECODE_TOLERANCE, speedup
+from gqakit.eval.decode import DECODE_TOLERANCE, speedup
 from gqakit.pipelines.demo.options import KV_TOKENS
 from gqakit.pipelines.reporting import (
     command_line,
     fmt_duration,
     fmt_ppl,
     log_if_wide,
+    md_table,
     pyplot,
     save_figure,
     wall_time,
     write_report,
 )
+from gqakit.storage import make_dirs
 
 if TYPE_CHECKING:
-    from gqakit.eval import EvalOptions
     from gqakit.pipelines.demo.measure import ModelEval
 
 
@@ -45,39 +43,40 @@ def render_table(rows: list[ModelEval], batch: int, context: int, dtype: str) ->
     base, lbase, vbase = rows[0].decode_stats, rows[0].llamacpp_stats, rows[0].vllm_stats
     llama = any(r.llamacpp_stats is not None for r in rows)
     vllm = any(r.vllm_stats is not None for r in rows)
-    head = (
-        f"| model | K/V heads | perplexity | bits/byte | KV cache, {KV_TOKENS} tokens (MiB, "
-        f"{short_name(dtype)}) | decode tokens/s (batch {batch}, context {context}) | "
-        "decode speedup |"
-    )
-    if llama:
-        head += f" llama.cpp tokens/s (f16, batch 1, context {context}) | llama.cpp speedup |"
-    if vllm:
-        head += (
-            f" vLLM tokens/s (batch {batch}, context {context}) | vLLM speedup | vLLM KV capacity in 1 GiB "
-            "(tokens) |"
-        )
-    lines = [
-        head,
-        "|---|---:|---:|---:|---:|---:|---:|"
-        + ("---:|---:|" if llama else "")
-        + ("---:|---:|---:|" if vllm else ""),
+    header = [
+        "model",
+        "K/V heads",
+        "perplexity",
+        "bits/byte",
+        f"KV cache, {KV_TOKENS} tokens (MiB, {short_name(dtype)})",
     ]
+    header += [f"decode tokens/s (batch {batch}, context {context})", "decode speedup"]
+    if llama:
+        header += [f"llama.cpp tokens/s (f16, batch 1, context {context})", "llama.cpp speedup"]
+    if vllm:
+        header += [f"vLLM tokens/s (batch {batch}, context {context})", "vLLM speedup"]
+        header += ["vLLM KV capacity in 1 GiB (tokens)"]
+    lines = []
     for r in rows:
         tps = r.decode_tokens_per_s
         cell = _speed(r.decode_stats) if r.decode_stats else (f"{tps:,.1f}" if tps else "OOM")
         ratio = speedup(r.decode_stats, base) if r.decode_stats else "-"
-        line = (
-            f"| {r.label} | {r.kv_heads} | {fmt_ppl(r.ppl)} | {r.bits_per_byte:.3f} | {r.kv_mib:,.1f} | "
-            f"{cell} | {ratio} |"
-        )
+        line = [
+            r.label,
+            r.kv_heads,
+            fmt_ppl(r.ppl),
+            f"{r.bits_per_byte:.3f}",
+            f"{r.kv_mib:,.1f}",
+            cell,
+            ratio,
+        ]
         if llama:
-            line += f" {_speed(r.llamacpp_stats)} | {speedup(r.llamacpp_stats, lbase)} |"
+            line += [_speed(r.llamacpp_stats), speedup(r.llamacpp_stats, lbase)]
         if vllm:
             kv = f"{r.vllm_kv_tokens:,}" if r.vllm_kv_tokens else "-"
-            line += f" {_speed(r.vllm_stats)} | {speedup(r.vllm_stats, vbase)} | {kv} |"
+            line += [_speed(r.vllm_stats), speedup(r.vllm_stats, vbase), kv]
         lines.append(line)
-    return "\n".join(lines)
+    return md_table(header, lines)
 
 
 def _read_metrics(path: str) -> list[dict[str, Any]]:
@@ -193,12 +192,6 @@ def _ran(r: ModelEval) -> bool:
     return r.decode_stats is not None and any(r.decode_stats.rounds)
 
 
-def _wall_time(elapsed_s: float, settings: dict[str, Any]) -> str:
-    """This run's wall time, and beside it the time the figures took when they came from an earlier run."""
-    compute_s = settings.get("compute_s") or 0.0
-    return wall_time(elapsed_s, settings["reused"], compute_s, settings.get("compute_unknown", 0))
-
-
 def _uptrain_line(slug: str, u: dict[str, Any]) -> str:
     val = ""
     if u.get("final_val_ppl") is not None:
@@ -224,29 +217,11 @@ def write_demo_report(
     uptrained: dict[str, dict[str, Any]],
     settings: dict[str, Any],
     elapsed_s: float,
-    eval_options: EvalOptions | None = None,
 ) -> tuple[Path, Path, list[Path]]:
-    """Write ``report.md``, ``results.json`` and the plots into ``out``; return their paths.
-
-    With ``eval_options``, ``gqakit eval``'s own report of the same rows (every model against the
-    first, with the decode bound that bytes moved per step predict) goes into ``out/eval``.
-    """
-    out.mkdir(parents=True, exist_ok=True)
+    """Write ``report.md``, ``results.json`` and the plots into ``out``; return their paths."""
+    make_dirs(out)
     plots = write_demo_plots(out, rows, uptrained, settings["dtype"])
     command = command_line("gqakit demo")
-    eval_line = ""
-    if eval_options is not None:
-        full = EvalResults(
-            models={r.label: r.result for r in rows},
-            baseline=rows[0].label,
-            options=eval_options,
-            environment=environment(torch.device(settings["device"]), command),
-        )
-        write_eval_report(full, out / "eval")
-        eval_line = (
-            "\nThe same rows as `gqakit eval` reports them (deltas against the first row, measured KV "
-            "bytes, the decode speedup that bytes moved per step allow): [eval/report.md](eval/report.md).\n"
-        )
     table = render_table(rows, settings["decode_batch"], settings["decode_context"], settings["dtype"])
     tokens = f"{original.tokens:,} tokens" + (
         " (capped)" if settings["eval_tokens"] else " (the whole split)"
@@ -257,9 +232,10 @@ def write_demo_report(
     )
     up_lines = "\n".join(_uptrain_line(slug, u) for slug, u in uptrained.items())
     images = "\n".join(f"![{p.stem}]({p.name})" for p in plots)
+    took = wall_time(elapsed_s, settings["reused"], settings["compute_s"])
     text = f"""# gqakit demo
 
-`{command}` on {settings["device"]} ({settings["dtype"]}): {_wall_time(elapsed_s, settings)}.
+`{command}` on {settings["device"]} ({settings["dtype"]}): {took}.
 Source model `{settings["source"]}`; test text `{settings["test"]}`.
 
 {table}
@@ -274,7 +250,7 @@ Source model `{settings["source"]}`; test text `{settings["test"]}`.
   "unreliable": the machine's load changed during the measurement.
 - The {original.label}: perplexity {fmt_ppl(original.ppl)},
   {original.bits_per_byte:.3f} bits/byte, decode {original.decode_tokens_per_s or 0:,.1f} tokens/s.
-{eval_line}
+
 ## Exactness checks
 
 {check_lines}
@@ -304,6 +280,3 @@ Python {platform.python_version()}, {platform.machine()}.
     }
     report, results_json = write_report(out, text, results)
     return report, results_json, plots
-
-
-__all__ = ["demo_figures", "render_table", "write_demo_plots", "write_demo_report"]

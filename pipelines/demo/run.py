@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import click
+
 from gqakit.assets import fetch_asset
 from gqakit.checkpoint import read_config
+from gqakit.cli_options import click_options, options_from
 from gqakit.convert import convert_checkpoint, expand_checkpoint
-from gqakit.errors import GqakitError
 from gqakit.eval import load_texts
 from gqakit.geometry import AttentionGeometry
 from gqakit.pipelines.demo.decode import decode_side_by_side, llamacpp_side_by_side, vllm_side_by_side
@@ -30,14 +30,15 @@ from gqakit.pipelines.demo.options import (
     DemoAssets,
     DemoOptions,
     Variant,
+    load_demo_recipe,
 )
 from gqakit.pipelines.demo.report import render_table, write_demo_report
 from gqakit.pipelines.reporting import kv_label
 from gqakit.pipelines.run_keys import train_once, weights_key
 from gqakit.pipelines.starts import conversion_key, convert_options_for, split_sets
-from gqakit.pipelines.steps import Steps, pipeline_run, wiki_splits
+from gqakit.pipelines.steps import Steps, pipeline_run, set_option, wiki_splits
 from gqakit.pipelines.store import ResultStore, fingerprint
-from gqakit.uptrain.recipe import load_recipe
+from gqakit.problems import check_options
 
 STEPS = 7
 
@@ -80,48 +81,6 @@ def _variant_label(v: Variant, g0: int, heads: int) -> str:
     return f"{kv_label(v.resolved_groups(g0), heads)} ({v.start})"
 
 
-def _check_recipes(options: DemoOptions) -> None:
-    """Load every uptraining recipe with the user's overrides before step 1, so a misspelled
-    ``--recipe`` or a malformed ``--set`` is reported at once, not after the first steps' minutes."""
-    problems = []
-    placeholder = DemoAssets(Path("model"), Path("train.txt"), Path("validation.txt"), Path("test.txt"))
-    for name in dict.fromkeys(v.recipe or options.recipe for v in options.variants if v.uptrain):
-        try:
-            _load_recipe(options, placeholder, Path("student"), Path("teacher"), Path("out"), name)
-        except GqakitError as e:
-            problems.append(e.message)
-    if problems:
-        raise GqakitError("\n".join(problems))
-
-
-def _load_recipe(
-    options: DemoOptions, assets: DemoAssets, student: Path, teacher: Path, out: Path, recipe_name: str
-):
-    """The shipped recipe pointed at this run's checkpoints and data, with the user's overrides."""
-    paths = [
-        f"model.path={json.dumps(str(student))}",
-        "model.convert=null",
-        f"teacher={json.dumps(str(teacher))}",
-        f"data.files={json.dumps([str(assets.train)])}",
-        f"data.val_files={json.dumps([str(assets.validation)])}",
-        f"output_dir={json.dumps(str(out))}",
-        # where every other step runs (auto: where accelerate puts it); not in the cache key (speed.*)
-        f"speed.device={json.dumps(options.device)}",
-    ]
-    if not options.progress:
-        paths.append("log.progress=false")
-    recipe = load_recipe(recipe_name, [*paths, *split_sets(options.sets)[1]])
-    if options.budget_scale != 1.0:
-        b = recipe.budget
-        if b.steps is not None:
-            b.steps = max(1, round(b.steps * options.budget_scale))
-        elif b.tokens is not None:
-            b.tokens = max(1, round(b.tokens * options.budget_scale))
-        else:
-            b.alpha = b.alpha * options.budget_scale
-    return recipe
-
-
 def _uptrain(
     options: DemoOptions,
     s: Settings,
@@ -134,7 +93,7 @@ def _uptrain(
 ) -> dict[str, Any]:
     """Uptrain ``student`` (distilling from the original) unless the same run already finished."""
     recipe_name = variant.recipe or options.recipe
-    recipe = _load_recipe(options, assets, student, assets.model, out, recipe_name)
+    recipe = load_demo_recipe(options, assets, student, assets.model, out, recipe_name)
     if s.device.startswith("cuda") and recipe.train.precision == "fp32":
         recipe.train.precision = "bf16"
     key = {"student": fingerprint(student), "recipe": weights_key(recipe.to_dict())}
@@ -160,16 +119,13 @@ def run_demo(options: DemoOptions | None = None) -> DemoResult:
     Returns:
         A :class:`DemoResult`; the report is at ``result.report``.
     """
-    options = options or DemoOptions()
-    options.validate()
-    _check_recipes(options)
+    options = check_options(options or DemoOptions(), "demo")
     with pipeline_run(options) as (work, store):
         return _run_demo(options, work, store)
 
 
 def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResult:
     """:func:`run_demo` once its options are valid and it holds the working directory ``work``."""
-    start = time.perf_counter()
     models = work / "models"
     steps = Steps(STEPS, options.echo)
     s = resolve_settings(options)
@@ -209,13 +165,8 @@ def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResul
         for v in options.variants:
             g = v.resolved_groups(g0)
             dst = models / v.slug
-            conv = convert_options_for(
-                v.start,
-                g,
-                calib_data=str(assets.train),
-                settings=split_sets(options.sets)[0],
-                device=s.device,
-            )
+            sets, text = split_sets(options.sets)[0], str(assets.train)
+            conv = convert_options_for(v.start, g, calib_data=text, settings=sets, device=s.device)
             key = {"source": fingerprint(mha_dir), "options": conversion_key(conv)}
             store.build_once(
                 dst, key, partial(convert_checkpoint, mha_dir, dst, conv, progress=options.progress)
@@ -249,31 +200,29 @@ def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResul
             vllm_side_by_side([original, *rows], s, store, steps)
 
     with steps.step("Report"):
-        elapsed = time.perf_counter() - start
         settings = {
             **asdict(s),
             "kv_tokens": KV_TOKENS,
             "source": str(assets.model),
             "test": str(assets.test),
             "reused": store.reused,
+            # what the results shown took to compute, whichever run computed them (each records its own)
+            "compute_s": round(store.compute_time(), 1),
         }
-        # what the results shown took to compute, whichever run computed them (each records its own)
-        spent = store.compute_time()
-        settings["compute_s"] = round(spent.seconds, 1)
-        settings["compute_unknown"] = spent.unknown  # results stored without their time (older gqakit)
         report, results_json, plots = write_demo_report(
-            Path(options.out).resolve(),
-            original,
-            rows,
-            checks,
-            uptrained,
-            settings,
-            elapsed,
-            replace(eval_opts, bench=True),  # the decode point was measured, side by side
+            Path(options.out).resolve(), original, rows, checks, uptrained, settings, steps.elapsed
         )
     options.echo(f"\n{render_table(rows, s.decode_batch, s.decode_context, s.dtype)}\n")
     options.echo(f"Report: {report}")
-    return DemoResult(original, rows, checks, uptrained, report, results_json, plots, settings, elapsed)
+    return DemoResult(original, rows, checks, uptrained, report, results_json, plots, settings, steps.elapsed)
 
 
-__all__ = ["DemoResult", "fetch_demo_assets", "run_demo"]
+@click.command("demo")
+@click_options(DemoOptions)
+@set_option(
+    "Override both uptraining recipes (repeatable), e.g. --set train.lr=3e-4; "
+    "model.convert.calib_tokens=... and model.convert.refine_* change the conversions that use them."
+)
+def demo_cmd(**kwargs: Any) -> None:
+    """Convert SmolLM2-135M to MHA, GQA and MQA, uptrain the MQA model, and report what it costs and buys."""
+    run_demo(options_from(DemoOptions, kwargs))

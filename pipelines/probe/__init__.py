@@ -9,24 +9,14 @@ For every combination the probe converts the source into a temporary directory (
   accumulating ``||out' - out||^2 / ||out||^2``. Errors do not compound across layers, so each number
   says what that layer's merge costs.
 
-Calibration statistics are captured once and shared by every combination. Results go to
-``OUT/probe.json``, ``OUT/probe.md`` (the table) and ``OUT/probe.png`` (``report``); the options are in
-``options``, the click command in ``cli``. The probe converts, then evaluates, so it sits above both
-verbs.
+Results go to ``OUT/probe.json``,
+``OUT/probe.md`` (the table, and the KV cache per GPU under tensor parallelism at each G) and
+``OUT/probe.png`` (``report``); the options are in ``options``, the click command in ``run``. The probe
+converts, then evaluates, so it sits above both verbs.
 """
 
-from gqakit.pipelines.probe.cli import probe_cmd
 from gqakit.pipelines.probe.options import ProbeOptions
-from gqakit.pipelines.probe.report import ERROR_FLOOR, ProbeResult, ProbeRow, write_probe
-from gqakit.pipelines.probe.run import attention_errors, probe_checkpoint
+from gqakit.pipelines.probe.report import ProbeResult, ProbeRow
+from gqakit.pipelines.probe.run import attention_errors, probe_checkpoint, probe_cmd
 
-__all__ = [
-    "ERROR_FLOOR",
-    "ProbeOptions",
-    "ProbeResult",
-    "ProbeRow",
-    "attention_errors",
-    "probe_checkpoint",
-    "probe_cmd",
-    "write_probe",
-]
+__all__ = ["ProbeOptions", "ProbeResult", "ProbeRow", "attention_errors", "probe_checkpoint", "probe_cmd"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gqakit.cli_options import device_field, opt
 from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS
+from gqakit.pipelines.steps import at_least
 from gqakit.problems import Problems, device_problem
 
 
@@ -34,8 +35,8 @@ class ProbeOptions:
     batch_size: int = opt(8, cli=False)
     text_field: str = opt("text", cli=False)
 
-    def validate(self) -> None:
-        p = Problems("probe")
+    def check(self, p: Problems) -> None:
+        """Add every problem with these options to ``p`` (:func:`gqakit.problems.check_options`)."""
         f = p.flag
         p.add(device_problem(self.device, f("device")))
         if not self.groups:
@@ -54,14 +55,11 @@ class ProbeOptions:
         ]
         if needs and not self.calib_data:
             p.add(f"{' and '.join(needs)} need {f('calib_data')} FILE.")
-        if self.calib_data and not Path(self.calib_data).expanduser().is_file():
-            p.add(f"{f('calib_data')} {self.calib_data} does not exist or is not a file.")
-        if not Path(self.eval_data).expanduser().is_file():
-            p.add(f"{f('eval_data')} {self.eval_data} does not exist or is not a file.")
-        for name in ("calib_tokens", "eval_tokens", "error_tokens", "seq_len", "batch_size"):
-            if getattr(self, name) <= 0:
-                p.add(f"{f(name)} must be positive, got {getattr(self, name)}.")
-        p.raise_if_any()
+        for name in ("calib_data", "eval_data"):  # text, .jsonl or .parquet: load_texts reads each kind
+            path = getattr(self, name)
+            if path and not Path(path).expanduser().is_file():
+                p.add(f"{f(name)} {path} does not exist or is not a file.")
+        at_least(p, self, 1, "calib_tokens", "eval_tokens", "error_tokens", "seq_len", "batch_size")
 
     def combinations(self) -> list[tuple[int, str, str]]:
         """(G, method, grouping) in table order; similarity is skipped for methods it cannot combine with."""
@@ -72,6 +70,3 @@ class ProbeOptions:
             for m in self.methods
             if not GROUPINGS[grp].needs_calibration or m in MERGE_METHODS
         ]
-
-
-__all__ = ["ProbeOptions"]

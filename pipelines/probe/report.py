@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from gqakit.convert.methods import METHODS
-from gqakit.pipelines.reporting import log_if_wide, pyplot, save_figure
+from gqakit.geometry import TP_DEGREES, AttentionGeometry, TensorParallelKV
+from gqakit.pipelines.reporting import log_if_wide, md_table, pyplot, save_figure
+from gqakit.storage import make_dirs, write_json, write_text
 
 ERROR_FLOOR = 1e-6  # the plot's lower limit: exact merges give 0 (or float noise)
 
@@ -35,52 +37,79 @@ class ProbeRow:
 
 @dataclass
 class ProbeResult:
+    """Every measured row of a probe of ``source``, whose attention is ``geom``."""
+
     source: str
-    num_heads: int
-    num_kv_heads: int
+    geom: AttentionGeometry
     rows: list[ProbeRow]
     settings: dict[str, Any]
     out_dir: Path | None = None
 
     def to_table(self) -> str:
-        head = (
-            "| G | method | grouping | perplexity | x original | attn-out error (mean) | key err "
-            "| value err |"
-        )
-        lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
-
         def f(x: float | None) -> str:
             return "" if x is None else f"{x:.4f}"
 
+        header = ["G", "method", "grouping", "perplexity", "x original", "attn-out error (mean)"]
+        rows = []
         for r in self.rows:
-            g = "orig" if r.groups is None else str(r.groups)
-            lines.append(
-                f"| {g} | {r.method} | {r.grouping} | {r.ppl:,.2f} | {r.ppl_ratio:,.2f} | "
-                f"{f(r.mean_attn_error)} | {f(r.key_error)} | {f(r.value_error)} |"
-            )
-        return "\n".join(lines)
+            g = "orig" if r.groups is None else r.groups
+            errors = [f(r.mean_attn_error), f(r.key_error), f(r.value_error)]
+            rows.append([g, r.method, r.grouping, f"{r.ppl:,.2f}", f"{r.ppl_ratio:,.2f}", *errors])
+        return md_table([*header, "key err", "value err"], rows)
+
+    def tensor_parallel(self) -> dict[int, list[TensorParallelKV]]:
+        """For the original's G and each G probed: the KV cache per GPU under tensor parallelism
+        (:meth:`~gqakit.geometry.AttentionGeometry.tensor_parallel_kv`), as ``gqakit inspect`` shows it."""
+        gs = dict.fromkeys([self.geom.num_kv_heads, *sorted(self.settings["groups"], reverse=True)])
+        return {g: replace(self.geom, num_kv_heads=g).tensor_parallel_kv() for g in gs}
+
+    def tensor_parallel_table(self) -> str:
+        """KV bytes per GPU per token (bf16) at each TP degree, one row per G; a replicated head (G < TP:
+        vLLM copies each K/V head to TP / G GPUs) and a degree transformers' own TP refuses are marked."""
+
+        def cell(t: TensorParallelKV) -> str:
+            marks = ["replicated"] if t.replicated else []
+            marks += ["transformers refuses"] if t.transformers_refuses else []
+            return f"{t.kv_bytes_per_gpu:,}" + (f" ({', '.join(marks)})" if marks else "")
+
+        rows = [
+            [f"{g}" + (" (original)" if g == self.geom.num_kv_heads else ""), *map(cell, tps)]
+            for g, tps in self.tensor_parallel().items()
+        ]
+        return md_table(["K/V heads G", *(f"TP={tp}" for tp in TP_DEGREES)], rows)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
+            "num_heads": self.geom.num_heads,
+            "num_kv_heads": self.geom.num_kv_heads,
             "settings": self.settings,
             "rows": [{**asdict(r), "mean_attn_error": r.mean_attn_error} for r in self.rows],
+            "tensor_parallel": {g: [asdict(t) for t in tps] for g, tps in self.tensor_parallel().items()},
         }
 
 
 def write_probe(result: ProbeResult, out_dir: Path) -> None:
     """``probe.json``, ``probe.md`` and ``probe.png`` in ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "probe.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    (out_dir / "probe.md").write_text(
-        f"# gqakit probe: {result.source}\n\n{result.num_heads} query heads, "
-        f"{result.num_kv_heads} K/V heads; perplexity on {result.settings['eval_tokens']} held-out tokens "
-        f"in {result.settings['seq_len']}-token "
-        f"windows; attention-output error on {result.settings['error_tokens']} tokens.\n\n"
-        f"{result.to_table()}\n"
-    )
+    geom, s = result.geom, result.settings
+    text = f"""# gqakit probe: {result.source}
+
+{geom.num_heads} query heads, {geom.num_kv_heads} K/V heads; perplexity on {s["eval_tokens"]} held-out tokens
+in {s["seq_len"]}-token windows; attention-output error on {s["error_tokens"]} tokens.
+
+{result.to_table()}
+
+## KV cache per GPU under tensor parallelism
+
+Bytes per token over all layers, bf16, on each of TP GPUs. With fewer K/V heads than GPUs (G < TP) each GPU
+still holds one whole head (replicated), so the cache per GPU stops shrinking; transformers' own tensor
+parallelism refuses a degree that does not divide both head counts.
+
+{result.tensor_parallel_table()}
+"""
+    make_dirs(out_dir)
+    write_json(out_dir / "probe.json", json.loads(json.dumps(result.to_json())))
+    write_text(out_dir / "probe.md", text)
     save_figure(probe_figure(result), out_dir / "probe.png")
     result.out_dir = out_dir
 
@@ -134,12 +163,9 @@ def probe_figure(result: ProbeResult) -> Any:
     ax2.set_title("per-layer attention-output reconstruction error")
     ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(
-        f"gqakit probe: {Path(result.source).name}, {result.num_heads} query heads, "
-        f"{result.num_kv_heads} K/V heads",
+        f"gqakit probe: {Path(result.source).name}, {result.geom.num_heads} query heads, "
+        f"{result.geom.num_kv_heads} K/V heads",
         fontsize=10,
     )
     fig.tight_layout()
     return fig
-
-
-__all__ = ["ERROR_FLOOR", "ProbeResult", "ProbeRow", "probe_figure", "write_probe"]

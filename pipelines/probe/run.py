@@ -2,30 +2,33 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import click
 import torch
 
 from gqakit.checkpoint import resolve_checkpoint
-from gqakit.convert.api import ConvertOptions, check_groups, plan_with_merges, write_converted
-from gqakit.convert.calibrate import calibrate, calibration_ids, load_model_for_calibration
-from gqakit.convert.merge_fit import fit_layer_merges
-from gqakit.convert.methods import MERGE_METHODS, METHODS
-from gqakit.convert.plan import RegroupSpec, plan_regroup
+from gqakit.cli_options import click_options, options_from, out_option
+from gqakit.convert import ConvertOptions, convert_checkpoint
+from gqakit.convert.calibrate import calibration_ids
+from gqakit.convert.options import check_groups
 from gqakit.errors import GqakitError
 from gqakit.eval import load_texts, perplexity
 from gqakit.families import family_of, get_adapter
 from gqakit.family_parts import ArchAdapter, Retarget
 from gqakit.geometry import AttentionGeometry
-from gqakit.models import load_tokenizer
+from gqakit.models import load_causal_lm, load_tokenizer
 from gqakit.pipelines.probe.options import ProbeOptions
 from gqakit.pipelines.probe.report import ProbeResult, ProbeRow, write_probe
+from gqakit.problems import check_options
+from gqakit.storage import writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +84,22 @@ def _retargeted_hint(model_type: str, retarget: Retarget, config: dict) -> str:
     )
 
 
+def _mean_error(record: dict, which: str) -> float | None:
+    """A conversion's mean K or V reconstruction error over its layers (``gqakit.json``), when it fitted
+    merges on calibration text; None for a plain pooling."""
+    layers = record.get("reconstruction_error") or []
+    return sum(e[which] for e in layers) / len(layers) if layers else None
+
+
 def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: ProbeOptions) -> ProbeResult:
-    """Measure every combination of ``options`` on ``src``; write the table, JSON and plot to ``out_dir``."""
-    options.validate()
+    """Measure every combination of ``options`` on ``src``; write the table, JSON and plot to ``out_dir``.
+
+    Each combination is converted by ``gqakit convert``'s own code (:func:`convert_checkpoint`, the
+    layer-by-layer path for the conversions that read calibration text) into a temporary directory.
+    """
+    check_options(options, "probe")
+    if out_dir is not None:
+        writable_dir(out_dir, "--out")
     with resolve_checkpoint(src) as ckpt:
         retarget = family_of(ckpt.model_type).retarget
         if retarget is not None:
@@ -93,79 +109,56 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
         for g in options.groups:
             check_groups(geom, g)
         tokenizer = load_tokenizer(ckpt.path)
-        eval_texts = load_texts(
-            Path(options.eval_data).expanduser(), options.text_field, option="--eval-data"
-        )
+        eval_data = Path(options.eval_data).expanduser()
+        eval_texts = load_texts(eval_data, options.text_field, option="--eval-data")
         error_ids = calibration_ids(
             tokenizer, eval_texts, options.error_tokens, options.seq_len, source="--eval-data"
         )
-        original = load_model_for_calibration(ckpt.path, options.device)
-
-        def ppl(model) -> float:
-            res = perplexity(
-                model,
-                tokenizer,
-                eval_texts,
-                seq_len=options.seq_len,
-                batch_size=options.batch_size,
-                max_tokens=options.eval_tokens,
-                progress=False,
-            )
-            return float(res.ppl)
-
+        load = partial(load_causal_lm, dtype="float32", device=options.device)
+        measure = partial(
+            perplexity,
+            tokenizer=tokenizer,
+            texts=eval_texts,
+            seq_len=options.seq_len,
+            batch_size=options.batch_size,
+            max_tokens=options.eval_tokens,
+            progress=False,
+        )
+        original = load(ckpt.path)
         t0 = time.perf_counter()
-        base_ppl = ppl(original)
+        base_ppl = float(measure(original).ppl)
         rows = [ProbeRow(None, "original", "", base_ppl, 1.0, seconds=time.perf_counter() - t0)]
-        log.info("original: perplexity %.2f", base_ppl)
-        stats = None
-        if options.calib_data:
-            stats = calibrate(ckpt, adapter, geom, options.calib_data, options.calib_tokens, model=original)
         for g, method, grouping in options.combinations():
             t0 = time.perf_counter()
-            conv_opts = ConvertOptions(
-                groups=g,
-                method=method,
-                grouping=grouping,
-                calib_data=options.calib_data,
-                calib_tokens=options.calib_tokens,
-                device=options.device,
-            )
-            spec = RegroupSpec(
-                target=g,
-                method=method if METHODS[method].pool or METHODS[method].fresh else "mean",
-                std=float(ckpt.config.get("initializer_range", 0.02)),
-            )
-            record: dict[str, Any] = {"command": "probe", "groups": g, "method": method, "dtype": "keep"}
-            if conv_opts.merged:
-                plan, merge_record = plan_with_merges(ckpt, adapter, geom, spec, conv_opts, stats=stats)
-                record.update(merge_record)
-            else:
-                plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
-                if stats is not None and method in MERGE_METHODS:  # the same error measure, for the table
-                    merges, _ = fit_layer_merges(ckpt, adapter, geom, stats, g, method, grouping)
-                    record["reconstruction_error"] = [
-                        {"key": m.key_error, "value": m.value_error} for m in merges
-                    ]
+            opts = ConvertOptions(groups=g, method=method, grouping=grouping, device=options.device)
+            if opts.needs_text:
+                opts = replace(opts, calib_data=options.calib_data, calib_tokens=options.calib_tokens)
             with tempfile.TemporaryDirectory(prefix="gqakit-probe-") as tmp:
-                write_converted(ckpt, Path(tmp) / "m", plan, geom, g, None, False, record, t0)
-                converted = load_model_for_calibration(Path(tmp) / "m", options.device)
+                convert_checkpoint(ckpt.path, Path(tmp) / "m", opts, progress=False)
+                record = json.loads((Path(tmp) / "m" / "gqakit.json").read_text())
+                converted = load(Path(tmp) / "m")
             errs = attention_errors(original, converted, adapter, geom.num_layers, error_ids)
-            p = ppl(converted)
+            p = float(measure(converted).ppl)
             del converted
-            recon = record.get("reconstruction_error") or []
-            key_err = sum(e["key"] for e in recon) / len(recon) if recon else None
-            val_err = sum(e["value"] for e in recon) / len(recon) if recon else None
-            rows.append(
-                ProbeRow(
-                    g, method, grouping, p, p / base_ppl, errs, key_err, val_err, time.perf_counter() - t0
-                )
-            )
+            seconds = time.perf_counter() - t0
+            key_err, value_err = _mean_error(record, "key"), _mean_error(record, "value")
+            rows.append(ProbeRow(g, method, grouping, p, p / base_ppl, errs, key_err, value_err, seconds))
             log.info("G=%d %s %s: perplexity %.2f", g, method, grouping, p)
         settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(options).items()}
-        result = ProbeResult(ckpt.origin, geom.num_heads, geom.num_kv_heads, rows, settings)
+        result = ProbeResult(ckpt.origin, geom, rows, settings)
     if out_dir is not None:
         write_probe(result, Path(out_dir))
     return result
 
 
-__all__ = ["attention_errors", "probe_checkpoint"]
+@click.command("probe")
+@click.argument("src")
+@click_options(ProbeOptions)
+@out_option("probe", "Directory for probe.json, probe.md and probe.png.")
+def probe_cmd(src: str, out: Path, **kwargs: Any) -> None:
+    """Zero-training quality of SRC for each G x method x grouping: held-out perplexity and per-layer
+    attention-output error, as a table, a JSON file and a plot. Pick G before spending compute."""
+    result = probe_checkpoint(src, out, options_from(ProbeOptions, kwargs))
+    click.echo(f"{result.to_table()}\n\nKV bytes per GPU per token, bf16, with tensor parallelism (TP GPUs):")
+    click.echo(result.tensor_parallel_table())
+    click.echo(f"wrote {out / 'probe.json'}, probe.md, probe.png")

@@ -12,12 +12,11 @@ Every conversion, run and measurement is cached in ``--work-dir`` (:class:`~gqak
 ResultStore`), keyed by what it depends on (not by logging, speed levers or checkpoint cadence), so a
 second run takes seconds; a killed run resumes from its last checkpoint.
 
-The package's parts: ``options``, ``curves`` (pure: evaluation steps, thresholds, savings), ``run``,
-``report`` and ``cli``.
+The package's parts: ``options``, ``curves`` (pure: evaluation steps, thresholds, savings), ``run``
+(the pipeline and its click command) and ``report``.
 """
 
-from gqakit.pipelines.recovery.cli import recovery_cmd
 from gqakit.pipelines.recovery.options import RecoveryOptions
-from gqakit.pipelines.recovery.run import RecoveryResult, run_recovery
+from gqakit.pipelines.recovery.run import RecoveryResult, recovery_cmd, run_recovery
 
 __all__ = ["RecoveryOptions", "RecoveryResult", "recovery_cmd", "run_recovery"]

@@ -125,10 +125,7 @@ class Curve:
         start: the start's name.
         lr: its peak learning rate.
         points: ``(tokens, perplexity)``, the first at 0 tokens (the converted model itself).
-        convert_s, train_s: wall time of its conversion and of its uptraining run (as first computed,
-            with what attempts killed before it spent).
-        resumed: ``train_s`` is only the time after a resume: the run was resumed after a kill and
-            stored before results recorded their own time, which counts the part before the kill.
+        convert_s, train_s: compute time of its conversion and of its uptraining run (as first computed).
         reach: threshold -> the tokens it needed (:class:`~gqakit.pipelines.recovery.curves.Reach`).
         swept: the start is uptrained at several rates, this curve being one of them.
     """
@@ -138,7 +135,6 @@ class Curve:
     points: list[tuple[int, float]]
     convert_s: float
     train_s: float
-    resumed: bool = False
     reach: dict[float, Reach] = field(default_factory=dict)
     swept: bool = False
 
@@ -185,16 +181,3 @@ def savings(curves: list[Curve]) -> dict[str, dict[float, Saving]]:
         for start, by_t in best.items()
         if start != curves[0].start
     }
-
-
-__all__ = [
-    "THRESHOLDS",
-    "Curve",
-    "Reach",
-    "Saving",
-    "best_rates",
-    "eval_steps",
-    "saving",
-    "savings",
-    "tokens_to_reach",
-]

@@ -7,7 +7,7 @@ changes any of its keys (``data.seq_len=128``, ``train.batch_size=16``, ``object
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,10 @@ import yaml
 from gqakit.cli_options import opt
 from gqakit.convert import ConvertOptions
 from gqakit.pipelines.starts import STARTS, STARTS_HELP, convert_options_for, split_sets
-from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
-from gqakit.problems import Problems, device_problem, finite_positive, rate_problem
-from gqakit.storage import fingerprint
+from gqakit.pipelines.steps import PipelineOptions, at_least, out_field, work_dir_field
+from gqakit.pipelines.store import fingerprint
+from gqakit.problems import Problems, finite_positive, rate_problem
+from gqakit.text import text_file_problem
 from gqakit.uptrain.schedule import warmup_steps
 
 LR = 2e-4  # the uptraining rate every start shares unless --start-lr gives it its own
@@ -50,16 +51,10 @@ class RecoveryOptions(PipelineOptions):
     tokens: int = opt(200_000, "Uptraining tokens per start.")
     lr: float = opt(LR, "Peak learning rate.")
     start_lr: tuple[str, ...] = opt((), cli=False)  # --start-lr, declared by the command (repeatable)
-    sets: tuple[str, ...] = opt((), cli=False)  # --set, declared by the command (repeatable)
     evals_per_decade: int = opt(4, "Held-out evaluations per factor of ten tokens.")
     seed: int = opt(0, "Seed of the data order, the random start and the refinement.")
     out: Path = out_field("recovery-report", "Directory for recovery.png, report.md and results.json.")
     work_dir: Path = work_dir_field("recovery-work")
-
-    @property
-    def recipe_sets(self) -> list[str]:
-        """The ``--set`` items that change the recipe (the others change the starts' conversions)."""
-        return split_sets(self.sets)[1]
 
     def recipe_value(self, key: str, default: Any) -> Any:
         """The recipe value ``key`` as the last ``--set`` of it gives it, else ``default``."""
@@ -94,27 +89,32 @@ class RecoveryOptions(PipelineOptions):
     def rates_of(self, start: str) -> tuple[float, ...]:
         """The peak learning rates ``start`` is uptrained at, one run each: its own from ``start_lr``
         (in the order given), else ``lr`` alone."""
-        own: list[float] = []
-        for item in self.start_lr:
-            name, rates = _rates(item)
-            if name == start:
-                own.extend(rates)
+        own = [lr for name, rates in map(_rates, self.start_lr) if name == start for lr in rates]
         return tuple(dict.fromkeys(own)) or (self.lr,)
 
     def swept(self, start: str) -> bool:
         """True when ``start`` is uptrained at more than one rate."""
         return len(self.rates_of(start)) > 1
 
-    def validate(self) -> None:
-        """Every problem with the options at once, before any model is read."""
-        p = Problems("recovery")
+    def start_options(self, start: str, calibration: Path | str) -> ConvertOptions:
+        """The ``gqakit convert`` options of ``start`` in this recovery run."""
+        settings = split_sets(self.sets)[0]
+        return convert_options_for(
+            start,
+            self.groups,
+            calib_data=str(calibration),
+            settings=settings,
+            device=self.device,
+            seed=self.seed,
+        )
+
+    def check(self, p: Problems) -> None:
+        """Every problem with the options at once, before any model is read or anything written; the
+        source's own checks (G, family, positions, the text) follow in
+        :func:`gqakit.pipelines.recovery.run.check_inputs`."""
+        super().check(p)
         f = p.flag
-        p.add(device_problem(self.device, f("device")))
-        split_sets(self.sets, p)
-        if self.evals_per_decade < 1:
-            p.add(f"{f('evals_per_decade')} must be at least 1, got {self.evals_per_decade}.")
-        if self.groups < 1:
-            p.add(f"{f('groups')} must be a positive number of K/V heads, got {self.groups}.")
+        at_least(p, self, 1, "evals_per_decade", "groups")
         if not self.starts:
             p.add(f"{f('starts')} needs at least one of {', '.join(STARTS)}.")
         p.add(STARTS.unknown_in(self.starts, f("starts")))
@@ -126,6 +126,14 @@ class RecoveryOptions(PipelineOptions):
                 f"{f('tokens')} {self.tokens:,} is smaller than the first evaluation point, one step of "
                 f"{self.tokens_per_step:,} tokens; give at least {self.tokens_per_step:,}."
             )
+        self._check_rates(p)
+        if self.data is not None:
+            p.add(text_file_problem(self.data, f("data")))
+
+    def _check_rates(self, p: Problems) -> None:
+        """Add to ``p`` what is wrong with ``lr`` and ``start_lr``: rates that are no finite positive
+        number, a start that is not run, a rate given twice to one start."""
+        f = p.flag
         given: dict[str, list[float]] = {}
         for item in self.start_lr:
             try:
@@ -150,27 +158,6 @@ class RecoveryOptions(PipelineOptions):
                     "than once; list each rate once."
                 )
         p.add(rate_problem(f("lr"), self.lr, LR))
-        if self.data is not None and not Path(self.data).expanduser().is_file():
-            p.add(f"{f('data')} {self.data} does not exist or is not a file.")
-        if Path(self.out).resolve() == Path(self.work_dir).resolve():
-            p.add(f"{f('out')} and {f('work_dir')} must differ.")
-        p.raise_if_any()
-
-
-@dataclass
-class Inputs:
-    """The resolved inputs: the original checkpoint and the three text files."""
-
-    src: str
-    train: Path
-    calibration: Path
-    heldout: Path
-
-    def texts(self, *names: str) -> dict[str, str]:
-        """The fingerprints of the named text files (``"train"``, ``"calibration"``, ``"heldout"``), for
-        the cache key of a step that reads them: the split of ``--data`` is always written to the same
-        paths, so a key holding only the paths would serve one file's results for another's."""
-        return {name: fingerprint(getattr(self, name)) for name in names}
 
 
 def _rates(item: str) -> tuple[str, tuple[float, ...]]:
@@ -182,12 +169,19 @@ def _rates(item: str) -> tuple[str, tuple[float, ...]]:
     return name.strip(), tuple(float(v) for v in values.split(","))
 
 
-__all__ = ["LR", "Inputs", "RecoveryOptions"]
+@dataclass
+class Inputs:
+    """The resolved inputs: the original checkpoint and the three text files (``split``: the parts of
+    ``--data`` by name, checked and not written yet; empty for the wiki-en asset's splits)."""
 
+    src: str
+    train: Path
+    calibration: Path
+    heldout: Path
+    split: dict[str, list[str]] = field(default_factory=dict)
 
-def start_options(o: RecoveryOptions, start: str, calibration: Path | str) -> ConvertOptions:
-    """The ``gqakit convert`` options of ``start`` in this recovery run."""
-    settings = split_sets(o.sets)[0]
-    return convert_options_for(
-        start, o.groups, calib_data=str(calibration), settings=settings, device=o.device, seed=o.seed
-    )
+    def texts(self, *names: str) -> dict[str, str]:
+        """The fingerprints of the named text files (``"train"``, ``"calibration"``, ``"heldout"``), for
+        the cache key of a step that reads them: the split of ``--data`` is always written to the same
+        paths, so a key holding only the paths would serve one file's results for another's."""
+        return {name: fingerprint(getattr(self, name)) for name in names}

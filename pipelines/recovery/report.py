@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import os
-import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import transformers
-
-from gqakit import __version__
 from gqakit.models import cpu_model
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, best_rates, savings
-from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions, start_options
 from gqakit.pipelines.reporting import (
     command_line,
     fmt_duration,
@@ -21,10 +15,15 @@ from gqakit.pipelines.reporting import (
     md_table,
     pyplot,
     save_figure,
+    versions,
     write_report,
 )
 from gqakit.pipelines.starts import conversion_key
 from gqakit.pipelines.store import ResultStore
+from gqakit.storage import make_dirs
+
+if TYPE_CHECKING:
+    from gqakit.pipelines.recovery.options import Inputs, RecoveryOptions
 
 PLOT = "recovery.png"
 
@@ -82,9 +81,47 @@ def _start_settings(o: RecoveryOptions, inputs: Inputs) -> dict[str, dict[str, A
     """Each start's conversion, as its cache keys it: the settings that made it."""
     out = {}
     for start in o.starts:
-        key = conversion_key(start_options(o, start, inputs.calibration))
+        key = conversion_key(o.start_options(start, inputs.calibration))
         out[start] = {k: v for k, v in key.items() if k not in ("groups", "calib_data", "seed")}
     return out
+
+
+def _tables(curves: list[Curve], original: float, tokens: int) -> dict[str, str]:
+    """The report's tables: tokens to reach each threshold, savings over the first start, each start at
+    its best rate (when a start has several), and every measured point."""
+    heads = [f"{t:g}x" for t in THRESHOLDS]
+    rows = []
+    for c in curves:
+        p0, pn = c.points[0][1], c.points[-1][1]
+        at = [f"{fmt_ppl(p0)} ({p0 / original:.2f}x)", f"{fmt_ppl(pn)} ({pn / original:.3f}x)"]
+        rows.append([c.label, f"{c.lr:g}", *at, *(c.reach[t].label() for t in THRESHOLDS)])
+    saved = savings(curves)
+    save_rows = [[start, *(by_t[t].label() for t in THRESHOLDS)] for start, by_t in saved.items()]
+    best_rows = []
+    for start, by_t in best_rates({(c.start, c.lr): c.reach for c in curves}).items():
+        # a start already there needs no rate; one never there has no best rate
+        cells = [
+            f"{r.label()} (lr {lr:g})" if r.reached and r.tokens > 0 else r.label() for r, lr in by_t.values()
+        ]
+        best_rows.append([start, *cells])
+    by_tokens: dict[int, dict[str, float]] = {}
+    for c in curves:
+        for t, p in c.points:
+            by_tokens.setdefault(t, {})[c.label] = p
+    point_rows = []
+    for t in sorted(by_tokens):
+        at_t = by_tokens[t]
+        cells = [
+            f"{fmt_ppl(at_t[c.label])} ({at_t[c.label] / original:.3f}x)" if c.label in at_t else ""
+            for c in curves
+        ]
+        point_rows.append([f"{t:,}", *cells])
+    return {
+        "reach": md_table(["start", "lr", "at 0 tokens", f"at {tokens:,} tokens", *heads], rows),
+        "savings": md_table(["start", *heads], save_rows) if saved else "",
+        "best": md_table(["start", *heads], best_rows),
+        "points": md_table(["tokens", *(c.label for c in curves)], point_rows),
+    }
 
 
 def write_recovery_report(
@@ -102,37 +139,13 @@ def write_recovery_report(
         recipe: the runs' recipe (a start's, ``--set`` applied): what the settings section states.
     """
     out = Path(o.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     tokens = o.steps * o.tokens_per_step
     title = f"{o.src} -> {o.groups} K/V heads: held-out perplexity during uptraining, by start"
     plot = save_figure(recovery_figure(original, curves, title), out / PLOT)
-    saved = savings(curves)
-    best = best_rates({(c.start, c.lr): c.reach for c in curves})
+    tables = _tables(curves, original, tokens)
     swept = any(c.swept for c in curves)
     ref = curves[0].start
-    command = command_line("")
-    machine = f"{cpu_model()}, {os.cpu_count()} CPUs"
-    versions = {
-        "gqakit": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-    starts = _start_settings(o, inputs)
-    t_heads = [f"{t:g}x" for t in THRESHOLDS]
-
-    rows = []
-    for c in curves:
-        p0, pn = c.points[0][1], c.points[-1][1]
-        rows.append(
-            [c.label, f"{c.lr:g}", f"{fmt_ppl(p0)} ({p0 / original:.2f}x)",
-             f"{fmt_ppl(pn)} ({pn / original:.3f}x)", *(c.reach[t].label() for t in THRESHOLDS)]
-        )  # fmt: skip
-    reach_table = md_table(["start", "lr", "at 0 tokens", f"at {tokens:,} tokens", *t_heads], rows)
-    save_table = md_table(
-        ["start", *t_heads],
-        [[start, *(by_t[t].label() for t in THRESHOLDS)] for start, by_t in saved.items()],
-    )
     at_best = (
         " (each start at its best\nmeasured rate for that threshold, in the table below)" if swept else ""
     )
@@ -140,52 +153,40 @@ def write_recovery_report(
         f"How many times fewer uptraining tokens than {ref} each start needs to reach the "
         f'threshold{at_best}; ">=" is a lower\nbound ({ref} never got there within the run, or the start '
         f'got there by its first point); "n/a" where the start never got there, or {ref} got there by '
-        f"its\nfirst point (its tokens are then an upper bound).\n\n{save_table}"
-        if saved
+        f"its\nfirst point (its tokens are then an upper bound).\n\n{tables['savings']}"
+        if tables["savings"]
         else "Only one start was run: nothing to compare it with (list two or more in --starts; the first "
         "is the reference)."
     )
-    by_tokens: dict[int, dict[str, float]] = {}
-    for c in curves:
-        for t, p in c.points:
-            by_tokens.setdefault(t, {})[c.label] = p
-    point_table = md_table(
-        ["tokens", *(c.label for c in curves)],
-        [[f"{t:,}", *(f"{fmt_ppl(by_tokens[t][c.label])} ({by_tokens[t][c.label] / original:.3f}x)"
-                      if c.label in by_tokens[t] else "" for c in curves)] for t in sorted(by_tokens)],
-    )  # fmt: skip
-    converted = {c.start: c.convert_s for c in curves}  # a start's rates share its one conversion
-    time_rows = []
-    for start, convert_s in converted.items():
-        runs = [("" if not c.swept else f"at lr {c.lr:g} ") + fmt_duration(c.train_s) for c in curves
-                if c.start == start]  # fmt: skip
-        time_rows.append(f"- {start}: conversion {fmt_duration(convert_s)}, uptraining {', '.join(runs)}")
-    figures_s = sum(converted.values()) + sum(c.train_s for c in curves)
     if swept:
+        savings_text += (
+            "\n\nEach start at its best measured rate for each threshold: the fewest tokens any of its runs "
+            "needed, and\nthat run's rate. A rate that gets there first can level off before a lower "
+            f"threshold.\n\n{tables['best']}"
+        )
         lr_note = "some starts at several peak learning rates, one run each (the lr column)"
     elif len({c.lr for c in curves}) == 1:
         lr_note = "every start at the same peak learning rate"
     else:
         lr_note = "each start at its own peak learning rate (the lr column), set with --start-lr"
-    best_text = ""
-    if swept:
-        # a start already there needs no rate; one never there has no best rate
-        best_rows = [[start, *(f"{r.label()} (lr {lr:g})" if r.reached and r.tokens > 0 else r.label()
-                               for r, lr in by_t.values())] for start, by_t in best.items()]  # fmt: skip
-        best_text = (
-            "\n\nEach start at its best measured rate for each threshold: the fewest tokens any of its runs "
-            "needed, and\nthat run's rate. A rate that gets there first can level off before a lower "
-            f"threshold.\n\n{md_table(['start', *t_heads], best_rows)}"
-        )
-    once = "once per rate" if swept else "once"
-    # the warmup each run took: at most half the run (RecoveryOptions.warmup_fraction)
+    converted = {c.start: c.convert_s for c in curves}  # a start's rates share its one conversion
+    time_rows = []
+    for start, convert_s in converted.items():
+        runs = [
+            ("" if not c.swept else f"at lr {c.lr:g} ") + fmt_duration(c.train_s)
+            for c in curves
+            if c.start == start
+        ]
+        time_rows.append(f"- {start}: conversion {fmt_duration(convert_s)}, uptraining {', '.join(runs)}")
+    figures_s = sum(converted.values()) + sum(c.train_s for c in curves)
+    starts = _start_settings(o, inputs)
     objective, seq_len, batch = recipe.objective.kind, recipe.data.seq_len, recipe.train.batch_size
     eval_tokens = recipe.data.max_val_blocks * seq_len
     conversions = "\n".join(
-        f"- start {s}: " + ", ".join(f"{k} {v}" for k, v in settings.items())
-        for s, settings in starts.items()
+        f"- start {s}: " + ", ".join(f"{k} {v}" for k, v in kv.items()) for s, kv in starts.items()
     )
-    overrides = ", ".join(o.recipe_sets) or "none"
+    command, machine, versions_ = command_line(""), f"{cpu_model()}, {os.cpu_count()} CPUs", versions()
+    once, overrides = "once per rate" if swept else "once", ", ".join(o.recipe_sets) or "none"
     text = f"""# gqakit recovery: {o.src} -> {o.groups} K/V heads
 
 How many uptraining tokens each start needs to come back to the original's quality. Each start is
@@ -203,17 +204,17 @@ the original scores **{fmt_ppl(original)}** the same way.
 Interpolated between measured points in log tokens; "<= N": reached by the first point, "> N": not reached
 within the run.
 
-{reach_table}
+{tables["reach"]}
 
 ## Savings over {ref}
 
-{savings_text}{best_text}
+{savings_text}
 
 ## Every measured point
 
 Held-out perplexity (and its multiple of the original's) after each number of uptraining tokens.
 
-{point_table}
+{tables["points"]}
 
 ## Settings
 
@@ -224,30 +225,31 @@ Held-out perplexity (and its multiple of the original's) after each number of up
 - wall time: the conversions and uptraining runs took {fmt_duration(figures_s)} together; this run of the
   command {fmt_duration(elapsed_s)} ({store.reused} results reused from `{o.work_dir}`)
 {chr(10).join(time_rows)}
-- machine: {machine}; {", ".join(f"{k} {v}" for k, v in versions.items())}
+- machine: {machine}; {", ".join(f"{k} {v}" for k, v in versions_.items())}
 - command: `{command}`
 
 Machine-readable figures: `results.json`.
 """
+    settings = {
+        "tokens": tokens,
+        "steps": o.steps,
+        "tokens_per_step": o.tokens_per_step,
+        "seq_len": seq_len,
+        "batch_size": batch,
+        "objective": objective,
+        "precision": recipe.train.precision,
+        "warmup_steps_run": o.warmup_run,
+        "eval_tokens": eval_tokens,
+        "starts": starts,
+        "recipe_overrides": list(o.recipe_sets),
+        "seed": o.seed,
+        "data": o.data and str(o.data),
+    }
     results: dict[str, Any] = {
         "command": command,
         "source": str(inputs.src),
         "groups": o.groups,
-        "settings": {
-            "tokens": tokens,
-            "steps": o.steps,
-            "tokens_per_step": o.tokens_per_step,
-            "seq_len": seq_len,
-            "batch_size": batch,
-            "objective": objective,
-            "precision": recipe.train.precision,
-            "warmup_steps_run": o.warmup_run,
-            "eval_tokens": eval_tokens,
-            "starts": starts,
-            "recipe_overrides": list(o.recipe_sets),
-            "seed": o.seed,
-            "data": o.data and str(o.data),
-        },  # fmt: skip
+        "settings": settings,
         "original_ppl": original,
         "thresholds": list(THRESHOLDS),
         "starts": {
@@ -264,15 +266,14 @@ Machine-readable figures: `results.json`.
         "reference": ref,
         "best_rates": {
             start: {f"{t:g}": {"lr": lr, **r.as_dict()} for t, (r, lr) in by_t.items()}
-            for start, by_t in best.items()
+            for start, by_t in best_rates({(c.start, c.lr): c.reach for c in curves}).items()
         },
-        "savings": {s: {f"{t:g}": v.as_dict() for t, v in by_t.items()} for s, by_t in saved.items()},
+        "savings": {
+            s: {f"{t:g}": v.as_dict() for t, v in by_t.items()} for s, by_t in savings(curves).items()
+        },
         "elapsed_s": round(elapsed_s, 1),
         "machine": machine,
-        "versions": versions,
+        "versions": versions_,
     }
     report, results_json = write_report(out, text, results)
     return report, results_json, plot
-
-
-__all__ = ["PLOT", "recovery_figure", "write_recovery_report"]

@@ -2,33 +2,36 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import click
 
 from gqakit.checkpoint import model_source, resolve_checkpoint
+from gqakit.cli_options import click_options, options_from
 from gqakit.convert import convert_checkpoint
-from gqakit.convert.calibrate import calibration_sequences
+from gqakit.convert.calibrate import CALIB_SEQ_LEN, calibration_ids, load_calibration_texts
 from gqakit.convert.refine import check_sequences
 from gqakit.convert.retarget import groups_problem, refusals
 from gqakit.errors import GqakitError
+from gqakit.families import family_of, get_adapter
+from gqakit.models import load_tokenizer, max_positions
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, eval_steps, tokens_to_reach
-from gqakit.pipelines.recovery.options import (
-    BATCH_SIZE,
-    EVAL_TOKENS,
-    Inputs,
-    RecoveryOptions,
-    start_options,
-)
+from gqakit.pipelines.recovery.options import BATCH_SIZE, EVAL_TOKENS, Inputs, RecoveryOptions
 from gqakit.pipelines.recovery.report import write_recovery_report
 from gqakit.pipelines.run_keys import train_once, weights_key
 from gqakit.pipelines.starts import conversion_key
-from gqakit.pipelines.steps import Steps, pipeline_run, wiki_splits
+from gqakit.pipelines.steps import Steps, pipeline_run, set_option, wiki_splits
 from gqakit.pipelines.store import ResultStore, fingerprint
-from gqakit.storage import atomic_output_dir, writable_dir
+from gqakit.problems import Problems, check_options
+from gqakit.storage import atomic_output_dir
+from gqakit.text import read_text_file
 from gqakit.uptrain import read_history, recipe_from_dict, resolve_precision, validation_perplexity
 
 SPLIT_EVERY = 20  # of every 20 documents of --data: one held out, one for calibration, 18 for training
+PARTS = ("train", "calibration", "heldout")
 
 
 @dataclass
@@ -43,48 +46,76 @@ class RecoveryResult:
     elapsed_s: float
 
 
-def check_source(o: RecoveryOptions, src: str, calibration: Path) -> None:
-    """Refuse what would fail in a later conversion, before the first one: a G the source cannot be
-    converted to (convert's own message), a start a retargeted family cannot be converted with, and
-    calibration text too short for a start that refines."""
-    with resolve_checkpoint(src) as ckpt:
-        problem = groups_problem(ckpt.config, o.groups)
-        if problem:
-            raise GqakitError(problem)
-        opts = [start_options(o, s, calibration) for s in o.starts]
-        found = [m for opt in opts for m in refusals(ckpt, opt)]
-        if found:  # each problem once, whichever starts share it
-            raise GqakitError("\n".join(dict.fromkeys(found)))
-        for r in {opt.resolved().calib_tokens for opt in opts if opt.resolved().refine_steps}:
-            check_sequences(calibration_sequences(ckpt, calibration, r))
+def split_text(o: RecoveryOptions) -> dict[str, list[str]]:
+    """``--data`` split by document (line), in memory: of every 20, one held out, one for calibration,
+    the rest trained on; interleaved, so each part samples the whole file."""
+    docs = [line for line in read_text_file(o.data, "--data").splitlines() if line.strip()]
+    parts: dict[str, list[str]] = {name: [] for name in PARTS}
+    for i, doc in enumerate(docs):
+        parts[{0: "heldout", SPLIT_EVERY // 2: "calibration"}.get(i % SPLIT_EVERY, "train")].append(doc)
+    if not all(parts.values()):
+        raise GqakitError(
+            f"--data {o.data} has {len(docs)} non-empty lines (documents): too few to hold out one in "
+            f"{SPLIT_EVERY} and calibrate on another; give a file with at least {SPLIT_EVERY} documents."
+        )
+    return parts
 
 
-def split_data(o: RecoveryOptions, store: ResultStore, work: Path) -> tuple[Path, Path, Path]:
-    """(train, calibration, held-out) text: the wiki-en asset's train / validation / test splits, or
-    ``--data`` split by document (line): of every 20, one held out, one for calibration, the rest trained
-    on; interleaved, so each part samples the whole file."""
+def check_inputs(o: RecoveryOptions) -> Inputs:
+    """The source (fetched when it is an asset or a hub id: the cache is no output) and the text, with
+    every check that needs them, before the working directory is created: the positions the runs need, a
+    G the source cannot be converted to (convert's own message), a start a retargeted family cannot be
+    converted with, and calibration text too short for a start that refines."""
+    # the recipe of a run, --set applied: a bad key or value is refused before SRC is fetched
+    placeholder = Inputs(o.src, Path("train.txt"), Path("calibration.txt"), Path("heldout.txt"))
+    run_recipe(o, placeholder, "start", Path("out"), o.lr)
+    src = model_source(o.src, o.cache_dir, o.wheelhouse)
     if o.data is None:
-        return wiki_splits(o)
-    data = Path(o.data).expanduser()
-    dst = work / "data"
+        train, calibration, heldout = wiki_splits(o)
+        inputs = Inputs(src, train, calibration, heldout)
+        calib_texts = load_calibration_texts(calibration)
+    else:
+        split = Path(o.work_dir).expanduser().resolve() / "data"
+        inputs = Inputs(src, *(split / f"{name}.txt" for name in PARTS), split=split_text(o))
+        calib_texts = inputs.split["calibration"]
+    p = Problems("recovery")
+    with resolve_checkpoint(src) as ckpt:
+        limit = max_positions(SimpleNamespace(**ckpt.config))
+        if limit is not None and o.seq_len > limit:
+            p.add(
+                f"--set data.seq_len {o.seq_len} is more than this model's {limit} positions (SRC {o.src}: "
+                f"max_position_embeddings); use --set data.seq_len={limit} or less."
+            )
+        if family_of(ckpt.model_type).retarget is None:  # converted as it is: a family gqakit knows
+            try:
+                get_adapter(ckpt.model_type)
+            except GqakitError as e:
+                p.add(e.message)
+        p.add(None if p else groups_problem(ckpt.config, o.groups))
+        if not p:
+            opts = [o.start_options(s, inputs.calibration) for s in o.starts]
+            for problem in dict.fromkeys(m for opt in opts for m in refusals(ckpt, opt)):
+                p.add(problem)  # each once, whichever starts share it
+            refined = {opt.resolved().calib_tokens for opt in opts if opt.resolved().refine_steps}
+            if refined and not p:
+                tokenizer = load_tokenizer(ckpt.path)
+                seq_len = min(CALIB_SEQ_LEN, limit or CALIB_SEQ_LEN)
+                for tokens in refined:
+                    check_sequences(calibration_ids(tokenizer, calib_texts, tokens, seq_len))
+    p.raise_if_any("\n")
+    return inputs
+
+
+def write_split(inputs: Inputs, o: RecoveryOptions, store: ResultStore) -> None:
+    """The checked parts of ``--data`` into the working directory (once per file and split)."""
 
     def build() -> None:
-        docs = [line for line in data.read_text(encoding="utf-8").splitlines() if line.strip()]
-        parts: dict[str, list[str]] = {"train.txt": [], "calibration.txt": [], "heldout.txt": []}
-        for i, doc in enumerate(docs):
-            name = {0: "heldout.txt", SPLIT_EVERY // 2: "calibration.txt"}.get(i % SPLIT_EVERY, "train.txt")
-            parts[name].append(doc)
-        if not all(parts.values()):
-            raise GqakitError(
-                f"--data {o.data} has {len(docs)} non-empty lines (documents): too few to hold out one in "
-                f"{SPLIT_EVERY} and calibrate on another; give a file with at least {SPLIT_EVERY} documents."
-            )
-        with atomic_output_dir(dst, force=True) as tmp:
-            for name, lines in parts.items():
-                (tmp / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        with atomic_output_dir(inputs.train.parent, force=True) as tmp:
+            for name, lines in inputs.split.items():
+                (tmp / f"{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
-    store.build_once(dst, {"data": fingerprint(data), "every": SPLIT_EVERY}, build, name="data-split")
-    return dst / "train.txt", dst / "calibration.txt", dst / "heldout.txt"
+    key = {"data": fingerprint(Path(o.data).expanduser()), "every": SPLIT_EVERY}
+    store.build_once(inputs.train.parent, key, build, name="data-split")
 
 
 def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: float) -> dict:
@@ -127,6 +158,10 @@ def run_recipe(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: fl
     return recipe
 
 
+def _fingerprint(src: str) -> str:
+    return fingerprint(src) if Path(src).exists() else src
+
+
 def original_ppl(o: RecoveryOptions, store: ResultStore, inputs: Inputs) -> float:
     """The original's held-out perplexity, measured as each run measures its points."""
     recipe = run_recipe(o, inputs, inputs.src, Path("unused"), o.lr)
@@ -139,34 +174,26 @@ def original_ppl(o: RecoveryOptions, store: ResultStore, inputs: Inputs) -> floa
         "precision": r["train"]["precision"],
         "batch_size": [r["train"]["batch_size"], r["eval"].get("batch_size")],
     }
-    cached = store.get("original", key)
-    if cached is None:
+
+    def measure() -> dict:
         ppl, blocks = validation_perplexity(recipe, inputs.src)
-        cached = {"ppl": ppl, "blocks": blocks}
-        store.put("original", key, cached)
-    return float(cached["ppl"])
+        return {"ppl": ppl, "blocks": blocks}
 
-
-def _fingerprint(src: str) -> str:
-    return fingerprint(src) if Path(src).exists() else src
+    return float(store.value("original", key, measure)["ppl"])
 
 
 def convert_start(
     o: RecoveryOptions, store: ResultStore, inputs: Inputs, start: str, models: Path
 ) -> tuple[Path, float]:
     """``src`` converted to ``start`` (cached); its directory and the conversion's compute time."""
-    opts = start_options(o, start, inputs.calibration)
+    opts = o.start_options(start, inputs.calibration)
     dst = models / f"start-{start}"
     key = {"source": _fingerprint(inputs.src), "options": conversion_key(opts)}
     if opts.needs_text:  # only a start that reads the calibration text depends on it
         key["texts"] = inputs.texts("calibration")
     name = "convert-" + start
-    cached = store.get_output(name, key, dst)
-    if cached is None:
-        t0 = time.perf_counter()
-        convert_checkpoint(inputs.src, dst, opts, progress=o.progress)
-        cached = store.put_output(name, key, dst, {"elapsed_s": time.perf_counter() - t0})
-    return dst, float(store.time_of(name) or cached["elapsed_s"])
+    store.build_once(dst, key, lambda: convert_checkpoint(inputs.src, dst, opts, progress=o.progress), name)
+    return dst, float(store.time_of(name) or 0.0)
 
 
 def run_name(o: RecoveryOptions, start: str, lr: float) -> str:
@@ -202,25 +229,20 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
     """Convert SRC with each start, uptrain each on the same data and objective, and write the report.
 
     Args:
-        options: the source, starts, data and runs; every problem with them (the ``--set`` recipe
-            included) is reported before any conversion.
+        options: the source, starts, data and runs; every problem with them (the ``--set`` recipe, the
+            source's positions, G and family, the text) is reported before anything is written.
 
     Returns:
         A :class:`RecoveryResult`; the report is at ``result.report``.
     """
-    o = options
-    o.validate()
-    placeholder = Inputs("src", Path("train.txt"), Path("calibration.txt"), Path("heldout.txt"))
-    run_recipe(o, placeholder, "start", Path("out"), o.lr)  # a bad --set, before any step
-    writable_dir(o.out, "--out")
-    writable_dir(o.work_dir, "--work-dir")
+    o = check_options(options, "recovery")
+    inputs = check_inputs(o)
     with pipeline_run(o) as (work, store):
-        return _recover(o, work, store)
+        return _recover(o, inputs, work, store)
 
 
-def _recover(o: RecoveryOptions, work: Path, store: ResultStore) -> RecoveryResult:
-    """:func:`run_recovery` once its options are valid and it holds the working directory ``work``."""
-    t_start = time.perf_counter()
+def _recover(o: RecoveryOptions, inputs: Inputs, work: Path, store: ResultStore) -> RecoveryResult:
+    """:func:`run_recovery` once its inputs are checked and it holds the working directory ``work``."""
     steps = Steps(3 + len(o.starts), o.echo)
     o.echo(
         f"gqakit recovery: {o.src} -> {o.groups} K/V heads from {', '.join(o.starts)}; {o.steps} steps x "
@@ -228,9 +250,8 @@ def _recover(o: RecoveryOptions, work: Path, store: ResultStore) -> RecoveryResu
         f"directory {work}"
     )
     with steps.step("Inputs: the original checkpoint, the groups, and the text split three ways"):
-        src = model_source(o.src, o.cache_dir, o.wheelhouse)
-        inputs = Inputs(src, *split_data(o, store, work))
-        check_source(o, src, inputs.calibration)
+        if inputs.split:
+            write_split(inputs, o, store)
     with steps.step("The original's held-out perplexity (the 1.0 line)"):
         original = original_ppl(o, store, inputs)
         steps.note(f"original: {original:,.3f}")
@@ -250,13 +271,32 @@ def _recover(o: RecoveryOptions, work: Path, store: ResultStore) -> RecoveryResu
                 )
                 curves.append(curve)
     with steps.step("Report: recovery.png, report.md, results.json"):
-        elapsed = time.perf_counter() - t_start
         recipe = run_recipe(o, inputs, "start", Path("out"), o.lr)
         report, results_json, plot = write_recovery_report(
-            o, inputs, recipe, original, curves, elapsed, store
+            o, inputs, recipe, original, curves, steps.elapsed, store
         )
     o.echo(f"Report: {report}")
-    return RecoveryResult(original, curves, report, results_json, plot, elapsed)
+    return RecoveryResult(original, curves, report, results_json, plot, steps.elapsed)
 
 
-__all__ = ["RecoveryResult", "run_recovery"]
+@click.command("recovery")
+@click.argument("src")
+@click_options(RecoveryOptions, skip=("src",))
+@click.option(
+    "--start-lr",
+    "start_lr",
+    multiple=True,
+    metavar="START=LR[,LR...]",
+    help="A start's own peak learning rates (repeatable), e.g. --start-lr mean=5e-4; several rates make "
+    "one run each and the savings take each start's best per threshold.",
+)
+@set_option(
+    "Override the runs' recipe (repeatable), e.g. --set data.seq_len=128, --set objective.kind=lm; "
+    "model.convert.calib_tokens=... and model.convert.refine_* change the starts that use them."
+)
+def recovery_cmd(**kwargs: Any) -> None:
+    """Convert SRC (a checkpoint directory, a hub id or an asset name such as smollm2-135m) to --groups
+    K/V heads from each start, uptrain each on the same data, and report how many tokens each needs to
+    reach 2x, 1.5x, 1.2x, 1.1x and 1.05x the original's held-out perplexity, and what each start saves
+    over the first. Cached and resumable in --work-dir: a rerun takes seconds."""
+    run_recovery(options_from(RecoveryOptions, kwargs))

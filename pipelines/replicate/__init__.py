@@ -16,19 +16,16 @@ what depends on it. Pretraining and uptraining are gqakit's own loop (:func:`gqa
 with the LM objective, every run from the same data order for a given seed.
 
 The package's parts: ``options`` (the model, the arms, the options), ``train`` (each cached training and
-measuring step), ``run`` (the pipeline), ``report`` and ``cli``.
+measuring step), ``run`` (the pipeline and its click command) and ``report``.
 """
 
-from gqakit.pipelines.replicate.cli import replicate_cmd
 from gqakit.pipelines.replicate.options import ModelShape, ReplicateOptions
-from gqakit.pipelines.replicate.run import Arm, ReplicateResult, arms_json, pretrain_mha, run_replicate
+from gqakit.pipelines.replicate.run import ReplicateResult, pretrain_mha, replicate_cmd, run_replicate
 
 __all__ = [
-    "Arm",
     "ModelShape",
     "ReplicateOptions",
     "ReplicateResult",
-    "arms_json",
     "pretrain_mha",
     "replicate_cmd",
     "run_replicate",

@@ -19,24 +19,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gqakit.cli_options import opt
-from gqakit.convert.methods import PAPER_METHODS
-from gqakit.names import NameTable
-from gqakit.pipelines.starts import STARTS, STARTS_HELP, split_sets
-from gqakit.pipelines.steps import PipelineOptions, out_field, work_dir_field
-from gqakit.problems import Problems, device_problem, rate_problem
-
-# The conversions an MQA arm can start from (gqakit.pipelines.starts): the presets and the other methods.
-ARMS = STARTS
-
-# The architectures of the MHA model pretrained here.
-ARCHES: NameTable[str] = NameTable(
-    "architecture",
-    {
-        "llama": "Llama: RMSNorm, rotary, SwiGLU; converts within its own class (the asset replicate-mha)",
-        "neox": "GPT-NeoX (Pythia): LayerNorm, parallel attention + MLP, a quarter of each head rotary; "
-        "converts into phi (every G)",
-    },
-)
+from gqakit.errors import GqakitError
+from gqakit.pipelines.starts import STARTS, STARTS_HELP
+from gqakit.pipelines.steps import PipelineOptions, at_least, out_field, work_dir_field
+from gqakit.problems import Problems, rate_problem
+from gqakit.uptrain import load_recipe
 
 
 @dataclass(frozen=True)
@@ -82,11 +69,6 @@ class ReplicateOptions(PipelineOptions):
         "Model width (x) and depth (x sqrt) and every token budget: 1 runs in under an hour on 2 CPU "
         "cores; 4 or more for a GPU.",
     )
-    arch: str = opt(
-        "llama",
-        "Architecture of the MHA model pretrained here: " + ARCHES.describe() + ".",
-        choices=ARCHES.names,
-    )
     alphas: tuple[float, ...] = opt(
         (0.0, 0.025, 0.05, 0.1), "Uptraining proportions of the pretraining tokens.", kind=float
     )
@@ -94,7 +76,6 @@ class ReplicateOptions(PipelineOptions):
         ("mean", "first", "random", "calibrated", "fast"),
         f"Starts of the MQA arms: {STARTS_HELP}.",
     )
-    sets: tuple[str, ...] = opt((), cli=False)  # --set, declared by the command (repeatable)
     seeds: tuple[int, ...] = opt((0, 1), cli=False)
     groups: tuple[int, ...] = opt((1, 2, 4), cli=False)
     shape: ModelShape = opt(factory=ModelShape, cli=False)
@@ -106,11 +87,10 @@ class ReplicateOptions(PipelineOptions):
     decode_rounds: int = opt(3, cli=False)
     corpus: tuple[Path, Path, Path] | None = opt(None, cli=False)
 
-    def validate(self) -> None:
-        p = Problems("replicate")
+    def check(self, p: Problems) -> None:
+        """Add every problem with these options to ``p`` (:func:`gqakit.problems.check_options`)."""
+        super().check(p)
         f = p.flag
-        p.add(device_problem(self.device, f("device")))
-        split_sets(self.sets, p)
         if not self.scale > 0:
             p.add(f"{f('scale')} must be positive, got {self.scale}.")
         for name in ("lr", "uptrain_lr"):  # click reads inf and nan: they would fail after pretraining
@@ -126,15 +106,14 @@ class ReplicateOptions(PipelineOptions):
                 f"be fewer (G = {self.shape.heads} is the MHA model itself)."
             )
         if not self.starts:
-            p.add(f"{f('starts')} needs at least one start: {', '.join(ARMS.names)}.")
-        p.add(ARMS.unknown_in(self.starts, f("starts")))
-        p.add(ARCHES.unknown(self.arch, f("arch")))
-        for name in ("pretrain_steps", "batch_size", "eval_tokens", "decode_rounds"):
-            if getattr(self, name) < 1:
-                p.add(f"{f(name)} must be at least 1, got {getattr(self, name)}.")
-        if Path(self.out).resolve() == Path(self.work_dir).resolve():
-            p.add(f"{f('out')} and {f('work_dir')} must differ.")
-        p.raise_if_any()
+            p.add(f"{f('starts')} needs at least one start: {', '.join(STARTS.names)}.")
+        p.add(STARTS.unknown_in(self.starts, f("starts")))
+        at_least(p, self, 1, "pretrain_steps", "batch_size", "eval_tokens", "decode_rounds")
+        if not p and self.recipe_sets:  # a bad --set key or value, before any asset is fetched
+            try:
+                load_recipe("replicate-mha", list(self.recipe_sets))
+            except GqakitError as e:
+                p.add(e.message)
 
     def _check_alphas(self, p: Problems) -> None:
         """Add to ``p`` what is wrong with :attr:`alphas`: each must be finite, they must increase from 0
@@ -167,11 +146,6 @@ class ReplicateOptions(PipelineOptions):
             )
 
     @property
-    def recipe_sets(self) -> list[str]:
-        """The ``--set`` items for the uptraining runs' recipe (the others change the conversions)."""
-        return split_sets(self.sets)[1]
-
-    @property
     def model(self) -> ModelShape:
         return self.shape.scaled(self.scale)
 
@@ -196,6 +170,3 @@ class ReplicateOptions(PipelineOptions):
     def middle_alpha(self) -> float:
         nonzero = [a for a in self.alphas if a > 0] or [0.0]
         return nonzero[(len(nonzero) - 1) // 2]
-
-
-__all__ = ["ARCHES", "ARMS", "PAPER_METHODS", "ModelShape", "ReplicateOptions"]

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from gqakit import __version__
-from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
+from gqakit.convert.methods import PAPER_METHODS
+from gqakit.pipelines.replicate.options import ReplicateOptions
 from gqakit.pipelines.reporting import (
     kv_label,
     log_if_wide,
@@ -20,7 +21,7 @@ from gqakit.pipelines.reporting import (
     wall_time,
     write_report,
 )
-from gqakit.pipelines.store import ComputeTime
+from gqakit.storage import make_dirs
 
 # Ainslie et al. 2023, Table 1 (T5, mean over the paper's summarization, translation and QA tasks; time
 # per sample on TPUv4): the paper's own figures, quoted beside ours.
@@ -37,12 +38,6 @@ PAPER_CLAIMS = {
     "fig6": "GQA with a few groups is close to MHA in quality and close to MQA in speed (Fig. 6, Table 1).",
     "scratch": "Uptrained MQA/GQA beat a model of the same kind trained from scratch on the same budget "
     "(the paper's uptraining rationale; its MHA-Large row is the same-speed comparison).",
-}
-
-
-_ARCH_NAME = {
-    "llama": "Llama-architecture",
-    "neox": "GPT-NeoX-architecture (converted into phi, the class that holds fewer K/V heads)",
 }
 
 
@@ -91,7 +86,7 @@ def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> di
 
 
 def write_replicate_report(
-    o: ReplicateOptions, arms, decode, elapsed_s: float, reused: int, spent: ComputeTime
+    o: ReplicateOptions, arms, decode, elapsed_s: float, reused: int, compute_s: float
 ) -> tuple[Path, Path, list[Path]]:
     """Write ``report.md``, ``results.json`` and the figures into ``o.out``; return their paths.
 
@@ -101,10 +96,10 @@ def write_replicate_report(
         decode: decode time per G.
         elapsed_s: this run's wall time.
         reused: results it reused from the working directory.
-        spent: what the results shown took to compute, whichever run computed them.
+        compute_s: what the results shown took to compute, whichever run computed them.
     """
     out = Path(o.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     f = findings(o, arms, decode)
     figures = [save_figure(fig, out / name) for name, fig in replicate_figures(o, f).items()]
     results = {
@@ -114,10 +109,9 @@ def write_replicate_report(
         "arms": [asdict(a) for a in arms],
         "findings": f,
         "elapsed_s": round(elapsed_s, 1),
-        "compute_s": round(spent.seconds, 1),
-        "compute_unknown": spent.unknown,  # results stored without their time (by an older gqakit)
+        "compute_s": round(compute_s, 1),
     }
-    took = wall_time(elapsed_s, reused, spent.seconds, spent.unknown)
+    took = wall_time(elapsed_s, reused, compute_s)
     report, results_json = write_report(out, _markdown(o, f, took, figures), results)
     return report, results_json, figures
 
@@ -150,7 +144,7 @@ def _markdown(o: ReplicateOptions, f, took: str, figures: list[Path]) -> str:
     m, top, mid = o.model, max(o.alphas), o.middle_alpha
     f4, f5, f6 = f["fig4"], f["fig5"], f["fig6"]
     intro = (
-        f"A {_ARCH_NAME[o.arch]} model ({m.layers} layers, hidden {m.hidden}, {m.heads} query and {m.heads} "
+        f"A Llama-architecture model ({m.layers} layers, hidden {m.hidden}, {m.heads} query and {m.heads} "
         f"K/V heads, vocabulary {m.vocab:,}: byte-level BPE on the train split) pretrained from random "
         f"initialisation on {o.pretrain_tokens:,} tokens of wiki-en ({o.steps} steps, LM objective). Test "
         f"perplexity on the first {o.eval_tokens:,} test tokens in {m.seq_len}-token windows. MHA: "
@@ -293,6 +287,3 @@ def replicate_figures(o: ReplicateOptions, f) -> dict[str, Any]:
     fig.tight_layout()
     figures["groups.png"] = fig
     return figures
-
-
-__all__ = ["PAPER_CLAIMS", "PAPER_TABLE_1", "findings", "replicate_figures", "write_replicate_report"]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
+
 from gqakit.assets import publish, read_manifest
-from gqakit.pipelines.replicate.options import PAPER_METHODS, ReplicateOptions
+from gqakit.cli_options import click_options, options_from
+from gqakit.convert.methods import PAPER_METHODS
+from gqakit.pipelines.replicate.options import ReplicateOptions
 from gqakit.pipelines.replicate.report import write_replicate_report
 from gqakit.pipelines.replicate.train import (
     Context,
@@ -19,8 +22,9 @@ from gqakit.pipelines.replicate.train import (
     train_run,
     train_tokenizer,
 )
-from gqakit.pipelines.steps import Steps, pipeline_run, wiki_splits
+from gqakit.pipelines.steps import Steps, pipeline_run, set_option, wiki_splits
 from gqakit.pipelines.store import ResultStore
+from gqakit.problems import check_options
 from gqakit.storage import cache_root
 
 STEPS = 7
@@ -57,14 +61,13 @@ class ReplicateResult:
 
 def _setup(
     o: ReplicateOptions, total_steps: int, work: Path, store: ResultStore
-) -> tuple[Context, Path, Arm, float]:
+) -> tuple[Context, Path, Arm]:
     """Steps 1-3: the corpus, the tokenizer and the pretrained MHA model (published as an asset), in the
     working directory ``work`` (held: :func:`~gqakit.pipelines.steps.pipeline_run`) and its ``store``."""
-    start = time.perf_counter()
     steps = Steps(total_steps, o.echo)
     m = o.model
     o.echo(
-        f"gqakit replicate: {o.arch}, {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
+        f"gqakit replicate: {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
         f"vocab {m.vocab}; "
         f"pretraining {o.steps} steps x {o.tokens_per_step:,} tokens = {o.pretrain_tokens:,} tokens; "
         f"alphas {', '.join(map(str, o.alphas))}; working directory {work}"
@@ -79,18 +82,16 @@ def _setup(
         init = init_model(ctx, tok, m.heads, seed=0)
         mha = ctx.models / MHA
         summary = train_run(ctx, init, mha, o.steps, o.lr, seed=0, pretraining=o.pretrain_tokens)
-        if o.arch == "llama":  # the asset replicate-mha is the Llama model
-            _publish(ctx, mha, summary)
-    return ctx, tok, Arm(MHA, "mha", m.heads, path=str(mha), uptrain=summary), start
+        _publish(ctx, mha, summary)
+    return ctx, tok, Arm(MHA, "mha", m.heads, path=str(mha), uptrain=summary)
 
 
 def pretrain_mha(options: ReplicateOptions | None = None) -> Path:
     """Only steps 1-3: train the tokenizer and the MHA model (``recipes/replicate-mha.yaml``) and make it
     the asset ``replicate-mha``; return the model's directory. ``gqakit replicate --pretrain-only``."""
-    o = options or ReplicateOptions()
-    o.validate()
+    o = check_options(options or ReplicateOptions(), "replicate")
     with pipeline_run(o) as (work, store):
-        _, _, mha, _ = _setup(o, 3, work, store)
+        _, _, mha = _setup(o, 3, work, store)
     return Path(mha.path)
 
 
@@ -103,15 +104,14 @@ def run_replicate(options: ReplicateOptions | None = None) -> ReplicateResult:
     Returns:
         A :class:`ReplicateResult`; the report is at ``result.report``.
     """
-    o = options or ReplicateOptions()
-    o.validate()
+    o = check_options(options or ReplicateOptions(), "replicate")
     with pipeline_run(o) as (work, store):
         return _replicate(o, work, store)
 
 
 def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> ReplicateResult:
     """:func:`run_replicate` once its options are valid and it holds the working directory ``work``."""
-    ctx, tok, mha_arm, start = _setup(o, STEPS, work, store)
+    ctx, tok, mha_arm = _setup(o, STEPS, work, store)
     steps, m = ctx.steps, o.model
     mha = Path(mha_arm.path)
     arms: list[Arm] = [mha_arm]
@@ -126,15 +126,9 @@ def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> Replicate
                 j.path = str(start_dir)
             else:
                 dst = ctx.models / j.name
+                steps_j = o.uptrain_steps(j.alpha)
                 j.uptrain = train_run(
-                    ctx,
-                    start_dir,
-                    dst,
-                    o.uptrain_steps(j.alpha),
-                    o.uptrain_lr,
-                    j.seed,
-                    o.pretrain_tokens,
-                    True,
+                    ctx, start_dir, dst, steps_j, o.uptrain_lr, j.seed, o.pretrain_tokens, True
                 )
                 j.path = str(dst)
             arms.append(j)
@@ -160,13 +154,12 @@ def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> Replicate
         by_g = {m.heads: mha, **{g: starts[("mean", g)] for g in o.groups}}
         decode = decode_times(ctx, by_g)
     with steps.step("Report"):
-        elapsed = time.perf_counter() - start
         # what the results shown took to compute, whichever run computed them (each records its own)
         report, results_json, figures = write_replicate_report(
-            o, arms, decode, elapsed, store.reused, store.compute_time()
+            o, arms, decode, steps.elapsed, store.reused, store.compute_time()
         )
     o.echo(f"Report: {report}")
-    return ReplicateResult(arms, decode, o.pretrain_tokens, report, results_json, figures, elapsed)
+    return ReplicateResult(arms, decode, o.pretrain_tokens, report, results_json, figures, steps.elapsed)
 
 
 def _publish(ctx: Context, mha: Path, summary: dict) -> None:
@@ -199,8 +192,24 @@ def _arm_plan(o: ReplicateOptions) -> list[Arm]:
     return list(jobs.values())
 
 
-def arms_json(arms: list[Arm]) -> list[dict[str, Any]]:
-    return [asdict(a) for a in arms]
-
-
-__all__ = ["Arm", "ReplicateResult", "arms_json", "pretrain_mha", "run_replicate"]
+@click.command("replicate")
+@click_options(ReplicateOptions)
+@set_option(
+    "Override the uptraining runs' recipe (repeatable), e.g. --set train.lr=1e-3; model.convert.* "
+    "changes the conversions that use it."
+)
+@click.option(
+    "--pretrain-only",
+    is_flag=True,
+    help="Only train the tokenizer and the MHA model (recipes/replicate-mha.yaml) and make it the asset "
+    "replicate-mha.",
+)
+def replicate_cmd(pretrain_only: bool, **kwargs: Any) -> None:
+    """Re-run the GQA paper's experiments (Ainslie et al. 2023) on an MHA model pretrained here: which
+    start (Fig. 4), how much uptraining (Fig. 5), how many groups (Fig. 6, Table 1), uptrained against
+    trained from scratch; with gqakit's calibrated merge and its fast preset beside the paper's methods."""
+    options = options_from(ReplicateOptions, kwargs)
+    if pretrain_only:
+        click.echo(f"MHA model: {pretrain_mha(options)}")
+        return
+    run_replicate(options)

@@ -15,7 +15,7 @@ import torch
 from gqakit.checkpoint import read_config
 from gqakit.convert import convert_checkpoint
 from gqakit.eval import perplexity
-from gqakit.eval.decode_rounds import decode_rounds, round_stats
+from gqakit.eval.decode import decode_rounds, round_stats
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import device_name, load_causal_lm, load_tokenizer, resolve_device
 from gqakit.pipelines.replicate.options import ReplicateOptions
@@ -58,12 +58,6 @@ class Context:
         of every perplexity, so a working directory moved between a CPU and a GPU measures again."""
         return str(resolve_device(self.o.device))
 
-    @property
-    def device_name(self) -> str:
-        """What that device is (:func:`device_name`): part of the key of the decode times, which another
-        GPU or CPU model gives otherwise, so a working directory moved to one times again."""
-        return device_name(resolve_device(self.o.device))
-
 
 def train_tokenizer(ctx: Context) -> Path:
     """A byte-level BPE of ``vocab`` tokens trained on the train split (one document per line)."""
@@ -92,54 +86,24 @@ def train_tokenizer(ctx: Context) -> Path:
 
 
 def model_config(o: ReplicateOptions, kv_heads: int) -> dict[str, Any]:
-    """The config of the pretrained model (``o.arch``) with ``kv_heads`` K/V heads (= heads: MHA).
-
-    GPT-NeoX holds no fewer K/V heads: its models with fewer (the from-scratch arms) are ``phi``, the
-    class its conversions go into, of the same shape and block.
-    """
+    """The config of the Llama-architecture model pretrained here, with ``kv_heads`` K/V heads (= heads:
+    MHA)."""
     m = o.model
-    common = {
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
         "vocab_size": m.vocab,
         "hidden_size": m.hidden,
         "intermediate_size": m.intermediate,
         "num_hidden_layers": m.layers,
         "num_attention_heads": m.heads,
+        "num_key_value_heads": kv_heads,
         "max_position_embeddings": m.seq_len,
         "bos_token_id": 1,
         "eos_token_id": 2,
-    }
-    if o.arch == "llama":
-        return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            **common,
-            "num_key_value_heads": kv_heads,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": True,
-        }
-    if kv_heads == m.heads:
-        return {
-            "model_type": "gpt_neox",
-            "architectures": ["GPTNeoXForCausalLM"],
-            **common,
-            "rotary_pct": 0.25,
-            "rotary_emb_base": 10000.0,
-            "hidden_act": "gelu",
-            "layer_norm_eps": 1e-5,
-            "use_parallel_residual": True,
-            "tie_word_embeddings": False,
-        }
-    return {
-        "model_type": "phi",
-        "architectures": ["PhiForCausalLM"],
-        **common,
-        "num_key_value_heads": kv_heads,
-        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
-        "hidden_act": "gelu",
-        "layer_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": True,
     }
 
 
@@ -230,26 +194,30 @@ def perplexity_of(ctx: Context, path: Path) -> float:
         "model": fingerprint(path), "test": fingerprint(ctx.test), "tokens": ctx.o.eval_tokens,
         "device": ctx.device,
     }  # fmt: skip
-    name = "ppl-" + path.name
-    cached = ctx.store.get(name, key)
-    if cached is not None:
-        return cached["ppl"]
 
-    model = load_causal_lm(path, dtype="float32", device=ctx.o.device)
-    res = perplexity(
-        model, load_tokenizer(path), load_texts(ctx.test), seq_len=ctx.o.model.seq_len,
-        max_tokens=ctx.o.eval_tokens, progress=False,
-    )  # fmt: skip
-    ctx.store.put(name, key, {"ppl": res.ppl, "tokens": res.tokens})
-    return res.ppl
+    def measure() -> dict[str, float]:
+        model = load_causal_lm(path, dtype="float32", device=ctx.o.device)
+        texts = load_texts(ctx.test)
+        res = perplexity(
+            model,
+            load_tokenizer(path),
+            texts,
+            seq_len=ctx.o.model.seq_len,
+            max_tokens=ctx.o.eval_tokens,
+            progress=False,
+        )
+        return {"ppl": res.ppl, "tokens": res.tokens}
+
+    return ctx.store.value("ppl-" + path.name, key, measure)["ppl"]
 
 
 def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any]]:
     """Decode time per token (batch 8, the model's full context, interleaved rounds) and KV bytes per
     token (float32) of one model per G."""
     key = {str(g): fingerprint(p) for g, p in by_g.items()}
-    # the device's model, not its kind: timings from one GPU (or CPU) are not another's
-    key |= {"rounds": ctx.o.decode_rounds, "device": ctx.device_name}
+    # the device's model, not its kind: timings from one GPU (or CPU) are not another's, so a working
+    # directory moved to another one times again
+    key |= {"rounds": ctx.o.decode_rounds, "device": device_name(resolve_device(ctx.o.device))}
     cached = ctx.store.get("decode", key)
     if cached is None:
         points = decode_rounds(
@@ -266,14 +234,3 @@ def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any
         out[g] = {"ms_per_token": ms, "spread": stats.spread, "reliable": stats.reliable,
                   "kv_bytes_per_token": geom.kv_bytes_per_token(dtype_bytes=4)}  # fmt: skip
     return out
-
-
-__all__ = [
-    "Context",
-    "convert_arm",
-    "decode_times",
-    "init_model",
-    "perplexity_of",
-    "train_run",
-    "train_tokenizer",
-]

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny_models import TINY_TEXT, tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 from gqakit.cli import main
@@ -22,7 +23,6 @@ from gqakit.convert.merge import (
     merge_rows,
 )
 from gqakit.errors import GqakitError
-from gqakit.testing import TINY_TEXT, tiny_model, tiny_tokenizer
 
 IDS = torch.randint(3, 300, (2, 64), generator=torch.Generator().manual_seed(0))  # 64-token sequences
 D = 16  # head_dim of the tiny models (hidden 64, 4 heads)

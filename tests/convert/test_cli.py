@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from click.testing import CliRunner
+from tiny_models import save_tiny_model
 
 from gqakit.cli import main
-from gqakit.testing import save_tiny_model
 
 
 def test_convert_expand_inspect_round_trip(tmp_path):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM
 
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint, expand_checkpoint, inspect_checkpoint
 from gqakit.safetensors_io import SafetensorsFile
-from gqakit.testing import save_tiny_model
 
 IDS = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
 

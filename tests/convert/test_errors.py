@@ -6,9 +6,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import save_tiny_model
 
 from gqakit.cli import main
-from gqakit.testing import save_tiny_model
 
 
 def _run(*args: str):

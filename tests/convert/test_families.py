@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from gqakit.checkpoint import SAFE_INDEX
@@ -16,7 +17,6 @@ from gqakit.cli import main
 from gqakit.eval.decode import cache_kwarg
 from gqakit.eval.kv_bytes import measured_kv_bytes
 from gqakit.safetensors_io import SafetensorsFile
-from gqakit.testing import save_tiny_model
 
 IDS = torch.tensor([[5, 9, 17, 3, 22, 41, 8, 13, 2, 30, 11, 7]])
 
@@ -132,29 +132,20 @@ def test_bigcode_targets_hold_only_mqa_or_mha(tmp_path):
     res = _convert(src, tmp_path / "out", "--groups", "2")
     assert res.exit_code == 2
     assert "--groups 2: gpt_bigcode holds only G = 1 (multi_query) or G = 4 heads" in res.output
-    text = tmp_path / "calib.txt"
-    text.write_text("some words " * 400)
-    calib = ["--method", "calibrated", "--calib-data", str(text)]
-    res = _convert(src, tmp_path / "out", "-g", "4", *calib)
-    assert res.exit_code == 2 and "G = H is gpt_bigcode's exact rewrite, nothing to merge" in res.output
-    res = _convert(src, tmp_path / "out", "-g", "1", *calib, "--set", "grouping=similarity")
-    assert (
-        res.exit_code == 2 and "every head is in the one group and there is nothing to choose" in res.output
-    )
-    res = _convert(
-        src,
-        tmp_path / "out",
-        "-g",
-        "1",
-        *calib,
-        "--refine-steps",
-        "5",
-        "--set",
-        "refine_target=layer-corrective",
-    )
-    assert res.exit_code == 2
-    assert "layer-corrective: a gpt_bigcode target is refined against the attention output only" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_bigcode_targets_take_every_refinement_target(tmp_path):
+    """gpt_bigcode converts through the generic layer-by-layer path, so the layer-corrective target (the
+    best preset's) refines a GPT-2 too."""
+    src = _model(tmp_path, "gpt2")
+    calib = ["--calib-data", str(_calib_text(tmp_path)), "--calib-tokens", "1024"]
+    args = ["-g", "1", "--method", "calibrated", *calib, "--refine-steps", "5"]
+    res = _convert(src, tmp_path / "out", *args, "--set", "refine_target=layer-corrective")
+    assert res.exit_code == 0, res.output
+    rec = json.loads((tmp_path / "out" / "gqakit.json").read_text())["refine"]
+    assert rec["target"] == "layer-corrective" and len(rec["attention_error"]) == 2
+    assert _logits(tmp_path / "out")[1].config.multi_query is True
 
 
 def _related_heads(src, family: str) -> None:
@@ -200,7 +191,7 @@ def test_gpt2_calibrated_mqa_is_exact_where_one_head_holds_everything(tmp_path):
     assert (mean - want).abs().max().item() > 1e-2  # mean pooling is not exact here
     prov = json.loads((tmp_path / "cal" / "gqakit.json").read_text())
     assert prov["method"] == "calibrated" and len(prov["reconstruction_error"]) == 2
-    assert all(e["key_error"] < 1e-6 and e["value_error"] < 1e-6 for e in prov["reconstruction_error"])
+    assert all(e["key"] < 1e-6 and e["value"] < 1e-6 for e in prov["reconstruction_error"])
 
 
 def test_gpt2_and_opt_refine_towards_the_original(tmp_path):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from tiny_models import TINY_TEXT, save_tiny_model, tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 from gqakit.convert import ConvertOptions, convert_checkpoint, expand_checkpoint, get_adapter
@@ -19,7 +20,6 @@ from gqakit.convert.grouping import (
 )
 from gqakit.family_parts import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
-from gqakit.testing import TINY_TEXT, save_tiny_model, tiny_model, tiny_tokenizer
 
 IDS = torch.randint(3, 300, (2, 32), generator=torch.Generator().manual_seed(0))
 

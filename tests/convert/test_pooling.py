@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
-from gqakit.convert import (
-    ADAPTERS,
-    RegroupSpec,
-    convert_state_dict,
-    regroup,
-    regroup_fused_qkv,
-    regroup_head_axis,
-)
+from gqakit.convert import ADAPTERS, RegroupSpec, convert_state_dict
+from gqakit.convert.plan import regroup, regroup_fused_qkv, regroup_head_axis
 from gqakit.geometry import AttentionGeometry
-from gqakit.testing import tiny_model
 
 
 def test_hand_checked_four_heads_into_two_groups():

@@ -9,12 +9,12 @@ import random
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import TINY_TEXT
 
 from gqakit.cli import main
 from gqakit.convert import PRESETS, ConvertOptions, convert_checkpoint
 from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR
 from gqakit.errors import GqakitError
-from gqakit.testing import TINY_TEXT
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny_models import TINY_TEXT, checkpoint_tensors, tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 from gqakit.checkpoint import resolve_checkpoint
@@ -18,7 +19,6 @@ from gqakit.convert.decoder_stream import DecoderStream
 from gqakit.convert.refine import REFINE_LR, REFINE_TARGETS, RefineSettings, fit_block, token_weights
 from gqakit.errors import GqakitError
 from gqakit.pipelines.probe import attention_errors
-from gqakit.testing import TINY_TEXT, checkpoint_tensors, tiny_model, tiny_tokenizer
 
 WORDS = TINY_TEXT.split()
 

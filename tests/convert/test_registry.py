@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import tiny_model
 
 from gqakit.convert.layerwise import qk_parameters
 from gqakit.convert.merge_fit import keys_normalized
 from gqakit.errors import GqakitError
 from gqakit.families import ADAPTERS, get_adapter, rotary_dims
-from gqakit.testing import tiny_model
 
 
 def test_tensor_names_the_key_and_raises_naming_a_missing_role():

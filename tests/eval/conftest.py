@@ -16,8 +16,9 @@ KNOWN_TEXT = (
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """{"mha": G=4, "gqa": G=2, "mqa": G=1}, the last two converted from the first with gqakit.convert."""
+    from tiny_models import save_tiny_model
+
     from gqakit.convert import ConvertOptions, convert_checkpoint
-    from gqakit.testing import save_tiny_model
 
     root = tmp_path_factory.mktemp("eval-models")
     mha = save_tiny_model(root / "mha", "llama", heads=4, kv_heads=4)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -14,11 +13,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import TINY_TEXT, save_tiny_model
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.eval import EvalOptions
-from gqakit.testing import TINY_TEXT, save_tiny_model
 
 
 @pytest.fixture
@@ -39,8 +38,9 @@ def test_engine_options_are_checked_with_the_others():
         EvalOptions(ppl_data="x.txt", engine="sglang", gguf_type="q4", seq_len=0)
     for fragment in ("--engine 'sglang' is unknown", "gguf_type 'q4' is unknown", "--seq-len"):
         assert fragment in e.value.message
-    with pytest.raises(GqakitError, match="--tasks runs lm-eval on transformers: use --engine hf"):
-        EvalOptions(tasks="gqakit_ppl", engine="llamacpp")
+    for engine in ("llamacpp", "vllm"):
+        with pytest.raises(GqakitError, match="--tasks runs lm-eval on transformers: use --engine hf"):
+            EvalOptions(tasks="gqakit_ppl", engine=engine)
 
 
 def test_a_missing_binding_names_the_install_command(tmp_path, text, monkeypatch):
@@ -139,8 +139,8 @@ def test_the_export_of_a_checkpoint_before_it_changed_is_removed(tmp_path, cache
         "out_type": "f32",
         "export": engine.EXPORT_VERSION,
     }
-    # no lock or temporary file left: only the file that holds the export in use while this process runs
-    assert [p.name for p in (cache / "gguf").glob(".*")] == [f".{new.name}.use"]
+    # no lock or temporary file left
+    assert [p.name for p in (cache / "gguf").glob(".*")] == []
 
 
 def test_a_reused_export_from_before_records_is_recorded_and_replaced_once_the_checkpoint_changes(
@@ -211,30 +211,6 @@ def test_a_newer_exporter_replaces_the_older_ones_export(tmp_path, cache, monkey
     assert _record(newer)["export"] == engine.EXPORT_VERSION
 
 
-def test_exports_an_older_gqakit_wrote_are_removed_by_the_checkpoints_name(tmp_path, cache):
-    """Exports without a record named for an older exporter go, even another directory's of that name
-    (no command of this gqakit would open them); one named for this exporter may be this checkpoint's
-    from before it changed or another directory's, which this gqakit reuses: kept, as are another type's
-    and another name's."""
-    from gqakit.eval import llamacpp_engine as engine
-
-    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
-    fp, now, before = engine.fingerprint(model), engine.EXPORT_VERSION, engine.EXPORT_VERSION - 1
-    legacy = ["m-0123456789abcdef-f32.gguf", f"m-{fp}-f32.gguf", f"m-0123456789abcdef-f32-e{before}.gguf"]
-    kept = [
-        f"m-0123456789abcdef-f32-e{now}.gguf",
-        f"m-{fp}-f16-e{before}.gguf",
-        f"other-0123456789abcdef-f32-e{before}.gguf",
-        f"m-{fp}-f32-e{now + 7}.gguf",
-        "m-notanexport.gguf",
-    ]
-    (cache / "gguf").mkdir(parents=True)
-    for name in legacy + kept:
-        (cache / "gguf" / name).write_bytes(b"GGUF")
-    new = engine.gguf_for(str(model), "f32")
-    assert _exports(cache) == sorted([*kept, new.name])
-
-
 def test_an_export_that_cannot_be_removed_is_reported_and_the_command_goes_on(
     tmp_path, cache, caplog, monkeypatch
 ):
@@ -296,124 +272,19 @@ def test_a_failed_export_leaves_no_record_and_the_next_one_writes_it(tmp_path, c
     assert _record(export)["fingerprint"] == engine.fingerprint(model)
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
-def test_a_superseded_export_another_process_still_uses_is_kept_until_it_exits(tmp_path, cache, caplog):
-    from gqakit.eval import llamacpp_engine as engine
-
-    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
-    old = engine.gguf_for(str(model), "f32")
-    # another command got the same export and opens it in llama.cpp later, while the checkpoint is re-saved
-    code = f"from gqakit.eval.llamacpp_engine import gguf_for\nprint(gguf_for({str(model)!r}, 'f32'))\n"
-    script = code + "import time\ntime.sleep(600)\n"
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == str(old)
-        save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
-        caplog.set_level(logging.INFO, logger=engine.__name__)
-        new = engine.gguf_for(str(model), "f32")
-        assert _exports(cache) == sorted([old.name, new.name]) and _record(old)["source"] == str(
-            model.resolve()
-        )
-        assert f"kept {old}, a superseded export of m: it is in use by another process" in caplog.text
-        assert "removed" not in caplog.text
-    finally:
-        proc.kill()
-        proc.wait()
-    # once it has exited, nothing holds the old export
-    assert engine.remove_superseded_exports(model.resolve(), "f32", new) == [old]
-    assert _exports(cache) == [new.name] and not engine.cached_copies.use_file(old).exists()
-
-
-def _held_elsewhere(export: Path) -> int:
-    """A shared lock on ``export``'s .use file as another process's hold takes it; close it to let go."""
-    import fcntl
-    import os
-
-    from gqakit.cached_copies import use_file
-
-    fd = os.open(use_file(export), os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return fd
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
-def test_an_export_kept_while_in_use_is_removed_when_the_current_one_is_reused(tmp_path, cache):
-    import os
-
-    from gqakit.eval.llamacpp_engine import gguf_for
-
-    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
-    old = gguf_for(str(model), "f32")
-    fd = _held_elsewhere(old)
-    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
-    new = gguf_for(str(model), "f32")
-    assert _exports(cache) == sorted([old.name, new.name])
-    os.close(fd)  # the other process exits
-    assert gguf_for(str(model), "f32") == new and _exports(cache) == [new.name]
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is removed there")
-def test_the_export_of_a_dequantized_gguf_copy_goes_once_the_copy_is_replaced(tmp_path, cache):
-    """eval swaps a .gguf for its dequantized copy, so the export records that copy as its source: once the
-    .gguf changes, its new copy replaces the old one, and the old copy's export is an orphan."""
-    import os
-
-    from gqakit.cached_copies import release
-    from gqakit.eval.llamacpp_engine import gguf_for
-    from gqakit.gguf.dequantize import local_model
-    from gqakit.gguf.export import export_gguf
-
-    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
-    gguf = export_gguf(model, tmp_path / "m.gguf", out_type="f32").path
-    first = gguf_for(local_model(str(gguf)), "f32")
-    release(first)  # each command exits after it measured: its export is no longer held
-    st = gguf.stat()
-    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # downloaded again
-    second = gguf_for(local_model(str(gguf)), "f32")
-    assert _exports(cache) == [second.name] and not first.with_name(first.name + ".source.json").exists()
-
-
-def test_an_export_removed_as_it_is_reused_leaves_no_record(tmp_path, cache, monkeypatch):
-    """The record of an export found without one is written under the export's lock, so a removal that
-    takes the export meanwhile (another process's, the checkpoint re-saved) leaves no record without it."""
-    import os
-
-    from gqakit import cached_copies
-    from gqakit.eval import llamacpp_engine as engine
-
-    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
-    old = engine.gguf_for(str(model), "f32")
-    cached_copies.release(old)
-    real, calls = engine._record_path, []
-
-    def record_path(export):
-        calls.append(export)
-        if len(calls) == 1:  # just after it found the export: another process replaces and removes it
-            os.utime(model / "config.json", ns=(time.time_ns(), time.time_ns() + 10**9))
-            cached_copies._remove_unused(engine._EXPORTS, old)
-        return real(export)
-
-    monkeypatch.setattr(engine, "_record_path", record_path)
-    engine.gguf_for(str(model), "f32")
-    records = sorted((cache / "gguf").glob("*.source.json"))
-    assert records and all(r.with_name(r.name.removesuffix(".source.json")).is_file() for r in records)
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock")
 def test_a_cached_export_is_handed_out_where_flock_fails(tmp_path, cache, monkeypatch):
     import errno
     import os
 
-    from gqakit import cached_copies
+    from gqakit import locks
     from gqakit.eval.llamacpp_engine import gguf_for
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
     export = gguf_for(str(model), "f32")
-    monkeypatch.setattr(cached_copies, "_NO_FLOCK", False)
-    monkeypatch.setattr(cached_copies, "_HELD", {})  # a fresh process
 
     def flock(fd, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(cached_copies.fcntl, "flock", flock)
+    monkeypatch.setattr(locks.fcntl, "flock", flock)
     assert gguf_for(str(model), "f32") == export

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_model, tiny_tokenizer
 
 from gqakit.errors import GqakitError
 from gqakit.eval.perplexity import encode_stream, perplexity, sliding_windows
-from gqakit.testing import tiny_model, tiny_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from gqakit.errors import GqakitError
-from gqakit.eval.vllm_client import ENV_VAR, vllm_python
+from gqakit.eval.vllm_engine import ENV_VAR, vllm_python
 
 
 def real_vllm_python() -> str | None:

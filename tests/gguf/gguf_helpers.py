@@ -35,13 +35,12 @@ def spm_tokenizer(prepend_space: bool = False, add_bos: bool = True):
     """A byte-fallback BPE tokenizer laid out like Gemma's and Llama 2's ``tokenizer.json``.
 
     ids 0-3 are ``<pad> <eos> <bos> <unk>``, 4-259 the byte tokens ``<0x00>``..``<0xFF>``, then the pieces
-    of a BPE trained on :data:`gqakit.testing.TINY_TEXT` with spaces written as ``▁``. With
+    of a BPE trained on :data:`tiny_models.TINY_TEXT` with spaces written as ``▁``. With
     ``prepend_space`` it also puts a ``▁`` before the text (Llama 2); Gemma does not.
     """
+    from tiny_models import TINY_TEXT
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from gqakit.testing import TINY_TEXT
 
     space = "\u2581"
     # trained on words that start with ▁, as SentencePiece pieces do; the tokenizer itself, like
@@ -82,7 +81,7 @@ def make_checkpoint(
         tokenizer: ``bpe`` (gqakit's byte-level tiny tokenizer), ``spm`` (Gemma-style byte-fallback),
             ``spm-prefix`` (Llama-2-style, prepends a space) or ``none``.
     """
-    from gqakit.testing import save_tiny_model
+    from tiny_models import save_tiny_model
 
     kw = {**FAMILIES[family], **overrides}
     path = root / f"m-{SHORT[family]}-{kv_heads}-{tokenizer}"
@@ -132,9 +131,8 @@ def save_gemma3_multimodal(path: Path, seed: int = 0, **text: Any) -> Path:
     """A tiny multimodal Gemma 3 (``model_type: gemma3``: text model, SigLIP vision tower, projector)
     with gqakit's tiny tokenizer; ``text`` overrides the text config's fields."""
     import torch
+    from tiny_models import tiny_tokenizer
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    from gqakit.testing import tiny_tokenizer
 
     defaults = dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from click.testing import CliRunner
 from gguf_helpers import read_gguf
 
@@ -32,3 +34,21 @@ def test_inspect_reads_a_gguf_header(exported):
     res = CliRunner().invoke(main, ["inspect", str(result.path)])
     assert res.exit_code == 0, res.output
     assert "K/V heads         1  (MQA)" in res.output and "gguf, 1 shard(s)" in res.output
+
+
+def test_export_into_a_directory_it_cannot_write_is_refused_up_front(checkpoint, tmp_path):
+    """No traceback from the temporary file: one message naming the directory and the fix, nothing left."""
+    import os
+
+    if os.geteuid() == 0:  # root writes anywhere a plain directory allows: sysfs refuses it
+        ro = Path("/sys")
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+    before = sorted(ro.iterdir())
+    res = CliRunner().invoke(main, ["export", str(checkpoint("llama", "gqa")), str(ro / "sub" / "m.gguf")])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert f"Output directory {ro / 'sub'} cannot be written" in res.output, res.output
+    assert "choose a path for m.gguf in a directory you can write to" in res.output
+    assert sorted(ro.iterdir()) == before

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 from gguf_helpers import make_checkpoint
+from tiny_models import save_tiny_model
 
 import gqakit.gguf.tensors as tensors_mod
 from gqakit.errors import GqakitError
 from gqakit.gguf.export import export_gguf
-from gqakit.testing import save_tiny_model
 
 
 def _set_config(path: Path, **changes) -> None:
@@ -148,8 +148,7 @@ def test_gemma2_without_softcaps_warns(tmp_path: Path) -> None:
 def test_gemma_attention_scale_warns_where_llama_cpp_scales_otherwise() -> None:
     """llama.cpp ignores query_pre_attn_scalar: 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the
     27B layer counts (46 gemma2, 62 gemma3)."""
-    from gqakit.gguf.arch import attention_scale_check
-    from gqakit.gguf.arch_gemma import GEMMA2, GEMMA3
+    from gqakit.gguf.arch import GEMMA2, GEMMA3, attention_scale_check
 
     small = {"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
     assert attention_scale_check(GEMMA2, {**small, "head_dim": 16, "query_pre_attn_scalar": 16}) is None
@@ -174,10 +173,11 @@ def test_missing_source(tmp_path: Path) -> None:
 
 def test_relu_gpt_bigcode_is_refused_by_llama_cpps_gelu_graph(tmp_path):
     # OPT converts into gpt_bigcode with ReLU; llama.cpp's starcoder graph applies GELU regardless
+    from tiny_models import save_tiny_model
+
     from gqakit.convert import ConvertOptions, convert_checkpoint
     from gqakit.errors import GqakitError
     from gqakit.gguf.export import export_gguf
-    from gqakit.testing import save_tiny_model
 
     src = save_tiny_model(tmp_path / "opt", "opt", ffn_dim=128, word_embed_proj_dim=64)
     convert_checkpoint(src, tmp_path / "bigcode", ConvertOptions(groups=1))

@@ -217,8 +217,9 @@ def test_tokenizer_is_embedded(exported) -> None:
 
 
 def test_llama_biases_are_permuted_like_their_rows(tmp_path) -> None:
+    from tiny_models import save_tiny_model
+
     from gqakit.gguf.export import export_gguf
-    from gqakit.testing import save_tiny_model
 
     src = save_tiny_model(tmp_path / "b", "llama", heads=4, kv_heads=2, attention_bias=True)
     values = read_gguf(export_gguf(src, tmp_path / "b.gguf").path)[0]
@@ -234,9 +235,10 @@ def test_llama_biases_are_permuted_like_their_rows(tmp_path) -> None:
 def test_a_tied_phi_writes_the_output_projection_llama_cpp_requires(tmp_path) -> None:
     """llama.cpp's phi2 loader requires output.weight (no fallback to token_embd); a tied phi, such as a
     tied GPT-NeoX converted by gqakit, stores no lm_head.weight, so the embedding is written there."""
+    from tiny_models import save_tiny_model
+
     from gqakit.convert import ConvertOptions, convert_checkpoint
     from gqakit.gguf.export import export_gguf
-    from gqakit.testing import save_tiny_model
 
     src = save_tiny_model(tmp_path / "neox", "gpt_neox", heads=4, tie_word_embeddings=True)
     phi = convert_checkpoint(src, tmp_path / "phi", ConvertOptions(groups=2), progress=False).dst

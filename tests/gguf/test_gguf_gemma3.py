@@ -15,7 +15,7 @@ from gguf_helpers import legacy_gemma3_config, make_checkpoint, read_gguf, save_
 
 import gqakit.gguf.dequantize as deq
 from gqakit.gguf.export import export_gguf
-from gqakit.gguf.readback import RECORDED_CONFIG
+from gqakit.gguf.header import RECORDED_CONFIG
 
 _PROVENANCE = ("general.name", "general.source.url", "gqakit.source", RECORDED_CONFIG)
 _SLIDING = {"rope_type": "default", "rope_theta": 10_000.0}

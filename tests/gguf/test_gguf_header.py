@@ -32,7 +32,7 @@ def test_geometry_equals_the_config(exported, family: str, form: str) -> None:
         cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
     )  # fmt: skip
     assert g.head_dim == (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    assert (h.intermediate_size, h.context_length, h.vocab_size) == (
+    assert (h.key("feed_forward_length"), h.key("context_length"), h.vocab_size) == (
         cfg["intermediate_size"], cfg["max_position_embeddings"], cfg["vocab_size"],
     )  # fmt: skip
     hf = load_file(src / "model.safetensors")
@@ -74,6 +74,10 @@ def test_long_arrays_are_skipped_by_length(tmp_path: Path) -> None:
     # kv defaults to heads, dim to 8/2
     assert (h.geometry.num_kv_heads, h.geometry.head_dim, h.parameters) == (2, 4, 40000)
     assert h.tensors["token_embd.weight"] == ("F32", (5000, 8))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:30000])  # inside the skipped token list
+    with pytest.raises(GqakitError, match="truncated"):
+        read_gguf_header(cut)
 
 
 def _smollm_gguf(tmp_path: Path) -> Path | None:

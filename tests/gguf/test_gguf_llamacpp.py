@@ -89,7 +89,7 @@ def test_q8_0_is_bitwise_what_llama_cpp_quantizes(exported, tmp_path: Path) -> N
 
 
 def test_llama_with_attention_biases_matches(tmp_path: Path) -> None:
-    from gqakit.testing import save_tiny_model
+    from tiny_models import save_tiny_model
 
     src = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=1, attention_bias=True)
     r = export_gguf(src, tmp_path / "m.gguf", "f32")
@@ -97,7 +97,7 @@ def test_llama_with_attention_biases_matches(tmp_path: Path) -> None:
 
 
 def test_llama3_rope_scaling_matches(tmp_path: Path) -> None:
-    from gqakit.testing import save_tiny_model
+    from tiny_models import save_tiny_model
 
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32, "rope_theta": 10000.0}  # fmt: skip
@@ -155,8 +155,9 @@ def test_smollm2_f32_matches_transformers(tmp_path: Path) -> None:
 @pytest.mark.parametrize("groups", [2, 1])
 def test_gpt_neox_converted_to_phi_runs_in_llama_cpp_with_fewer_kv_heads(tmp_path: Path, groups: int) -> None:
     # GPT-NeoX (Pythia) converts into phi, which llama.cpp runs as phi2, reading the K/V head count
+    from tiny_models import save_tiny_model
+
     from gqakit.convert import ConvertOptions, convert_checkpoint
-    from gqakit.testing import save_tiny_model
 
     src = save_tiny_model(tmp_path / "neox", "gpt_neox", rotary_pct=0.25)
     convert_checkpoint(src, tmp_path / "phi", ConvertOptions(groups=groups))
@@ -169,8 +170,9 @@ def test_gpt_neox_converted_to_phi_runs_in_llama_cpp_with_fewer_kv_heads(tmp_pat
 @pytest.mark.parametrize("groups", [1, 4])
 def test_gpt2_converted_to_gpt_bigcode_runs_in_llama_cpp(tmp_path: Path, groups: int) -> None:
     # GPT-2 converts into gpt_bigcode, which llama.cpp runs as starcoder, reading the K/V head count
+    from tiny_models import save_tiny_model
+
     from gqakit.convert import ConvertOptions, convert_checkpoint
-    from gqakit.testing import save_tiny_model
 
     src = save_tiny_model(tmp_path / "gpt2", "gpt2")
     convert_checkpoint(src, tmp_path / "bigcode", ConvertOptions(groups=groups))

@@ -17,7 +17,8 @@ import gqakit.gguf.dequantize as deq
 import gqakit.gguf.export as export_mod
 from gqakit.errors import GqakitError
 from gqakit.gguf.export import export_gguf
-from gqakit.gguf.readback import gguf_config
+from gqakit.gguf.header import gguf_config
+from gqakit.storage import cache_root, fingerprint
 
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 250, 11, 64, 128]])
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -139,7 +140,7 @@ def test_a_copy_dequantized_by_an_older_reader_is_not_reused(tmp_path: Path, mon
     monkeypatch.setenv("GQAKIT_CACHE", str(tmp_path / "cache"))
     src = make_checkpoint(tmp_path, "llama", 2, attention_bias=True)
     r = export_gguf(src, tmp_path / "m.gguf", "f32", progress=False)
-    old = deq.cache_root() / deq.CACHE / f"{r.path.stem}-{deq.fingerprint(r.path)}"
+    old = cache_root() / deq.CACHE / f"{r.path.stem}-{fingerprint(r.path)}"
     old.mkdir(parents=True)
     (old / "config.json").write_text(json.dumps({"model_type": "llama", "attention_bias": False}))
     fresh = deq.dequantized_gguf(r.path)

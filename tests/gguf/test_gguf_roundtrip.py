@@ -11,7 +11,7 @@ import pytest
 from gguf_helpers import ggml_to_hf_rotary, read_gguf
 
 from gqakit.gguf.export import export_gguf
-from gqakit.gguf.readback import RECORDED_CONFIG
+from gqakit.gguf.header import RECORDED_CONFIG
 
 # Keys that name where a file came from, which a round trip changes by design.
 _PROVENANCE = ("general.name", "general.source.url", "gqakit.source", "gqakit.converted_from")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 from gguf_helpers import spm_tokenizer
+from tiny_models import tiny_tokenizer
 
 from gqakit.errors import GqakitError
 from gqakit.gguf.vocab import load_vocab
-from gqakit.testing import tiny_tokenizer
 
 
 def _save(tok, path: Path) -> Path:

@@ -11,6 +11,7 @@ from gqakit.errors import GqakitError
 from gqakit.pipelines.demo import DemoOptions
 from gqakit.pipelines.recovery import RecoveryOptions
 from gqakit.pipelines.replicate import ReplicateOptions
+from gqakit.problems import check_options
 
 CAPS = {"recovery": 16, "demo": 12, "replicate": 12, "probe": 10}
 
@@ -38,9 +39,7 @@ def test_the_flags_are_the_options_fields():
     for gone in ("--refine-steps", "--refine-target", "--calib-tokens", "--seq-len", "--objective"):
         assert gone not in recovery  # given as --set model.convert.* / recipe keys instead
     assert {"--budget-scale", "--eval-tokens", "--decode-rounds", "--set", "--out"} <= set(_options("demo"))
-    assert {"--scale", "--arch", "--alphas", "--starts", "--set", "--pretrain-only"} <= set(
-        _options("replicate")
-    )
+    assert {"--scale", "--alphas", "--starts", "--set", "--pretrain-only"} <= set(_options("replicate"))
     assert {"--groups", "--methods", "--grouping", "--eval-data", "--calib-data"} <= set(_options("probe"))
 
 
@@ -59,7 +58,7 @@ def test_defaults_come_from_the_dataclasses():
 )
 def test_set_refuses_a_conversion_field_the_start_owns(options, message):
     with pytest.raises(GqakitError, match=message):
-        options.validate()
+        check_options(options)
 
 
 def test_recovery_reads_the_block_size_and_batch_from_set():

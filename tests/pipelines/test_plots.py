@@ -10,7 +10,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from gqakit.eval.decode_rounds import round_stats
+from gqakit.eval.decode import round_stats
 from gqakit.pipelines.demo import ModelEval
 from gqakit.pipelines.demo.report import demo_figures
 from gqakit.pipelines.recovery.curves import Curve

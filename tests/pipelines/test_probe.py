@@ -6,12 +6,13 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import TINY_TEXT, save_tiny_model
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.pipelines.probe import ProbeOptions, probe_checkpoint
 from gqakit.pipelines.probe.report import probe_figure
-from gqakit.testing import TINY_TEXT, save_tiny_model
+from gqakit.problems import check_options
 
 
 @pytest.fixture
@@ -41,14 +42,34 @@ def test_probe_writes_table_json_and_plot(tmp_path, texts):
     for r in rows[1:]:
         # every converted layer's attention differs from the original's (G < 4 K/V heads of random weights)
         assert len(r["attn_error"]) == 2 and all(e > 0 for e in r["attn_error"]), r
-        assert r["ppl"] > 0 and r["key_error"] is not None
+        assert r["ppl"] > 0
+        # the K/V reconstruction errors come with the conversions that fit merges on calibration text
+        fitted = r["method"] == "calibrated" or r["grouping"] == "similarity"
+        assert (r["key_error"] is not None) == fitted, r
     # fewer K/V heads lose more: each method's mean attention error grows from G = 2 to G = 1
     by = {(r["groups"], r["method"], r["grouping"]): r["mean_attn_error"] for r in rows[1:]}
     assert all(by[(1, m, g)] > by[(2, m, g)] for (_, m, g) in by), by
-    cal = [r for r in rows if r["method"] == "calibrated" and r["grouping"] == "contiguous"]
-    mean = [r for r in rows if r["method"] == "mean" and r["grouping"] == "contiguous"]
-    assert all(c["value_error"] <= m["value_error"] for c, m in zip(cal, mean, strict=True))
+    for grouping in ("contiguous", "similarity"):  # the calibrated merge beats mean pooling
+        cal = [r for r in rows if r["method"] == "calibrated" and r["grouping"] == grouping]
+        mean = [r for r in rows if r["method"] == "mean" and r["grouping"] == grouping]
+        assert all(c["mean_attn_error"] < m["mean_attn_error"] for c, m in zip(cal, mean, strict=True))
+        if grouping == "similarity":  # the merges fitted on calibration text: their K/V errors too
+            assert all(c["value_error"] <= m["value_error"] for c, m in zip(cal, mean, strict=True))
     assert (out / "probe.md").read_text().count("\n|") >= 14
+    # the KV cache per GPU under tensor parallelism, at the original's G and each G probed
+    tp = data["tensor_parallel"]
+    assert list(tp) == ["4", "2", "1"] and [t["tp"] for t in tp["1"]] == [1, 2, 4, 8]
+    # G = 2 (K and V, 2 layers, 16 dims, bf16): 2 heads per GPU at TP 1, one from TP 2 on, replicated at 4
+    per_head = 2 * 2 * 16 * 2
+    assert [(t["kv_bytes_per_gpu"], t["replicated"]) for t in tp["2"]] == [
+        (2 * per_head, False),
+        (per_head, False),
+        (per_head, True),
+        (per_head, True),
+    ]
+    md = (out / "probe.md").read_text()
+    assert "| K/V heads G | TP=1 | TP=2 | TP=4 | TP=8 |" in md
+    assert "| 4 (original) | 512 | 256 | 128 | 128 (replicated, transformers refuses) |" in md
     png = (out / "probe.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     fig = probe_figure(result)  # the figure probe.png is: its axes as a reader sees them
@@ -82,7 +103,7 @@ def test_probe_bad_input_reports_every_problem(tmp_path):
         groups=(), eval_data=str(tmp_path / "missing.txt"), methods=("median", "calibrated"), seq_len=0
     )
     with pytest.raises(GqakitError) as e:
-        opts.validate()
+        check_options(opts, "probe")
     msg = str(e.value.message)
     for fragment in (
         "--groups needs",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import TINY_TEXT, save_tiny_model
 
 from gqakit.cli import main
 from gqakit.errors import GqakitError
-from gqakit.locks import working_directory
 from gqakit.pipelines.recovery.curves import (
     Reach,
     Saving,
@@ -25,7 +25,8 @@ from gqakit.pipelines.recovery.curves import (
 )
 from gqakit.pipelines.recovery.options import RecoveryOptions
 from gqakit.pipelines.recovery.run import run_recovery
-from gqakit.testing import TINY_TEXT, save_tiny_model
+from gqakit.problems import check_options
+from gqakit.storage import working_directory
 
 # ------------------------------------------------------------------------------------ curve arithmetic
 
@@ -267,15 +268,12 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             run_recovery(opts)
     assert calls == [3]
-    # the time the killed attempt spent, kept for the attempt that finishes the run
-    before_kill = json.loads((tmp_path / "work" / "results" / ".run-mean.pending.json").read_text())
     resumed = run_recovery(opts)
     history = (tmp_path / "work" / "runs" / "mean" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(h)["step"] for h in history if '"loss"' in h]
     assert steps == list(range(1, 9))  # steps 1-3 kept, 4-8 trained after the resume
-    # the run's time is the whole run's: the part before the kill counts too
-    mean = json.loads(resumed.results_json.read_text())["starts"]["mean"]
-    assert mean["train_s"] > before_kill["compute_s"] > 0
+    # the run's time is the resumed attempt's (a kill keeps nothing of the time of the step it ended)
+    assert json.loads(resumed.results_json.read_text())["starts"]["mean"]["train_s"] > 0
     whole = run_recovery(options(tiny, tmp_path / "whole", [], starts=("mean",)))
     a = json.loads(resumed.results_json.read_text())["starts"]["mean"]["points"]
     b = json.loads(whole.results_json.read_text())["starts"]["mean"]["points"]
@@ -290,8 +288,7 @@ def test_device_cpu_on_a_gpu_machine_evaluates_and_uptrains_on_the_cpu(tiny, tmp
 
 
 def test_the_uptraining_recipe_names_the_device_and_its_cache_key_does_not(tiny, tmp_path):
-    from gqakit.pipelines.recovery.options import Inputs
-    from gqakit.pipelines.recovery.run import run_recipe
+    from gqakit.pipelines.recovery.run import Inputs, run_recipe
     from gqakit.pipelines.run_keys import weights_key
 
     inputs = Inputs(str(tiny["src"]), tiny["data"], tiny["data"], tiny["data"])
@@ -365,7 +362,7 @@ def test_an_unwritable_output_is_refused_before_any_work(tiny, tmp_path):
 
 def test_a_working_directory_another_run_holds_is_refused_before_any_work(tiny, tmp_path):
     with working_directory(tmp_path / "w"):  # as a recovery run still going holds it
-        result = _cli(tiny, tmp_path, "--groups", "1")
+        result = _cli(tiny, tmp_path, "--groups", "1", "--starts", "mean")
     assert result.exit_code != 0
     assert f"--work-dir {tmp_path / 'w'} is in use by another run (pid {os.getpid()} " in result.output
     assert not (tmp_path / "w" / "models").exists() and not (tmp_path / "o").exists()
@@ -373,22 +370,23 @@ def test_a_working_directory_another_run_holds_is_refused_before_any_work(tiny, 
 
 def test_options_from_python_name_the_flags():
     with pytest.raises(GqakitError, match="--tokens 10 is smaller"):
-        RecoveryOptions(src="x", groups=1, tokens=10).validate()
+        check_options(RecoveryOptions(src="x", groups=1, tokens=10), "recovery")
     assert RecoveryOptions(src="x", groups=1, start_lr=("fast=1e-4",)).rates_of("fast") == (1e-4,)
     sweep = RecoveryOptions(src="x", groups=1, lr=2e-4, start_lr=("fast=1e-4,4e-4", "fast=8e-4"))
     assert sweep.rates_of("fast") == (1e-4, 4e-4, 8e-4) and sweep.rates_of("mean") == (2e-4,)
     assert sweep.swept("fast") and not sweep.swept("mean")
     with pytest.raises(GqakitError) as e:
-        RecoveryOptions(
-            src="x", groups=1, start_lr=("fast=1e-4,4e-4", "fast=1e-4", "mean=1e-3,-1")
-        ).validate()
+        check_options(
+            RecoveryOptions(src="x", groups=1, start_lr=("fast=1e-4,4e-4", "fast=1e-4", "mean=1e-3,-1")),
+            "recovery",
+        )
     assert "--start-lr gives fast the rate 0.0001 more than once; list each rate once." in e.value.message
     bad = "--start-lr 'mean=1e-3,-1' must be a finite learning rate above 0, got -1.0; e.g. 0.0002 (the "
     bad += "default)."
     assert bad in e.value.message
     with pytest.raises(GqakitError) as e:  # every non-finite rate at once, each by its flag
         inf = float("inf")
-        RecoveryOptions(src="x", groups=1, lr=inf, start_lr=("mean=inf",)).validate()
+        check_options(RecoveryOptions(src="x", groups=1, lr=inf, start_lr=("mean=inf",)), "recovery")
     assert (
         "--lr must be a finite learning rate above 0, got inf; e.g. 0.0002 (the default)." in e.value.message
     )
@@ -398,15 +396,52 @@ def test_options_from_python_name_the_flags():
 
 def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversion(tiny, tmp_path):
     src = save_tiny_model(tmp_path / "gpt2", "gpt2", heads=4, kv_heads=4)
-    base = ["recovery", str(src), "--groups", "1", "--data", str(tiny["data"]), "--starts", "mean,best"]
+    base = ["recovery", str(src), "--groups", "2", "--data", str(tiny["data"]), "--starts", "mean,best"]
     result = CliRunner().invoke(
         main, [*base, "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o")]
     )
     assert result.exit_code != 0
-    assert "layer-corrective: a gpt_bigcode target is refined against the attention output only" in (
+    assert "gpt_bigcode holds only G = 1 (multi_query) or G = 4 heads; choose one of 1, 4" in (
         result.output
     ), result.output
     assert not (tmp_path / "w" / "models").exists() and not (tmp_path / "o").exists()
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--set", "data.seq_len=1000", "--tokens", "4000"],
+            "--set data.seq_len 1000 is more than this model's 256 positions (SRC {src}: "
+            "max_position_embeddings); use --set data.seq_len=256 or less.",
+        ),
+        (["--groups", "3"], "--groups 3 does not divide the 4 K/V heads of this checkpoint"),
+        (["--data", "{latin1}"], "--data {latin1} is not UTF-8 text"),
+        (["--data", "{short}"], "--data {short} has 5 non-empty lines (documents): too few to hold out"),
+        (
+            ["--starts", "mean,fast", "--set", "model.convert.calib_tokens=16"],
+            "--refine-steps needs at least 2",
+        ),
+    ],
+)
+def test_the_source_and_the_data_are_checked_before_the_work_dir_is_created(tiny, tmp_path, args, message):
+    """G, the family, the model's positions and the --data text are refused with one message before
+    anything is written: no working directory, no split, no pending file, no report folder."""
+    files = {"latin1": tmp_path / "in" / "latin1.txt", "short": tmp_path / "in" / "short.txt"}
+    files["latin1"].parent.mkdir()
+    files["latin1"].write_bytes("caf\xe9 au lait\n".encode("latin-1") * 40)
+    files["short"].write_text("one document\n" * 5)
+    names = {"src": tiny["src"], **files}
+    before = _listing(tmp_path)
+    argv = ["--groups", "1", "--starts", "mean", *args]
+    result = _cli(tiny, tmp_path, *[a.format(**names) for a in argv])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert message.format(**names) in " ".join(result.output.split()), result.output
+    assert _listing(tmp_path) == before
 
 
 @pytest.mark.parametrize("written", [None, "cpu"])  # before recipes held speed.device; another --device
@@ -417,7 +452,7 @@ def test_a_killed_run_resumes_under_another_device_or_from_an_older_recipe(tmp_p
 
     import gqakit.pipelines.recovery.run as rec
     from gqakit.pipelines import run_keys
-    from gqakit.pipelines.recovery.options import Inputs
+    from gqakit.pipelines.recovery.run import Inputs
     from gqakit.pipelines.store import ResultStore
 
     src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4)
@@ -444,6 +479,6 @@ def test_a_killed_run_resumes_under_another_device_or_from_an_older_recipe(tmp_p
         raise KeyboardInterrupt  # enough: how it was called
 
     monkeypatch.setattr(run_keys, "uptrain", uptrain)
-    with ResultStore(tmp_path / "results") as store, pytest.raises(KeyboardInterrupt):
-        rec.uptrain_start(o, store, inputs, "mean", src, runs, o.lr)
+    with pytest.raises(KeyboardInterrupt):
+        rec.uptrain_start(o, ResultStore(tmp_path / "results"), inputs, "mean", src, runs, o.lr)
     assert calls == [(True, False)]

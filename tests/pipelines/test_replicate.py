@@ -11,16 +11,17 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import TINY_TEXT
 
 from gqakit.cli import main
 from gqakit.cli_options import parse_list
 from gqakit.errors import GqakitError
-from gqakit.locks import working_directory
 from gqakit.pipelines.replicate import run_replicate
 from gqakit.pipelines.replicate.options import ModelShape, ReplicateOptions
 from gqakit.pipelines.replicate.report import _markdown, findings
 from gqakit.pipelines.replicate.run import Arm, _arm_plan
-from gqakit.testing import TINY_TEXT
+from gqakit.problems import check_options
+from gqakit.storage import working_directory
 
 TINY = ModelShape(vocab=300, layers=2, hidden=32, heads=4, intermediate=64, seq_len=32)
 
@@ -105,7 +106,7 @@ def test_the_pipeline_end_to_end_then_reused(tmp_path, corpus):
     took2 = re.search(r"Took (.+?) \((\d+) results reused", res2.report.read_text())
     assert took and took2 and took.group(2) == "0" and int(took2.group(2)) > 0
     first, second = (json.loads(r.results_json.read_text()) for r in (res, res2))
-    assert second["compute_s"] == first["compute_s"] > second["elapsed_s"] and second["compute_unknown"] == 0
+    assert second["compute_s"] == first["compute_s"] > second["elapsed_s"]
     assert "; the runs that computed these figures took " in res2.report.read_text()
 
 
@@ -167,7 +168,7 @@ def test_bad_options_are_reported_together(tmp_path, corpus):
         assert fragment in e.value.message
     bad = r"lr must be a finite learning rate above 0, got inf; e\.g\. 0\.002 \(the default\)\."
     with pytest.raises(GqakitError, match=bad):
-        ReplicateOptions(lr=float("inf")).validate()
+        check_options(ReplicateOptions(lr=float("inf")), "replicate")
 
 
 def test_scale_widens_and_deepens_the_model():
@@ -192,33 +193,6 @@ def test_cli_help_and_bad_lists():
     assert res.exit_code == 0 and "--scale" in res.output and "--alphas" in res.output
     res = CliRunner().invoke(main, ["replicate", "--alphas", "a,b"])
     assert res.exit_code != 0 and "comma-separated numbers" in res.output
-
-
-def test_a_gpt_neox_model_replicates_through_phi(tmp_path, corpus):
-    messages: list[str] = []
-    opts = tiny(
-        tmp_path, corpus, messages, arch="neox", seeds=(0,), alphas=(0.0, 0.5), groups=(1, 2),
-        starts=("mean", "calibrated"),
-    )  # fmt: skip
-    res = run_replicate(opts)
-    by_name = {a.name: a for a in res.arms}
-    types = {
-        name: json.loads((Path(a.path) / "config.json").read_text())["model_type"]
-        for name, a in by_name.items()
-    }
-    assert types["mha"] == "gpt_neox"  # the model pretrained here is GPT-NeoX ...
-    for a in res.arms:  # ... and every model with fewer K/V heads is phi, converted or from scratch
-        if a.groups < TINY.heads:
-            config = json.loads((Path(a.path) / "config.json").read_text())
-            assert config["model_type"] == "phi" and config["num_key_value_heads"] == a.groups, a.name
-    assert all(a.ppl and a.ppl > 1 for a in res.arms)
-    assert "GPT-NeoX-architecture" in res.report.read_text()
-    assert any("gqakit replicate: neox" in m for m in messages)
-
-
-def test_an_unknown_arch_is_refused_with_the_choices(tmp_path, corpus):
-    with pytest.raises(GqakitError, match=r"--arch 'gpt9' is unknown; choose one of llama, neox"):
-        run_replicate(tiny(tmp_path, corpus, [], arch="gpt9"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,7 +224,7 @@ def _measured_arms(o: ReplicateOptions) -> list[Arm]:
 )
 def test_the_report_step_takes_the_arms_of_every_valid_option_set(kw):
     o = ReplicateOptions(**kw)
-    o.validate()
+    check_options(o, "replicate")
     arms = _measured_arms(o)
     f = findings(o, arms, {})
     at0 = {a.method: a.ppl for a in arms if a.kind == "converted" and a.groups == 1 and a.alpha == 0}
@@ -260,7 +234,7 @@ def test_the_report_step_takes_the_arms_of_every_valid_option_set(kw):
 
 def test_alphas_must_start_at_0_where_the_report_compares_everything():
     with pytest.raises(GqakitError) as e:
-        ReplicateOptions(alphas=(0.025, 0.05, 0.1)).validate()
+        check_options(ReplicateOptions(alphas=(0.025, 0.05, 0.1)), "replicate")
     assert "--alphas must start at 0, got 0.025,0.05,0.1" in e.value.message
     assert "e.g. 0,0.025,0.05,0.1" in e.value.message
 
@@ -287,20 +261,22 @@ def test_the_fig4_order_of_two_paper_methods_is_measured(random_ppl, ordered):
 
 def test_no_methods_are_refused():
     with pytest.raises(GqakitError, match="--starts needs at least one start"):
-        ReplicateOptions(starts=parse_list(",", str, "--starts")).validate()
+        check_options(ReplicateOptions(starts=parse_list(",", str, "--starts")), "replicate")
 
 
 def test_non_finite_alphas_are_refused_before_any_step():
     res = CliRunner().invoke(main, ["replicate", "--alphas", "0,0.05,inf"])
     assert res.exit_code == 2 and "inf is not a finite number" in res.output
     with pytest.raises(GqakitError, match=r"--alphas must be increasing, >= 0 and finite, got 0.0,0.05,inf"):
-        ReplicateOptions(alphas=(0.0, 0.05, float("inf"))).validate()  # from Python, parse_list is bypassed
+        check_options(
+            ReplicateOptions(alphas=(0.0, 0.05, float("inf"))), "replicate"
+        )  # from Python, parse_list is bypassed
 
 
 def test_an_alpha_that_gives_no_uptraining_step_is_refused_with_the_smallest_that_does():
     with pytest.raises(GqakitError) as e:
-        ReplicateOptions(alphas=(0.0, 0.0001, 0.05)).validate()
+        check_options(ReplicateOptions(alphas=(0.0, 0.0001, 0.05)), "replicate")
     assert "--alphas 0.0001 gives 0 uptraining steps of the 500 pretraining steps" in e.value.message
     assert "the smallest alpha that gives one step is 1/500 = 0.002" in e.value.message
-    ReplicateOptions(alphas=(0.0, 0.002, 0.05)).validate()
+    check_options(ReplicateOptions(alphas=(0.0, 0.002, 0.05)), "replicate")
     assert ReplicateOptions().uptrain_steps(0.002) == 1

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TINY_TEXT
 
 import gqakit.models as devices
 from gqakit.pipelines.replicate import train
 from gqakit.pipelines.replicate.options import ReplicateOptions
-from gqakit.testing import TINY_TEXT
 
 
 @pytest.fixture
@@ -18,9 +18,10 @@ def measure(tmp_path, monkeypatch):
     ran: the measurements themselves are stood in for (these tests are about when they run)."""
     from types import SimpleNamespace
 
+    from tiny_models import save_tiny_model
+
     from gqakit.pipelines.steps import Steps
     from gqakit.pipelines.store import ResultStore
-    from gqakit.testing import save_tiny_model
 
     m4 = save_tiny_model(tmp_path / "g4", "llama", heads=4, kv_heads=4, tokenizer=False)
     m1 = save_tiny_model(tmp_path / "g1", "llama", heads=4, kv_heads=1, tokenizer=False)

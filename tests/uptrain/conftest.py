@@ -6,8 +6,8 @@ import random
 from pathlib import Path
 
 import pytest
+from tiny_models import TINY_TEXT, save_tiny_model
 
-from gqakit.testing import TINY_TEXT, save_tiny_model
 from gqakit.uptrain.recipe import RECIPES_DIR, load_recipe
 
 TINY_RECIPE = RECIPES_DIR / "tiny.yaml"

@@ -2,8 +2,8 @@
 
 In the test's process, :func:`kill_after` runs a recipe and stops it with :class:`Killed` (the test goes
 on with the run's files). As a script, ``python die_after_step.py STEP RECIPE [overrides] [--resume]``
-runs ``gqakit.uptrain`` and ends the whole process with ``os._exit(137)`` right after step STEP is
-logged, as a SIGKILL would (no cleanup, no final model); it runs under ``accelerate launch`` like
+runs ``gqakit.uptrain`` and kills the whole process with SIGKILL right after step STEP is logged (no
+cleanup, no final model); it runs under ``accelerate launch`` like
 ``-m gqakit.uptrain``, for the tests of resuming after a real kill of a distributed run.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +56,7 @@ def kill_after(step: int, run: Callable[[], Any], monkeypatch: Any) -> None:
 
 def _exit_now() -> None:
     sys.stderr.flush()
-    os._exit(137)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import save_tiny_model
 
-from gqakit.testing import save_tiny_model
 from gqakit.uptrain import uptrain
 from gqakit.uptrain.recipe import RECIPES_DIR, load_recipe
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from die_after_step import kill_after
 from safetensors.torch import load_file
+from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gqakit.errors import GqakitError
-from gqakit.testing import save_tiny_model
 from gqakit.uptrain import read_history, setup, train, uptrain
 
 

@@ -1,5 +1,5 @@
-"""Tiny random checkpoints and a tiny tokenizer, built in code, for tests, benchmarks and the demo's
-self-test. Nothing here touches the network.
+"""Tiny random checkpoints and a tiny tokenizer, built in code, for the tests and benchmarks (``from
+tiny_models import ...``: tests/conftest.py puts tests/ on the path). Nothing here touches the network.
 """
 
 from __future__ import annotations
