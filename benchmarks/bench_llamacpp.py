@@ -90,9 +90,8 @@ def speed(forms: dict[str, Path], work: Path, contexts: list[int], new_tokens: i
     names = list(forms)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            points, kv_alloc[name] = llamacpp_decode(
-                ggufs[name], geoms[name], contexts, new_tokens, False, seed=r
-            )
+            points = llamacpp_decode(ggufs[name], geoms[name], contexts, new_tokens, False, seed=r)
+            kv_alloc[name] = points[-1].kv_bytes_predicted
             for p in points:
                 tps[name][p.context].append(p.tokens_per_s)
         print(

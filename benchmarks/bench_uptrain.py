@@ -93,7 +93,7 @@ def worker_ours(args) -> dict:
             "speed": json.loads(args.speed),
             "objective": {"kind": args.objective},
             "eval": {"at_start": False},
-            "log": {"progress": False, "tensorboard": False},
+            "log": {"progress": False},
             "output_dir": args.out,
         }
     )

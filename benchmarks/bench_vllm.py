@@ -33,7 +33,7 @@ from relative_paths import relative_text
 from gqakit.convert import ConvertOptions, convert_checkpoint, expand_checkpoint
 from gqakit.eval import EvalOptions, evaluate_models
 from gqakit.eval.decode import interleaved, round_stats, speedup
-from gqakit.eval.vllm_engine import VllmWorker, vllm_python
+from gqakit.eval.vllm_engine import VllmWorker, require_vllm
 from gqakit.models import cpu_model
 from gqakit.storage import cache_root
 
@@ -52,7 +52,7 @@ def build_forms(model: Path, work: Path) -> dict[str, str]:
 def throughput(vl, forms: dict[str, str], conc: list[int], args) -> dict[str, list[dict]]:
     """Every (model, concurrency) point in each of ``args.rounds`` rounds, all three models loaded at once;
     per model, a row per concurrency with its rounds, median, spread, ratio to MHA-9 and bound."""
-    python, names = vllm_python(), list(forms)
+    python, names = require_vllm(), list(forms)
     points = [(name, c) for name in names for c in conc]
     with ExitStack() as stack:
         workers = {

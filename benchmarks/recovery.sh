@@ -22,25 +22,25 @@ gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,fast --see
     --out "$RESULTS/smollm2-mqa-seed1" --work-dir "$WORK/smollm2-mqa-seed1" --no-progress
 
 # A stronger refined start (32,768 calibration tokens x 800 steps, a 27-minute conversion here), at the
-# shared learning rate and at its own 5e-5.
+# shared learning rate and alone at 5e-5.
 gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,fast \
     --set model.convert.calib_tokens=32768 --set model.convert.refine_steps=800 \
     --out "$RESULTS/smollm2-mqa-32k" --work-dir "$WORK/smollm2-mqa-32k" --no-progress
-gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,fast --start-lr fast=5e-5 \
+gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts fast --lr 5e-5 \
     --set model.convert.calib_tokens=32768 --set model.convert.refine_steps=800 \
     --out "$RESULTS/smollm2-mqa-32k-lr5e-5" --work-dir "$WORK/smollm2-mqa-32k-lr5e-5" --no-progress
 
 # Nearly all of wiki-en validation as calibration text (49,152 tokens) x 1,600 steps, a 40-minute
-# conversion here, at 5e-5; then the same start alone for twice the tokens.
-gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,fast --start-lr fast=5e-5 \
+# conversion here, at 5e-5; then for twice the tokens.
+gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts fast --lr 5e-5 \
     --set model.convert.calib_tokens=49152 --set model.convert.refine_steps=1600 \
     --out "$RESULTS/smollm2-mqa-48k-lr5e-5" --work-dir "$WORK/smollm2-mqa-48k-lr5e-5" --no-progress
-gqakit recovery smollm2-135m --groups 1 --tokens 409600 --starts fast --start-lr fast=5e-5 \
+gqakit recovery smollm2-135m --groups 1 --tokens 409600 --starts fast --lr 5e-5 \
     --set model.convert.calib_tokens=49152 --set model.convert.refine_steps=1600 \
     --out "$RESULTS/smollm2-mqa-48k-lr5e-5-410k" --work-dir "$WORK/smollm2-mqa-48k-lr5e-5-410k" --no-progress
 
 # The `best` preset (the same budget, each whole decoder layer fitted), at 5e-5.
-gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts mean,best --start-lr best=5e-5 \
+gqakit recovery smollm2-135m --groups 1 --tokens 204800 --starts best --lr 5e-5 \
     --out "$RESULTS/smollm2-mqa-48k-lcpt-lr5e-5" --work-dir "$WORK/smollm2-mqa-48k-lcpt-lr5e-5" --no-progress
 
 # The replicate model (Llama, 8 heads, pretrained on 1,024,000 tokens by `gqakit replicate --pretrain-only`)

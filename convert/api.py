@@ -37,8 +37,8 @@ def convert_checkpoint(
 ) -> ConvertResult:
     """Convert a checkpoint to ``options.groups`` K/V heads, streaming, into a new directory.
 
-    Mean, first and random pooling stream the checkpoint tensor by tensor. Calibrated merges, similarity
-    grouping and refinement run the model one decoder layer at a time (:mod:`gqakit.convert.layerwise`),
+    Mean, first and random pooling stream the checkpoint tensor by tensor. Calibrated merges and
+    refinement run the model one decoder layer at a time (:mod:`gqakit.convert.layerwise`),
     writing each layer as soon as it is converted. Everything a user can get wrong (options, groups,
     the calibration text, DST) is checked before the first layer runs.
 
@@ -156,8 +156,9 @@ def expand_checkpoint(
         spec = RegroupSpec(target=geom.num_heads, method="mean", out_dtype=DTYPE_CHOICES[dtype])
         plan = plan_regroup(ckpt.tensor_infos(), adapter, geom, spec)
         record = {"command": "expand", "groups": geom.num_heads, "method": "repeat", "dtype": dtype}
+        config = {**ckpt.config, "num_key_value_heads": geom.num_heads}
         return write_converted(
-            ckpt, dst, plan, geom, geom.num_heads, spec.out_dtype, force, record, start, progress=progress
+            ckpt, dst, plan, geom, geom.num_heads, spec.out_dtype, force, record, start, config, progress
         )
 
 

@@ -1,23 +1,13 @@
 """Calibration: the text a calibrated conversion runs on, and what each layer's K/V projections see.
 
-A calibrated conversion (``--method calibrated``, ``--grouping similarity``, ``--refine-steps``) takes
-three steps:
-
-1. calibration (this module): ``--calib-tokens`` tokens of calibration text, tokenized once; a forward
-   hook on each layer's key projection adds ``[X, 1]^T [X, 1]`` of each batch (:func:`batch_gram`) to
-   the layer's statistic and drops the activations, so memory holds one ``(hidden + 1)^2`` matrix per
-   layer, independent of the number of tokens. ``convert`` runs the model one decoder layer at a time
-   (:mod:`gqakit.convert.layerwise`), so a 70B checkpoint needs one layer in memory.
-2. fitting each layer's merges (:mod:`gqakit.convert.merge_fit`);
-3. planning the output tensors (:mod:`gqakit.convert.merge_fit`), optionally refined
-   (:mod:`gqakit.convert.refine`).
-
-Calibration text shorter than ``--calib-tokens`` stops the conversion with a message that says how many
-tokens it holds (a merge fitted on fewer tokens than asked for would be a silent change of settings).
+Each layer keeps only ``[X, 1]^T [X, 1]`` of its K/V projection input (:func:`batch_gram`), never the
+activations. Text shorter than ``--calib-tokens`` stops the conversion (a merge fitted on fewer tokens
+than asked for would be a silent change of settings).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,13 +67,10 @@ def batches(sequences: Sequence[torch.Tensor], batch_size: int):
 
     Calibration batches 4 sequences (:data:`CALIB_BATCH`).
     """
-    i = 0
-    while i < len(sequences):
-        j = i
-        while j < len(sequences) and j - i < batch_size and len(sequences[j]) == len(sequences[i]):
-            j += 1
-        yield torch.stack(list(sequences[i:j]))
-        i = j
+    for _, same_length in itertools.groupby(sequences, len):
+        run = list(same_length)
+        for i in range(0, len(run), batch_size):
+            yield torch.stack(run[i : i + batch_size])
 
 
 def calibration_sequences(ckpt: Checkpoint, data: str | Path, tokens: int) -> list[torch.Tensor]:

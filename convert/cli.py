@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from gqakit.cli_options import click_options, dtype_option, force_option, options_from, progress_option
+from gqakit.cli_options import click_options, options_from
 from gqakit.convert.api import convert_checkpoint, expand_checkpoint, inspect_checkpoint
 from gqakit.convert.options import DEFAULT_PRESET, DTYPE_CHOICES, DTYPE_HELP, ConvertOptions
 from gqakit.convert.write import ConvertResult
@@ -17,7 +17,7 @@ from gqakit.convert.write import ConvertResult
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False))
 @click_options(ConvertOptions)
-@progress_option()
+@click.option("--progress/--no-progress", default=True, help="Show progress bars of the long steps.")
 def convert_cmd(src: str, dst: str, progress: bool, **kwargs) -> None:
     """Convert SRC (directory, .gguf file or hub id) to GROUPS K/V heads in DST."""
     options = options_from(ConvertOptions, kwargs)
@@ -30,8 +30,6 @@ def summary(res: ConvertResult) -> str:
     rec = res.provenance
     how = [f"preset {rec['preset']}"] if rec.get("preset", DEFAULT_PRESET) != DEFAULT_PRESET else []
     how.append(rec["method"])
-    if rec.get("grouping", "contiguous") != "contiguous":
-        how.append(f"{rec['grouping']} grouping")
     if "refine" in rec:
         how.append(rec["refine"]["summary"])
     return (
@@ -43,9 +41,9 @@ def summary(res: ConvertResult) -> str:
 @click.command("expand")
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False))
-@dtype_option(list(DTYPE_CHOICES), "keep", DTYPE_HELP)
-@force_option()
-@progress_option()
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="keep", show_default=True, help=DTYPE_HELP)
+@click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty.")
+@click.option("--progress/--no-progress", default=True, help="Show progress bars of the long steps.")
 def expand_cmd(src: str, dst: str, dtype: str, force: bool, progress: bool) -> None:
     """GQA/MQA -> MHA: repeat each K/V head over its group (exactly the same logits)."""
     res = expand_checkpoint(src, dst, dtype, force, progress=progress)

@@ -1,14 +1,6 @@
-"""The source model run one decoder layer at a time, with one layer's weights in memory.
-
-The model is built from its config with no weights (parameters on the meta device; buffers such as
-rotary tables are computed as usual), and only what runs before the decoder layers (the embedding)
-is loaded from the checkpoint. One pass over the calibration batches, with every decoder layer's
-``forward`` replaced by a recorder, captures the first layer's input and each layer's call arguments
-(masks, rotary tables, position ids: what the model computes once and hands to every layer, per layer
-type for gemma2/3's sliding and global layers). After that, :meth:`DecoderStream.layer` loads one
-layer's tensors from the shards onto the device, and :meth:`DecoderStream.run` calls it on hidden
-states exactly as the model would. What is held: one layer's weights, the embedding, the calibration
-tokens' hidden states. A 70B checkpoint thus calibrates in the memory of one of its layers.
+"""The source model run one decoder layer at a time, with one layer's weights in memory: built on the
+meta device, its layers' call arguments (masks, rotary tables) recorded in one pass, then each layer
+loaded and called exactly as the model would (docs/convert.md, "Scale: one decoder layer in memory").
 """
 
 from __future__ import annotations
@@ -24,12 +16,6 @@ from gqakit.checkpoint import Checkpoint, TensorReader
 from gqakit.dtypes import config_dtype
 from gqakit.errors import GqakitError
 from gqakit.family_parts import ArchAdapter
-
-
-def _set_parameter(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, attr = name.rpartition(".")
-    target = module.get_submodule(owner) if owner else module
-    target._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
 
 
 class DecoderStream:
@@ -73,15 +59,8 @@ class DecoderStream:
                 "gqakit's adapter for this family expects them; this transformers version builds it "
                 "differently."
             ) from None
-        self._load_embedding()
-        self.hidden: list[torch.Tensor] = []
-        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.layers]
-        self.positional = True
-        self._record(batches)
-
-    def _load_embedding(self) -> None:
-        """Load every parameter outside the decoder layers that the base model runs (not the LM head),
-        and move the buffers (rotary tables, embedding scales) to the device."""
+        # every parameter outside the decoder layers that the base model runs (not the LM head), and the
+        # buffers (rotary tables, embedding scales) on the device
         base, layers = self.model.base_model_prefix + ".", self.layers_path + "."
         names = [
             n for n, _ in self.model.named_parameters() if n.startswith(base) and not n.startswith(layers)
@@ -91,13 +70,19 @@ class DecoderStream:
             if not name.startswith(layers) and b.device.type != "meta":
                 owner, _, attr = name.rpartition(".")
                 self.model.get_submodule(owner)._buffers[attr] = b.to(self.device)
+        self.hidden: list[torch.Tensor] = []
+        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.layers]
+        self.positional = True
+        self._record(batches)
 
     def _load(self, module: torch.nn.Module, prefix: str, names: list[str], missing: str) -> None:
         """Set ``module``'s parameters ``names`` from the shards (tensor ``prefix + name``) on the device."""
         for name in names:
             if prefix + name not in self.infos:
                 raise GqakitError(f"{prefix + name} is missing from the checkpoint's shards{missing}")
-            _set_parameter(module, name, self.reader.read(prefix + name).to(self.device, self.dtype))
+            owner, _, attr = name.rpartition(".")  # get_submodule("") is the module itself
+            value = self.reader.read(prefix + name).to(self.device, self.dtype)
+            module.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
 
     def _recorder(self, index: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden = args[0] if args else kwargs["hidden_states"]

@@ -82,8 +82,10 @@ def inspect_checkpoint(src: str | Path) -> Inspection:
     model). For a checkpoint of a supported family, the weights' shapes are checked against the config
     the way ``convert`` checks them, so the valid G listed are the ones ``convert`` accepts.
     """
-    if is_gguf(src):
-        return _inspect_gguf(Path(src).expanduser())
+    if is_gguf(src):  # geometry and dtypes from the header
+        header = read_gguf_header(path := Path(src).expanduser())
+        supported = family_of(header.geometry.model_type).attention is not None
+        return _inspection(str(path), header.geometry, supported, header.dtypes, "gguf", [path.name])
     with resolve_checkpoint(src) as ckpt:
         family = family_of(ckpt.model_type)
         retarget = family.retarget
@@ -106,12 +108,6 @@ def inspect_checkpoint(src: str | Path) -> Inspection:
             why = f"{retarget.target}: {retarget.why}"
             inspection.output_class = f"nothing: {' '.join(problems)}" if problems else why
         return inspection
-
-
-def _inspect_gguf(path: Path) -> Inspection:
-    header = read_gguf_header(path)
-    supported = family_of(header.geometry.model_type).attention is not None
-    return _inspection(str(path), header.geometry, supported, header.dtypes, "gguf", [path.name])
 
 
 def _inspection(

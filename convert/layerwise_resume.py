@@ -1,12 +1,5 @@
-"""Finished layers of a layer-wise conversion, kept on disk so that a killed conversion resumes.
-
-A calibrated, similarity-grouped or refined conversion runs one decoder layer at a time
-(:mod:`gqakit.convert.layerwise`); on a 7B-shaped model on a CPU that is most of an hour. After each
-layer, what it produced is saved beside DST in ``.DST.layerwise/``: the layer's computed tensors
-(``layer-NNNNN.safetensors``), what was measured on it, and the calibration hidden states the next layer
-starts from. The next run of the same conversion (same source, options and calibration tokens) writes
-the finished layers from there and goes on at the first unfinished one; a different conversion
-discards them. The directory is removed when DST is complete.
+"""Finished layers of a layer-wise conversion, kept in ``.DST.layerwise/`` beside DST so that a killed
+conversion resumes at its first unfinished layer (docs/convert.md, "Scale: one decoder layer in memory").
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ from gqakit.locks import OWNER, exclusive
 from gqakit.storage import atomic_write, check_output_dir, fingerprint
 
 STATE = "state.json"
-HIDDEN = "hidden.pt"
 
 
 def resume_dir(dst: str | Path) -> Path:
@@ -41,14 +33,14 @@ def resume_dir(dst: str | Path) -> Path:
 
 @contextmanager
 def claim_layerwise(
-    dst: str | Path, force: bool, src: str | Path, key: dict[str, Any] | None = None
-) -> Iterator[LayerwiseResume | None]:
+    dst: str | Path, force: bool, src: str | Path, key: dict[str, Any]
+) -> Iterator[LayerwiseResume]:
     """Hold DST's finished layers for one conversion (``.DST.lock`` beside it): a second conversion into
     the same DST while this one runs would discard or mix them, so it is refused with this one's pid.
     DST is checked first (:func:`~gqakit.storage.check_output_dir`, against ``src``: what the user
     named, :func:`gqakit.convert.write.source_path`), so a bad DST gets its own message.
 
-    With ``key`` (see :class:`LayerwiseResume`), yield the finished layers of that conversion: removed
+    Yield the finished layers of the conversion ``key`` names (see :class:`LayerwiseResume`): removed
     when it completes or stops on bad input (a :class:`GqakitError`: nothing to resume), kept when it is
     killed (Ctrl-C, out of memory...), saying where, for the next run of the same conversion."""
     dst = check_output_dir(Path(dst), force, Path(src))
@@ -58,9 +50,6 @@ def claim_layerwise(
         f"{resume_dir(dst)}. Wait for it to finish, or convert into another directory."
     )
     with exclusive(dst.parent / f".{dst.name}.lock", busy):
-        if key is None:
-            yield None
-            return
         resume = LayerwiseResume(resume_dir(dst), key)
         try:
             yield resume
@@ -112,7 +101,8 @@ class LayerwiseResume:
             state = json.loads((root / STATE).read_text())
         except (OSError, json.JSONDecodeError):
             state = None
-        if state is not None and state.get("key") == key:
+        # the states a layer left are named by it: a folder without them (an older layout) is not resumed
+        if state is not None and state.get("key") == key and self._hidden(int(state["done"])).is_file():
             self.done, self.infos = int(state["done"]), list(state["infos"])
         elif root.exists():  # another conversion's layers, or a kill before the first layer was saved
             shutil.rmtree(root, ignore_errors=True)
@@ -123,24 +113,28 @@ class LayerwiseResume:
 
     def hidden(self) -> list[torch.Tensor]:
         """The calibration hidden states after the last finished layer."""
-        return torch.load(self.root / HIDDEN, weights_only=True)
+        return torch.load(self._hidden(self.done), weights_only=True)
+
+    def _hidden(self, done: int) -> Path:
+        """Where the hidden states after ``done`` finished layers are kept."""
+        return self.root / f"hidden-{done - 1:05d}.pt"
 
     def save(
         self, index: int, values: dict[str, torch.Tensor], info: dict[str, Any], hidden: list[torch.Tensor]
     ) -> None:
-        """Record layer ``index`` (the next one) as finished; the state file is written last, so a kill
-        at any point leaves the previous state valid."""
-        if index != self.done:
-            raise ValueError(f"layer {index} saved after {self.done} finished layers")
+        """Record layer ``index`` (the next one) as finished; the state file is written last, and the
+        hidden states it supersedes removed after it, so a kill at any point leaves the previous state
+        valid."""
         self.root.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.contiguous() for k, v in values.items()}
         with atomic_write(self.root / f"layer-{index:05d}.safetensors") as tmp:
             save_file(tensors, str(tmp))
-        with atomic_write(self.root / HIDDEN) as tmp:
+        with atomic_write(self._hidden(index + 1)) as tmp:
             torch.save([h.cpu() for h in hidden], tmp)
         self.done, self.infos = index + 1, [*self.infos, info]
         with atomic_write(self.root / STATE) as tmp:
             tmp.write_text(json.dumps({"key": self.key, "done": self.done, "infos": self.infos}) + "\n")
+        self._hidden(index).unlink(missing_ok=True)
 
     def clear(self) -> None:
         """Remove the saved layers (the conversion is complete)."""

@@ -16,16 +16,11 @@ head's rows from the group's rows, ``W_s = A [W_1; ...; W_r]``, and per member a
   ``D_i^T W_q_j``;
 * values: ``(A v_i) W_o_j^T = (A v_s) (W_o_j D_i)^T``, so o_proj columns of head ``j`` become ``W_o_j D_i``.
 
-Mean pooling is the merge ``A = [I ... I] / r``, ``D_i = I``; first-head is ``A = [I 0 ... 0]``, ``D_i = I``.
+Mean pooling is the merge ``A = [I ... I] / r``, ``D_i = I`` (the keys of families that normalize them
+per head merge so).
 
-Rotary keys. HF's ``rotate_half`` pairs channel ``f`` with ``f + R/2`` (``R`` the rotary channels of a
-head, all of ``d`` unless the family uses partial rotary: phi, stablelm) and rotates each pair by an
-angle that depends on ``f`` and the position only. Read as a complex number ``z_f = x_f + i x_{f+R/2}``,
-rotation is multiplication by ``e^{i theta}``. A decompress matrix that is a *complex scale per
-frequency* commutes with it, so the compensation folded into q_proj is exact at every position. The key
-merge therefore fits, for every frequency, the best rank-1 complex approximation of the group's complex
-key outputs; the channels past ``R`` (partial rotary) and keys of non-rotary families are merged like
-values, with the compensation folded into q_proj.
+Rotary keys merge per complex channel, so the compensation commutes with rotation at every position
+(:func:`fit_key_merge`; docs/convert.md, "Calibrated conversion").
 """
 
 from __future__ import annotations
@@ -49,10 +44,6 @@ class Merge:
     compress: torch.Tensor
     decompress: torch.Tensor
 
-    @property
-    def size(self) -> int:
-        return self.decompress.shape[0]
-
 
 def augment(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, hidden]`` weight (+ ``[rows]`` bias) -> ``[rows, hidden + 1]``, the bias as last column."""
@@ -65,14 +56,6 @@ def mean_merge(r: int, d: int) -> Merge:
     """The paper's mean pooling as a merge."""
     eye = torch.eye(d, dtype=torch.float64)
     return Merge(torch.cat([eye] * r, dim=1) / r, eye.expand(r, d, d).clone())
-
-
-def first_merge(r: int, d: int) -> Merge:
-    """Keep the group's first head."""
-    eye = torch.eye(d, dtype=torch.float64)
-    compress = torch.zeros(d, r * d, dtype=torch.float64)
-    compress[:, :d] = eye
-    return Merge(compress, eye.expand(r, d, d).clone())
 
 
 def _through(w: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -99,15 +82,15 @@ def merge_error(
     return max(energy(w - recon, gram, scales), 0.0)
 
 
-def _top_subspace(w: torch.Tensor, gram: torch.Tensor, k: int) -> Merge:
-    """Best rank-``k`` merge of ``r`` heads of ``k`` channels (``w``: ``[r, k, m]``), by output energy.
+def fit_value_merge(w: torch.Tensor, gram: torch.Tensor) -> Merge:
+    """Calibrated merge of value heads ``w`` (``[r, d, m]``); the decompression folds into o_proj.
 
-    Takes the top ``k`` right singular vectors ``P`` of the side-by-side outputs ``X [W_1; ...; W_r]^T``
-    (the top eigenvectors of their ``rk x rk`` Gram matrix): ``W_s = s P^T W``, ``D_i = P_i / s``, exact
-    whenever the outputs span at most ``k`` dimensions. ``s`` scales the shared head to the members'
+    Takes the top ``d`` right singular vectors ``P`` of the side-by-side outputs ``X [W_1; ...; W_r]^T``
+    (the top eigenvectors of their ``rd x rd`` Gram matrix): ``W_s = s P^T W``, ``D_i = P_i / s``, exact
+    whenever the outputs span at most ``d`` dimensions. ``s`` scales the shared head to the members'
     average energy (identical heads merge into that head itself), which keeps weights at their usual size.
     """
-    r, _, m = w.shape
+    r, k, m = w.shape
     flat = w.reshape(r * k, m).double()
     cov = flat @ gram.double() @ flat.T
     evals, evecs = torch.linalg.eigh((cov + cov.T) / 2)
@@ -116,11 +99,6 @@ def _top_subspace(w: torch.Tensor, gram: torch.Tensor, k: int) -> Merge:
     total = float(cov.trace())
     s = math.sqrt(total / (r * kept)) if kept > 0 else 1.0
     return Merge(s * p.T, p.reshape(r, k, k) / s)
-
-
-def fit_value_merge(w: torch.Tensor, gram: torch.Tensor) -> Merge:
-    """Calibrated merge of value heads ``w`` (``[r, d, m]``); the decompression folds into o_proj."""
-    return _top_subspace(w, gram, w.shape[1])
 
 
 def fit_key_merge(w: torch.Tensor, gram: torch.Tensor, rotary_dim: int) -> Merge:
@@ -148,28 +126,24 @@ def fit_key_merge(w: torch.Tensor, gram: torch.Tensor, rotary_dim: int) -> Merge
         top = evals[..., -1].clamp(min=0)
         total = cov.diagonal(dim1=-2, dim2=-1).real.sum(-1)
         s = torch.where(top > 0, (total / (r * top.clamp(min=1e-300))).sqrt(), torch.ones_like(top))
-        f = torch.arange(half)
         for i in range(r):
             re, im = v[:, i].real, v[:, i].imag  # [half]
-            col_a, col_b = i * d + f, i * d + f + half
-            # shared z_f = s * sum_i v_i z_i: real row f and imaginary row f + half
-            compress[f, col_a] = s * re
-            compress[f, col_b] = -s * im
-            compress[f + half, col_a] = s * im
-            compress[f + half, col_b] = s * re
-            # member i = (conj(v_i) / s) * shared, as a real 2 x 2 per frequency
-            a, b = re / s, im / s
-            decompress[i, f, f] = a
-            decompress[i, f, f + half] = b
-            decompress[i, f + half, f] = -b
-            decompress[i, f + half, f + half] = a
+            # shared z_f = s * sum_i v_i z_i; member i = (conj(v_i) / s) * shared
+            compress[:rotary_dim, i * d : i * d + rotary_dim] = _complex_scale(s * re, s * im)
+            decompress[i, :rotary_dim, :rotary_dim] = _complex_scale(re / s, -im / s)
     if rotary_dim < d:
-        rest = _top_subspace(w[:, rotary_dim:], gram, d - rotary_dim)
+        rest = fit_value_merge(w[:, rotary_dim:], gram)
         p = d - rotary_dim
         for i in range(r):
             compress[rotary_dim:, i * d + rotary_dim : (i + 1) * d] = rest.compress[:, i * p : (i + 1) * p]
         decompress[:, rotary_dim:, rotary_dim:] = rest.decompress
     return Merge(compress, decompress)
+
+
+def _complex_scale(re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
+    """Multiplication of each complex channel ``x_f + i x_{f + half}`` by ``re_f + i im_f``, as a real
+    ``[2 half, 2 half]`` matrix."""
+    return torch.cat([torch.cat([re.diag(), -im.diag()], 1), torch.cat([im.diag(), re.diag()], 1)])
 
 
 def in_metric(fit: Callable[[torch.Tensor], Merge], w: torch.Tensor, scales: torch.Tensor) -> Merge:
@@ -225,26 +199,20 @@ def downstream_scales(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Applying merges to checkpoint tensors. Groups are contiguous here: a head permutation (see
-# gqakit.convert.grouping) has already put each group's heads next to each other.
+# Applying merges to checkpoint tensors: group g is K/V heads g*r .. g*r + r - 1 (what repeat_kv implies).
 
 
 def merge_rows(t: torch.Tensor, merges: list[Merge], d: int) -> torch.Tensor:
     """K or V rows ``[kv * d, ...]`` (weight, bias, or a flat per-channel norm) -> ``[G * d, ...]``."""
     rest = tuple(t.shape[1:])
-    out, start = [], 0
-    for mg in merges:
-        rows = t[start : start + mg.size * d].double().reshape(mg.size * d, -1)
-        out.append((mg.compress @ rows).reshape(d, *rest))
-        start += mg.size * d
-    if start != t.shape[0]:
-        raise ValueError(f"merges cover {start} rows, tensor has {t.shape[0]}")
-    return torch.cat(out).to(t.dtype)
+    groups = t.double().split([len(mg.decompress) * d for mg in merges])  # refused unless they cover t
+    out = [mg.compress @ g.reshape(g.shape[0], -1) for mg, g in zip(merges, groups, strict=True)]
+    return torch.cat(out).reshape(-1, *rest).to(t.dtype)
 
 
 def _per_query(merges: list[Merge], n_rep: int) -> list[torch.Tensor]:
     """The decompress matrix of each query head, in (contiguous) query-head order."""
-    return [mg.decompress[i] for mg in merges for i in range(mg.size) for _ in range(n_rep)]
+    return [mg.decompress[i] for mg in merges for i in range(len(mg.decompress)) for _ in range(n_rep)]
 
 
 def compensate_q_rows(t: torch.Tensor, key_merges: list[Merge], d: int, n_rep: int) -> torch.Tensor:

@@ -1,10 +1,6 @@
 """Options of ``gqakit convert``: the presets, the typed dataclass that generates the command's options,
-its validation, and the checks on G.
-
-A preset is a named row of :data:`PRESETS` (method, calibration tokens, refinement steps, target and
-rates). :class:`ConvertOptions` leaves every field a preset sets at None, meaning "the preset's value";
-:meth:`ConvertOptions.resolved` fills them in: a field given explicitly > the preset's > the default
-preset's (``mean``, the GQA paper's conversion).
+its validation, and the checks on G. A field a preset sets is None unless given: a field given
+explicitly > the preset's > the default preset's (``mean``, the GQA paper's conversion).
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.cli_options import opt
-from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, needs_calibration
+from gqakit.convert.methods import METHODS
 from gqakit.convert.refine import REFINE_LR, REFINE_QK_LR, REFINE_TARGETS
 from gqakit.dtypes import LOAD_DTYPES, safetensors_name
 from gqakit.errors import GqakitError
@@ -34,8 +30,8 @@ class Preset:
 
     Attributes:
         summary: one line for ``--help``.
-        method, calib_tokens, refine_steps, refine_target, refine_lr, refine_qk_lr, grouping: the
-            :class:`ConvertOptions` fields of those names (no preset changes the grouping).
+        method, calib_tokens, refine_steps, refine_target, refine_lr, refine_qk_lr: the
+            :class:`ConvertOptions` fields of those names.
     """
 
     summary: str
@@ -45,7 +41,6 @@ class Preset:
     refine_target: str = "attention"
     refine_lr: float = REFINE_LR
     refine_qk_lr: float = REFINE_QK_LR
-    grouping: str = "contiguous"
 
     @property
     def needs_text(self) -> bool:
@@ -114,7 +109,6 @@ class ConvertOptions:
     refine_target: str | None = opt(
         None, f"What each block is fitted to: {REFINE_TARGETS.describe()}.", cli="set"
     )
-    grouping: str | None = opt(None, f"Which heads share a group: {GROUPINGS.describe()}.", cli="set")
     refine_lr: float | None = opt(None, "Learning rate of the refinement.", cli="set")
     refine_qk_lr: float | None = opt(
         None, "Learning rate of the refinement's query/key side (q, k and their norms).", cli="set"
@@ -137,9 +131,8 @@ class ConvertOptions:
 
     @property
     def needs_text(self) -> bool:
-        """Whether the resolved conversion reads calibration text (a merge, a grouping or refinement)."""
-        r = self.resolved()
-        return needs_calibration(r.method, r.grouping) or bool(r.refine_steps)  # type: ignore[arg-type]
+        """Whether the resolved conversion reads calibration text (a calibrated merge or refinement)."""
+        return self.merged or bool(self.resolved().refine_steps)
 
     @property
     def wiki_text(self) -> bool:
@@ -149,9 +142,9 @@ class ConvertOptions:
 
     @property
     def merged(self) -> bool:
-        """True when this conversion goes through the merge path (calibration and/or head grouping)."""
-        r = self.resolved()
-        return needs_calibration(r.method, r.grouping)  # type: ignore[arg-type]
+        """True when this conversion fits calibrated merges (:mod:`gqakit.convert.merge_fit`)."""
+        method = METHODS.get(self.resolved().method)  # type: ignore[arg-type]
+        return method is not None and method.needs_calibration
 
     @property
     def provenance(self) -> dict[str, Any]:
@@ -170,7 +163,6 @@ class ConvertOptions:
             p.add(f"{f('groups')} must be a positive number of K/V heads, got {o.groups}.")
         p.add(device_problem(o.device, f("device")))
         p.add(METHODS.unknown(o.method, f("method")))  # type: ignore[arg-type]
-        p.add(GROUPINGS.unknown(o.grouping, f("grouping")))  # type: ignore[arg-type]
         if o.dtype not in DTYPE_CHOICES:
             p.add(f"{f('dtype')} {o.dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}.")
         if o.calib_tokens <= 0:  # type: ignore[operator]
@@ -180,16 +172,9 @@ class ConvertOptions:
         p.add(rate_problem(f("refine_lr"), o.refine_lr, REFINE_LR))  # type: ignore[arg-type]
         p.add(rate_problem(f("refine_qk_lr"), o.refine_qk_lr, REFINE_QK_LR))  # type: ignore[arg-type]
         p.add(REFINE_TARGETS.unknown(o.refine_target, f("refine_target")))  # type: ignore[arg-type]
-        method, grouping = METHODS.get(o.method), GROUPINGS.get(o.grouping)  # type: ignore[arg-type]
-        needs = [
-            w
-            for w, on in (
-                (f"{f('method')} {o.method}", method is not None and method.needs_calibration),
-                (f"{f('grouping')} {o.grouping}", grouping is not None and grouping.needs_calibration),
-                (f("refine_steps"), o.refine_steps > 0),  # type: ignore[operator]
-            )
-            if on
-        ]
+        method = METHODS.get(o.method)  # type: ignore[arg-type]
+        needs = [f"{f('method')} {o.method}"] if self.merged else []
+        needs += [f("refine_steps")] if o.refine_steps > 0 else []  # type: ignore[operator]
         if needs and not self.calib_data and not self.wiki_text:
             verb = "needs" if len(needs) == 1 else "need"
             p.add(
@@ -198,9 +183,8 @@ class ConvertOptions:
             )
         if self.calib_data and not needs:
             p.add(
-                f"{f('calib_data')} is only used by {f('method')} calibrated, {f('grouping')} similarity or "
-                f"{f('refine_steps')}; add one of them, or drop {f('calib_data')} for {f('method')} "
-                f"{o.method}."
+                f"{f('calib_data')} is only used by {f('method')} calibrated or {f('refine_steps')}; add one "
+                f"of them, or drop {f('calib_data')} for {f('method')} {o.method}."
             )
         if paths and self.calib_data and not Path(self.calib_data).expanduser().is_file():
             p.add(f"{f('calib_data')} {self.calib_data} does not exist or is not a file.")
@@ -208,11 +192,6 @@ class ConvertOptions:
             p.add(
                 f"{f('refine_steps')} cannot start from {f('method')} {o.method} (the blocks would be "
                 f"trained from scratch on a few thousand tokens); use {f('method')} calibrated or mean."
-            )
-        if grouping is not None and grouping.needs_calibration and method and method.merge is None:
-            p.add(
-                f"{f('grouping')} {o.grouping} cannot be combined with {f('method')} {o.method}; use "
-                f"one of {', '.join(MERGE_METHODS)}."
             )
 
 

@@ -1,21 +1,13 @@
 """Turn a checkpoint's tensor index into a conversion plan: one entry per output tensor.
 
-A plan says, for every output tensor, its name, dtype and shape, which input tensors it is computed
-from, and the pure function that computes it (None: copy the single source unchanged). Planning needs
-only the tensor headers, so a whole checkpoint is planned, and every problem found, before one byte is
-written; executing a plan streams it (``convert.stream``) or applies it to an in-memory state dict
-(:func:`convert_state_dict`).
+A plan says, for every output tensor, its name, dtype and shape, its input tensors, and the pure
+function that computes it (None: copy the single source unchanged). Planning needs only the tensor
+headers, so a whole checkpoint is planned, and every problem found, before one byte is written.
 
-Pooling is pure tensor math in *head space*: a K or V projection weight ``[kv_heads * head_dim,
-hidden]`` is viewed as ``[kv_heads, head_dim, hidden]`` and the first axis is reduced (pooling) or
-repeated (expansion). HF's ``repeat_kv`` serves query head ``j`` from KV head ``j // (H / G)``, so the
-KV heads that end up sharing one new head are consecutive: new head ``g`` pools old heads
-``g*r .. g*r + r - 1`` with ``r = kv_heads / G``.
-
-Rotary embeddings rotate channel pairs *inside* a head by an angle that depends only on the channel
-index and the position, identically for every head. Averaging weight rows of several heads channel by
-channel therefore commutes with the rotation: ``R(mean_i W_i x) = mean_i R(W_i x)``. Pooling needs no
-knowledge of the rotary layout (tests/convert/test_pooling.py checks this numerically).
+Pooling works in *head space*: a K or V projection ``[kv_heads * head_dim, hidden]`` is viewed as
+``[kv_heads, head_dim, hidden]`` and new head ``g`` pools the consecutive old heads ``g*r .. g*r + r - 1``
+(what ``repeat_kv`` implies). Rotary embeddings rotate channel pairs inside a head identically for every
+head, so averaging heads channel by channel commutes with them (tests/convert/test_pooling.py).
 """
 
 from __future__ import annotations
@@ -27,10 +19,10 @@ from functools import partial
 
 import torch
 
-from gqakit.convert.methods import METHODS, POOLING_METHODS
-from gqakit.dtypes import is_float, safetensors_name, torch_dtype
+from gqakit.convert.methods import METHODS
+from gqakit.dtypes import row, safetensors_name, torch_dtype
 from gqakit.errors import GqakitError
-from gqakit.family_parts import ArchAdapter
+from gqakit.family_parts import ArchAdapter, Role
 from gqakit.geometry import AttentionGeometry
 
 TensorFn = Callable[[list[torch.Tensor]], torch.Tensor]
@@ -67,8 +59,6 @@ def regroup(
     rest = tuple(x.shape[1:])
     if target <= 0:
         raise ValueError(f"target must be positive, got {target}")
-    if method not in POOLING_METHODS:
-        raise ValueError(f"unknown pooling method {method!r}; choose one of {', '.join(POOLING_METHODS)}")
     entry = METHODS[method]
     if entry.fresh:
         shape = (target, *rest)
@@ -121,29 +111,6 @@ def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, p
     return torch.stack([x.reshape(heads, head_dim, *rest) for x in (q, k, v)], dim=1).reshape(-1, *rest)
 
 
-def regroup_fused_qkv(
-    t: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    target: int,
-    head_dim: int,
-    method: str = "mean",
-    per_head: bool = False,
-    **kw: object,
-) -> torch.Tensor:
-    """Regroup the K and V rows of a fused projection (:func:`split_qkv`); Q passes through."""
-    q, k, v = split_qkv(t, num_heads, num_kv_heads, head_dim, per_head)
-    k = regroup_head_axis(k, num_kv_heads, target, head_dim, method, **kw)
-    v = regroup_head_axis(v, num_kv_heads, target, head_dim, method, **kw)
-    return join_qkv(q, k, v, head_dim, per_head)
-
-
-def tensor_generator(seed: int, name: str) -> torch.Generator:
-    """A generator seeded from the run's seed and the tensor's name, so ``random`` does not depend on
-    the order in which shards are streamed."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-
-
 @dataclass(frozen=True)
 class OutputTensor:
     """One tensor of the converted checkpoint.
@@ -183,24 +150,75 @@ class RegroupSpec:
     out_dtype: str | None = None
 
 
-def module_tensors(infos: Infos, module: str | None) -> list[str]:
-    """The names of a module's ``weight`` and ``bias`` that exist in the checkpoint (none for None)."""
-    return [] if module is None else [f"{module}.{s}" for s in ("weight", "bias") if f"{module}.{s}" in infos]
-
-
-def _init_for(name: str, is_norm: bool) -> str:
-    """What ``random`` draws for the tensor ``name``: zeros for a bias, ones for a norm, else normal."""
-    if name.endswith(".bias"):
-        return "zeros"
-    return "ones" if is_norm else "normal"
-
-
-def _require(infos: Infos, name: str | None, adapter: ArchAdapter, what: str) -> None:
-    if name is not None and name not in infos:
+def _check_rows(infos: Infos, module: str, adapter: ArchAdapter, what: str, want: int, implied: str) -> None:
+    name = f"{module}.weight"
+    if name not in infos:
         raise GqakitError(
             f"Expected tensor {name!r} ({what}) is not in the checkpoint, although its config says "
             f"model_type {adapter.model_type!r}. Is the checkpoint complete and of that family?"
         )
+    if infos[name][1][0] != want:
+        raise GqakitError(
+            f"{name} has {infos[name][1][0]} rows but the config implies {implied} = {want}. The config "
+            "does not match the weights."
+        )
+
+
+def plan_layer(
+    infos: Infos,
+    adapter: ArchAdapter,
+    geom: AttentionGeometry,
+    spec: RegroupSpec,
+    layer: int,
+    k: Callable[..., torch.Tensor],
+    v: Callable[..., torch.Tensor],
+    q: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    o: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[OutputTensor]:
+    """The planned tensors of one layer's attention, in the source's dtypes (the shapes checked against
+    the config first): ``k``/``v`` map K or V rows ``[kv * d, ...]`` (a weight, a bias, a key norm) to
+    ``[G * d, ...]``, called with ``init`` and ``generator`` for ``random`` (:func:`regroup`); ``q`` maps
+    q_proj rows ``[H * d, ...]`` and ``o`` the o_proj weight ``[hidden, H * d]`` (None: unchanged)."""
+    kv, d, h, g = geom.num_kv_heads, geom.head_dim, geom.num_heads, spec.target
+    outs: list[OutputTensor] = []
+
+    def put(name: str, shape, fn, init: str | None, sources: tuple[str, ...] | None = None) -> None:
+        sources = sources or (name,)
+        fn = partial(_computed, fn=fn, name=name, seed=spec.seed, init=init)
+        outs.append(OutputTensor(name, infos[sources[0]][0], tuple(shape), sources, fn))
+
+    def tensors(role: Role) -> list[str]:  # the module's weight and bias that the checkpoint holds
+        module = adapter.module(role, layer)
+        return [n for n in (f"{module}.weight", f"{module}.bias") if module is not None and n in infos]
+
+    qkv = adapter.module("qkv", layer)
+    if qkv is not None:
+        heads = f"{h} query + 2 x {kv} K/V heads of {d}"
+        _check_rows(infos, qkv, adapter, "fused q|k|v projection", (h + 2 * kv) * d, heads)
+        fused = partial(_fused, q=q, k=k, v=v, h=h, kv=kv, d=d, per_head=adapter.qkv_per_head)
+        for name in tensors("qkv"):
+            put(name, ((h + 2 * g) * d, *infos[name][1][1:]), fused, _init_for(name, False))
+    else:
+        for role, what in (("k", "key projection"), ("v", "value projection")):
+            module: str = adapter.module(role, layer)  # type: ignore[arg-type, assignment]
+            _check_rows(infos, module, adapter, what, kv * d, f"{kv} K/V heads x head_dim {d}")
+    kv_rows = [(n, k, False) for n in tensors("k")] + [(n, v, False) for n in tensors("v")]
+    for name, fn, is_norm in kv_rows + [(n, k, True) for n in tensors("k_norm_flat")]:
+        put(name, (g * d, *infos[name][1][1:]), fn, _init_for(name, is_norm))
+    for name in tensors("q") if q is not None else []:
+        put(name, infos[name][1], q, None)
+    if o is not None:
+        o_proj = adapter.tensor("o", layer)
+        put(o_proj, infos[o_proj][1], o, None)
+    template = adapter.k_norm_per_head
+    for suffix in ("weight", "bias") if template is not None else ():
+        names = tuple(f"{template.format(layer=layer, head=i)}.{suffix}" for i in range(kv))  # type: ignore[union-attr]
+        if all(n in infos for n in names):  # one norm per head: each output head from all of them
+            for new in range(g):
+                out = f"{template.format(layer=layer, head=new)}.{suffix}"  # type: ignore[union-attr]
+                fn = partial(_one_head, fn=k, head=new, d=d)
+                put(out, infos[names[0]][1], fn, _init_for(out, True), names)
+    return outs
 
 
 def plan_regroup(
@@ -217,109 +235,58 @@ def plan_regroup(
     Returns:
         Output tensors in input order.
     """
-    kv, d, g = geom.num_kv_heads, geom.head_dim, spec.target
-    special: dict[str, list[OutputTensor]] = {}  # input name -> outputs anchored on it
-    consumed: set[str] = set()
-
-    def add(anchor: str, out: OutputTensor) -> None:
-        special.setdefault(anchor, []).append(out)
-        consumed.update(out.sources)
-
+    pool = partial(
+        regroup_head_axis,
+        num_kv_heads=geom.num_kv_heads,
+        target=spec.target,
+        head_dim=geom.head_dim,
+        method=spec.method,
+        std=spec.std,
+    )
+    changed: dict[str, list[OutputTensor]] = {}  # input name -> outputs anchored on it
     for layer in range(geom.num_layers):
-        k, v, qkv = (adapter.module(role, layer) for role in ("k", "v", "qkv"))
-        if qkv is not None:
-            _require(infos, f"{qkv}.weight", adapter, "fused q|k|v projection")
-            rows = infos[f"{qkv}.weight"][1][0]
-            want = (geom.num_heads + 2 * kv) * d
-            if rows != want:
-                raise GqakitError(
-                    f"{qkv}.weight has {rows} rows but the config implies {want} "
-                    f"({geom.num_heads} query + 2 x {kv} K/V heads of {d}). "
-                    "The config does not match the weights."
-                )
-            for name in module_tensors(infos, qkv):
-                dtype, shape = infos[name]
-                init = _init_for(name, False)
-                fn = partial(
-                    _fused,
-                    heads=geom.num_heads,
-                    kv=kv,
-                    target=g,
-                    d=d,
-                    spec=spec,
-                    init=init,
-                    name=name,
-                    per_head=adapter.qkv_per_head,
-                )
-                add(name, OutputTensor(name, dtype, ((geom.num_heads + 2 * g) * d, *shape[1:]), (name,), fn))
-            continue
-        for module, what in ((k, "key projection"), (v, "value projection")):
-            _require(infos, f"{module}.weight", adapter, what)
-            rows = infos[f"{module}.weight"][1][0]
-            if rows != kv * d:
-                raise GqakitError(
-                    f"{module}.weight has {rows} rows but the config implies {kv} K/V heads x head_dim {d} "
-                    f"= {kv * d}. The config does not match the weights."
-                )
-        flat_norm = adapter.module("k_norm_flat", layer)
-        for module, is_norm in ((k, False), (v, False), (flat_norm, True)):
-            for name in module_tensors(infos, module):
-                dtype, shape = infos[name]
-                init = _init_for(name, is_norm)
-                fn = partial(_head_axis, kv=kv, target=g, d=d, spec=spec, init=init, name=name)
-                add(name, OutputTensor(name, dtype, (g * d, *shape[1:]), (name,), fn))
-        if adapter.k_norm_per_head is not None:
-            _plan_per_head(infos, adapter.k_norm_per_head, layer, kv, g, spec, add)
-
+        for out in plan_layer(infos, adapter, geom, spec, layer, pool, pool):
+            changed.setdefault(out.sources[0], []).append(out)
+    consumed = {s for outs in changed.values() for out in outs for s in out.sources}
     plan: list[OutputTensor] = []
     for name, (dtype, shape) in infos.items():
-        if name in special:
-            plan.extend(special[name])
+        if name in changed:
+            plan.extend(changed[name])
         elif name not in consumed:
             plan.append(OutputTensor(name, dtype, shape, (name,)))
-    return [_cast(o, spec.out_dtype) for o in plan]
+    return [cast_output(o, spec.out_dtype) for o in plan]
 
 
-def _plan_per_head(infos: Infos, template: str, layer: int, kv: int, g: int, spec: RegroupSpec, add) -> None:
-    """Per-head modules (one norm per K/V head): group r inputs into one output, or copy one to many."""
-    for suffix in ("weight", "bias"):
-        names = [f"{template.format(layer=layer, head=h)}.{suffix}" for h in range(kv)]
-        if not all(n in infos for n in names):
-            continue
-        dtype, shape = infos[names[0]]
-        for new in range(g):
-            out_name = f"{template.format(layer=layer, head=new)}.{suffix}"
-            srcs = (
-                tuple(names[new * (kv // g) : (new + 1) * (kv // g)])
-                if g <= kv
-                else (names[new // (g // kv)],)
-            )
-            fn = partial(_per_head, spec=spec, init=_init_for(out_name, True), name=out_name)
-            add(srcs[0], OutputTensor(out_name, dtype, shape, srcs, fn))
+def _init_for(name: str, is_norm: bool) -> str:
+    """What ``random`` draws for the tensor ``name``: zeros for a bias, ones for a norm, else normal."""
+    if name.endswith(".bias"):
+        return "zeros"
+    return "ones" if is_norm else "normal"
 
 
-def _head_axis(ts: list[torch.Tensor], *, kv, target, d, spec: RegroupSpec, init, name) -> torch.Tensor:
-    gen = tensor_generator(spec.seed, name)
-    return regroup_head_axis(ts[0], kv, target, d, spec.method, init=init, std=spec.std, generator=gen)
+def _computed(ts: list[torch.Tensor], *, fn, name: str, seed: int, init: str | None) -> torch.Tensor:
+    """``fn`` on the source (several are joined: one per head), with ``random``'s draw for ``name`` (seeded
+    by the run's seed and the tensor's name, so it does not depend on the order shards are streamed in)."""
+    t = ts[0] if len(ts) == 1 else torch.cat(ts)
+    if init is None:
+        return fn(t)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return fn(t, init=init, generator=generator)
 
 
-def _fused(
-    ts: list[torch.Tensor], *, heads, kv, target, d, spec: RegroupSpec, init, name, per_head
-) -> torch.Tensor:
-    gen = tensor_generator(spec.seed, name)
-    kw = dict(init=init, std=spec.std, generator=gen)
-    return regroup_fused_qkv(ts[0], heads, kv, target, d, spec.method, per_head, **kw)
+def _one_head(t: torch.Tensor, *, fn, head: int, d: int, **kw) -> torch.Tensor:
+    """Output head ``head`` (``d`` rows) of ``fn`` on all the per-head norms ``t``, joined."""
+    return fn(t, **kw)[head * d : (head + 1) * d]
 
 
-def _per_head(ts: list[torch.Tensor], *, spec: RegroupSpec, init, name) -> torch.Tensor:
-    if len(ts) == 1 and not METHODS[spec.method].fresh:
-        return ts[0].clone()  # a group of one, or expansion: a copy of the one source head
-    gen = tensor_generator(spec.seed, name)
-    return regroup(torch.stack(ts), 1, spec.method, init=init, std=spec.std, generator=gen)[0]
+def _fused(t: torch.Tensor, *, q, k, v, h, kv, d, per_head, **kw) -> torch.Tensor:
+    qs, ks, vs = split_qkv(t, h, kv, d, per_head)
+    return join_qkv(q(qs) if q else qs, k(ks, **kw), v(vs, **kw), d, per_head)
 
 
-def _cast(out: OutputTensor, dtype: str | None) -> OutputTensor:
-    if dtype is None or out.dtype == dtype or not is_float(out.dtype):
+def cast_output(out: OutputTensor, dtype: str | None) -> OutputTensor:
+    """``out`` cast to ``dtype`` (a safetensors name; None: as it is) when it is floating."""
+    if dtype is None or out.dtype == dtype or not row(out.dtype).float:
         return out
     inner = out.fn
     cast = torch_dtype(dtype)

@@ -1,18 +1,8 @@
 """Layer-wise refinement: fit each converted attention block to the original's output on calibration text.
 
-A merge (mean pooling or the calibrated merge) fixes the shared K/V heads in closed form from second
-moments; it cannot see the softmax. Refinement takes the merged weights as a start and runs a few Adam
-steps per layer on one loss: the squared error between the converted block's output and the original's
-on the calibration text, relative to the target's size, over the batch or token by token (the target's
-:attr:`RefineTarget.loss`). The block is fitted on its own, like a quantizer's
-layer-wise reconstruction: no gradient crosses layers, and the layer-by-layer driver
-(:mod:`gqakit.convert.layerwise`) holds one layer's activations at a time. Every parameter of the block
-moves (q/k/v/o weights, biases and norms), so the query and output sides adapt to the shared heads. The
-output is still a plain checkpoint with the converted shapes; gqakit.json records each layer's error
-before and after.
-
-Two targets are kept (:data:`REFINE_TARGETS`), each with the loss measured better with it; the others
-measured (whole-layer, window and cosine-schedule variants) are compared in docs/convert.md.
+A merge cannot see the softmax; refinement runs a few Adam steps per layer from the merge, no gradient
+crossing layers (docs/convert.md, "Layer-wise refinement"). Two targets are kept (:data:`REFINE_TARGETS`),
+each with the loss measured better with it; docs/convert.md compares the variants measured.
 """
 
 from __future__ import annotations
@@ -85,50 +75,31 @@ REFINE_TARGETS: NameTable[RefineTarget] = NameTable(
 )
 
 
-@dataclass(frozen=True)
-class RefineSettings:
-    """How hard to refine.
-
-    Attributes:
-        steps: Adam steps per layer (0: no refinement).
-        lr: Adam's learning rate.
-        seed: orders the calibration batches.
-        target: what the block is fitted to (:data:`REFINE_TARGETS`), and with which loss.
-        qk_lr: the learning rate of the query/key side (q, k and their norms); None: ``lr``. A fused
-            qkv projection is one tensor and takes ``lr``.
-    """
-
-    steps: int
-    lr: float = REFINE_LR
-    seed: int = 0
-    target: str = "attention"
-    qk_lr: float | None = None
-
-
 def refine_record(
-    settings: RefineSettings, tokens: int, heldout_tokens: int, layers: list[dict[str, Any]], elapsed_s: float
+    o: Any, tokens: int, heldout_tokens: int, layers: list[dict[str, Any]], elapsed_s: float
 ) -> dict[str, Any]:
-    """What refinement did, for gqakit.json: the settings, the calibration tokens the blocks were fitted
+    """What refinement did, for gqakit.json: the settings (``o``: the resolved
+    :class:`~gqakit.convert.options.ConvertOptions`), the calibration tokens the blocks were fitted
     on and those held out to choose each block's best step, per layer the relative errors before and
     after on both (:func:`fit_block`), the seconds spent, and a one-line ``summary`` of what was kept: the
     steps and the layers they improved, or that no step was kept (no layer's held-out error ever fell
     below its merge's)."""
-    target = REFINE_TARGETS[settings.target]
+    target = REFINE_TARGETS[o.refine_target]
     kept = sum(1 for layer in layers if layer["best_step"])
-    summary = f"refined {settings.steps} steps/layer, {kept} of {len(layers)} layers improved"
+    summary = f"refined {o.refine_steps} steps/layer, {kept} of {len(layers)} layers improved"
     if not kept:
         summary = (
-            f"refinement kept no step: in {settings.steps} steps/layer no layer's held-out error fell below "
+            f"refinement kept no step: in {o.refine_steps} steps/layer no layer's held-out error fell below "
             "its merge's"
         )
     return {
-        "steps": settings.steps,
-        "lr": settings.lr,
-        "seed": settings.seed,
+        "steps": o.refine_steps,
+        "lr": o.refine_lr,
+        "seed": o.seed,
         "tokens": tokens,
         "heldout_tokens": heldout_tokens,
-        "target": settings.target,
-        "qk_lr": settings.qk_lr,
+        "target": o.refine_target,
+        "qk_lr": o.refine_qk_lr,
         "loss": target.loss,
         "objective": f"per layer, {LOSSES[target.loss]}, against {target.help}; all attention parameters "
         "trained; each layer keeps its weights at the best held-out error (best_step 0: the merge)",
@@ -182,7 +153,10 @@ def fit_block(
     module: torch.nn.Module,
     fit: Sequence[tuple],
     check: Sequence[tuple],
-    settings: RefineSettings,
+    steps: int,
+    lr: float,
+    qk_lr: float | None = None,
+    seed: int = 0,
     trained: torch.nn.Module | None = None,
     qk_params: Sequence[str] = (),
     weights: Sequence[torch.Tensor] | None = None,
@@ -197,10 +171,11 @@ def fit_block(
     Args:
         module: what is run on the batches: the attention block, or a decoder layer holding it.
         fit, check: ``(args, kwargs, target)`` batches fitted on, and held out.
-        settings: steps, rates, seed.
+        steps, lr: Adam steps and learning rate.
+        qk_lr: the learning rate of the query/key-side parameters ``qk_params`` (names in ``trained``);
+            None: ``lr`` (a fused qkv projection is one tensor and takes ``lr``).
+        seed: orders the calibration batches.
         trained: the module whose parameters move (default ``module``).
-        qk_params: names (in ``trained``) of the query/key-side parameters, trained at
-            ``settings.qk_lr`` when it is set.
         weights: per-token weights (``[..., 1]``, see :func:`token_weights`) of the ``fit`` then the
             ``check`` batches, one per batch, for the ``per-token`` loss; None: unweighted.
 
@@ -218,16 +193,16 @@ def fit_block(
         float(_weighted(t.pow(2), fit_w[b] if fit_w else None).mean()) for b, (_, _, t) in enumerate(fit)
     )
     scale /= len(fit)
-    every = max(1, settings.steps // 10)
-    gen = torch.Generator().manual_seed(settings.seed)
+    every = max(1, steps // 10)
+    gen = torch.Generator().manual_seed(seed)
     for p in params:
         p.requires_grad_(True)
-    qk = [p for n, p in named if n in set(qk_params)] if settings.qk_lr is not None else []
+    qk = [p for n, p in named if n in set(qk_params)] if qk_lr is not None else []
     rest = [p for n, p in named if not any(p is q for q in qk)]
-    groups = [{"params": rest, "lr": settings.lr}] + ([{"params": qk, "lr": settings.qk_lr}] if qk else [])
-    opt = torch.optim.Adam(groups, lr=settings.lr)
+    groups = [{"params": rest, "lr": lr}] + ([{"params": qk, "lr": qk_lr}] if qk else [])
+    opt = torch.optim.Adam(groups, lr=lr)
     order: list[int] = []
-    for step in range(1, settings.steps + 1):
+    for step in range(1, steps + 1):
         if not order:  # a fresh random pass over the batches
             order = torch.randperm(len(fit), generator=gen).tolist()
         b = order.pop()
@@ -237,7 +212,7 @@ def fit_block(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if step % every == 0 or step == settings.steps:
+        if step % every == 0 or step == steps:
             held = attention_error(module, check, check_w)
             if held < best:  # NaN compares False: a diverged fit is never kept
                 best, best_step = held, step

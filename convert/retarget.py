@@ -1,11 +1,7 @@
 """Converting a family whose transformers class has one K/V head per query head (GPT-2, OPT, GPT-NeoX)
 through the stock class its entry in :data:`gqakit.families.FAMILIES` names: the checks, the exact MHA
-rewrite, then G heads.
-
-The rewrite into the target family's MHA checkpoint (logits equal to the source's) goes to a temporary
-directory, which then converts through the ordinary path (every method, grouping and refinement) and is
-written by :func:`gqakit.convert.write.write_converted`, atomically. A ``gpt_bigcode`` target states G
-as ``multi_query`` and so holds only G = 1 or G = H.
+rewrite into a temporary directory, then the ordinary conversion of that (every method and refinement).
+A ``gpt_bigcode`` target states G as ``multi_query`` and so holds only G = 1 or G = H.
 """
 
 from __future__ import annotations
@@ -26,15 +22,25 @@ from gqakit.family_parts import Retarget, Rewrite
 from gqakit.geometry import AttentionGeometry
 from gqakit.names import resolve
 from gqakit.problems import Problems
-from gqakit.storage import check_output_dir, write_json
+from gqakit.storage import write_json
 
 Config = dict[str, Any]
 ConvertFn = Callable[..., ConvertResult]
 
 
-def rewrite_of(retarget: Retarget) -> Rewrite:
-    """The :class:`Rewrite` a registry entry names (``module:attribute``)."""
-    return resolve(retarget.rewrite)
+def _class_refusals(retarget: Retarget, config: Config, groups: int | None, flag: str) -> list[str]:
+    """Why ``retarget``'s class cannot hold ``config``'s checkpoint exactly (its config's refusals), nor,
+    unless ``groups`` is None, ``groups`` K/V heads (named ``flag``)."""
+    found = retarget.problems(config)
+    heads = AttentionGeometry.from_config(config).num_heads
+    valid = retarget.valid_groups(heads)
+    if groups is not None and groups not in valid:
+        holds = "any G dividing" if retarget.any_groups else "only G = 1 (multi_query) or G ="
+        found.append(
+            f"{flag} {groups}: {retarget.target} holds {holds} {heads} heads; choose one of "
+            f"{', '.join(map(str, valid))}"
+        )
+    return found
 
 
 def groups_problem(config: Config, groups: int) -> str | None:
@@ -42,29 +48,15 @@ def groups_problem(config: Config, groups: int) -> str | None:
     family converted through a stock class, that class's G and the config's refusals; else
     :func:`~gqakit.convert.options.check_groups`'s message."""
     retarget = family_of(config).retarget
-    geom = AttentionGeometry.from_config(config)
-    heads = geom.num_heads
     if retarget is None:
         try:
-            check_groups(geom, groups)
+            check_groups(AttentionGeometry.from_config(config), groups)
         except GqakitError as e:
             return e.message
         return None
-    reasons = retarget.problems(config)
-    if (reason := _groups_reason(retarget, heads, groups)) is not None:
-        reasons.append(f"G = {groups}: {reason}")
-    if not reasons:
+    if not (reasons := _class_refusals(retarget, config, groups, "G =")):
         return None
     return f"{config['model_type']} converts into {retarget.target}, but: {'; '.join(reasons)}."
-
-
-def _groups_reason(retarget: Retarget, heads: int, groups: int) -> str | None:
-    """Why ``retarget``'s class cannot hold ``groups`` K/V heads for ``heads`` query heads, or None."""
-    valid = retarget.valid_groups(heads)
-    if groups in valid:
-        return None
-    holds = "any G dividing" if retarget.any_groups else "only G = 1 (multi_query) or G ="
-    return f"{retarget.target} holds {holds} {heads} heads; choose one of {', '.join(map(str, valid))}"
 
 
 def refusals(ckpt: Checkpoint, options: ConvertOptions | None = None) -> list[str]:
@@ -75,15 +67,12 @@ def refusals(ckpt: Checkpoint, options: ConvertOptions | None = None) -> list[st
     retarget = family_of(ckpt.model_type).retarget
     if retarget is None:
         return []
-    found = [f"{reason}." for reason in retarget.problems(ckpt.config)]
-    if options is not None:
-        heads = AttentionGeometry.from_config(ckpt.config).num_heads
-        if (reason := _groups_reason(retarget, heads, options.groups)) is not None:
-            found.append(f"{Problems('convert').flag('groups')} {options.groups}: {reason}.")
+    groups = None if options is None else options.groups
+    found = _class_refusals(retarget, ckpt.config, groups, Problems("convert").flag("groups"))
     if not found:
         with ckpt.reader() as reader:
-            found = [f"{r}." for r in rewrite_of(retarget).weight_problems(reader.read, ckpt.config)]
-    return found
+            found = resolve(retarget.rewrite).weight_problems(reader.read, ckpt.config)
+    return [f"{reason}." for reason in found]
 
 
 def convert_retargeted(
@@ -92,16 +81,9 @@ def convert_retargeted(
     """Convert ``ckpt`` of a family with a ``retarget`` entry to ``options.groups`` K/V heads of its
     target class.
 
-    Args:
-        ckpt: an open checkpoint of such a family.
-        dst: the output directory; written atomically.
-        options: validated, resolved convert options.
-        start: when the command started (for the provenance's elapsed time).
-        convert: the ordinary conversion of an open checkpoint (``gqakit.convert.api``).
-
-    Raises:
-        GqakitError: every reason the source or the options cannot be held, in one message; nothing is
-            written then.
+    ``options`` are validated and resolved; ``start`` is when the command started; ``convert`` is the
+    ordinary conversion of an open checkpoint (``gqakit.convert.api``). Every reason the source or the
+    options cannot be held is one :class:`GqakitError`, before anything is written.
     """
     retarget = family_of(ckpt.model_type).retarget
     assert retarget is not None, ckpt.model_type
@@ -109,8 +91,7 @@ def convert_retargeted(
     if found:
         what = f"{ckpt.origin} ({ckpt.model_type}) cannot be converted exactly into {retarget.target}:"
         raise GqakitError(" ".join([what, *found]))
-    check_output_dir(Path(dst), options.force, ckpt.path)  # before the whole model is read and rewritten
-    rewrite = rewrite_of(retarget)
+    rewrite: Rewrite = resolve(retarget.rewrite)
     with ckpt.reader() as reader:  # the retargeted families are rewritten whole, in memory
         state = rewrite.state({name: reader.read(name) for name in ckpt.tensor_infos()}, ckpt.config)
     config = rewrite.config(ckpt.config)
@@ -119,13 +100,12 @@ def convert_retargeted(
     if not retarget.any_groups:  # gpt_bigcode: one K/V head for all (multi_query), or one per query head
         kv_config = {"multi_query": options.groups < config["n_head"]}
     with tempfile.TemporaryDirectory(prefix="gqakit-retarget-") as tmp:
-        mha = Path(tmp) / "mha"
-        mha.mkdir()
+        mha = Path(tmp)
         copy_non_weight_files(ckpt.path, mha)
-        tensors = {k: v.contiguous() for k, v in state.items()}
-        save_file(tensors, str(mha / "model.safetensors"), {"format": "pt"})
+        state = {k: v.contiguous() for k, v in state.items()}
+        save_file(state, str(mha / "model.safetensors"), {"format": "pt"})
         write_json(mha / "config.json", config)
-        del state, tensors
+        del state
         with resolve_checkpoint(mha) as target:
             target.origin = ckpt.origin  # the provenance names what the user gave
             target.derived_from = ckpt  # ... and hashes its files, not the rewrite's

@@ -6,7 +6,6 @@ candidates): what each method computes reaches DST through :func:`write_converte
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,8 +68,8 @@ def write_converted(
     force: bool,
     record: dict[str, Any],
     start: float,
+    config: dict[str, Any],
     progress: bool = True,
-    config: dict[str, Any] | None = None,
 ) -> ConvertResult:
     """Write a conversion atomically: shards, config, tokenizer files, provenance, model card.
 
@@ -78,13 +77,10 @@ def write_converted(
     ``weights`` is either a plan (streamed tensor by tensor) or a function that writes the weight shards
     into the temporary directory itself and returns their names (the layer-by-layer calibrated path);
     such a function may add to ``record`` what it measured, which then goes into the provenance.
-    ``config``: the output's config (G as its class states it); by default ``ckpt``'s with ``groups``
-    K/V heads. ``progress`` False: no progress bar for a streamed plan. The output directory is claimed
-    (and DST checked) before any weight is computed.
+    ``config``: the output's config (G as its class states it), a new dict this may change. ``progress``
+    False: no progress bar for a streamed plan. The output directory is claimed (and DST checked) before
+    any weight is computed.
     """
-    if config is None:
-        config = {**ckpt.config, "num_key_value_heads": groups}
-    config = copy.deepcopy(config)
     if out_dtype is not None:
         config["dtype"] = dtype_name(out_dtype)
         if "torch_dtype" in config:  # a carried-over legacy key must not contradict it
@@ -126,32 +122,11 @@ def write_converted(
 
 
 def _model_card(name: str, geom: AttentionGeometry, groups: int, prov: dict[str, Any]) -> str:
-    before = geom.kv_bytes_per_token(geom.num_kv_heads)
-    after = geom.kv_bytes_per_token(groups)
+    """A short model card: the command, the source and G; gqakit.json holds every setting and figure."""
     kind = "MQA" if groups == 1 else ("MHA" if groups == geom.num_heads else f"GQA-{groups}")
-    return f"""---
-library_name: transformers
-base_model: {prov["source"]}
-tags:
-- gqakit
-- grouped-query-attention
----
-
-# {name}
-
-`{prov["source"]}` with its attention regrouped by gqakit {prov["version"]} (`gqakit {prov["command"]}`):
-{geom.num_heads} query heads now share **{groups} K/V heads** ({kind}), down from {geom.num_kv_heads};
-method `{prov["method"]}`, dtype `{prov["dtype"]}`.
-
-KV cache per token (bf16, all {geom.num_layers} layers): {before:,} bytes before, {after:,} bytes after.
-
-This is a plain Hugging Face checkpoint:
-
-```python
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("{name}")
-```
-
-Pooling K/V heads without training costs quality; uptrain it (`gqakit uptrain`) and measure it
-(`gqakit eval`) before use. Provenance: `gqakit.json`. Licence: that of the source model.
-"""
+    return (
+        f"# {name}\n\n`{prov['source']}` after `gqakit {prov['command']}` (gqakit {prov['version']}, method "
+        f"`{prov['method']}`): {geom.num_heads} query heads share {groups} K/V heads ({kind}), down from "
+        f"{geom.num_kv_heads}. A plain Hugging Face checkpoint; the conversion's settings and measurements "
+        "are in [gqakit.json](gqakit.json).\n"
+    )

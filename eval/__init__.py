@@ -7,7 +7,6 @@ from gqakit.eval.options import EvalOptions
 from gqakit.eval.perplexity import PerplexityResult, perplexity
 from gqakit.eval.report import write_report
 from gqakit.eval.results import EvalResults, ModelResult
-from gqakit.text import load_texts
 
 __all__ = [
     "TASKS_DIR",
@@ -19,7 +18,6 @@ __all__ = [
     "bench_decode",
     "evaluate",
     "evaluate_models",
-    "load_texts",
     "perplexity",
     "run_lm_eval",
     "write_report",

@@ -1,20 +1,10 @@
-"""The typed entry points behind ``gqakit eval``: options, per-model results, and the evaluation loop.
-
-``evaluate(candidate, baseline, options)`` is the CLI's two-model case; ``evaluate_models`` takes any
-number of labelled checkpoints (the demo's MHA / GQA / MQA table). Models are loaded one at a time and
-freed before the next, so the peak memory is one model's. Every check that needs only the options or
-the models' configs runs before any weights are loaded, and all problems are reported together.
-
-This module is the orchestration; measuring one model is the engine's job (the table
-:data:`gqakit.eval.engines.ENGINES`; ``hf`` is :func:`gqakit.eval.hf_engine.measure_hf_model`: load with
-transformers, perplexity, lm-eval, decode grid, free). The options live in :mod:`gqakit.eval.options`,
-the results in :mod:`gqakit.eval.results`.
+"""The typed entry points behind ``gqakit eval``: every check before any weights load, then each model
+measured by its engine (:data:`~gqakit.eval.engines.ENGINES`) one at a time: the peak memory is one model's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +16,7 @@ from gqakit.eval.lm_eval_bridge import check_tasks, parse_lm_eval_args
 from gqakit.eval.options import DEFAULT_CONTEXTS, EvalOptions
 from gqakit.eval.results import EvalResults, ModelResult, environment
 from gqakit.models import causal_lm_config, max_positions, resolve_device
+from gqakit.names import resolve
 from gqakit.text import load_texts
 
 log = logging.getLogger(__name__)
@@ -51,7 +42,8 @@ def _preflight(models: dict[str, str], options: EvalOptions) -> tuple[dict[str, 
     once. Returns the configs and the evaluation texts."""
     problems, configs = [], {}
     try:
-        ENGINES[options.engine].check_installed(options)
+        if ENGINES[options.engine].requires:  # raises with the install command
+            resolve(ENGINES[options.engine].requires)(options)
     except GqakitError as e:
         problems.append(e.message)
     for label, path in models.items():
@@ -86,18 +78,12 @@ def _preflight(models: dict[str, str], options: EvalOptions) -> tuple[dict[str, 
     return configs, texts
 
 
-def _labels(paths: Sequence[str]) -> list[str]:
-    names = [Path(p.rstrip("/")).name or p for p in paths]
-    if len(set(names)) == len(names):
-        return names
-    return [f"{n} ({i + 1})" for i, n in enumerate(names)]
-
-
 def evaluate(candidate: str, baseline: str | None = None, options: EvalOptions | None = None) -> EvalResults:
     """Evaluate ``candidate`` (and ``baseline`` when given) with ``options``; see :func:`evaluate_models`."""
     options = options or EvalOptions()
     paths = [baseline, candidate] if baseline else [candidate]
-    labels = _labels(paths)
+    names = [Path(p.rstrip("/")).name or p for p in paths]  # the directories' names, numbered when alike
+    labels = names if len(set(names)) == len(names) else [f"{n} ({i + 1})" for i, n in enumerate(names)]
     return evaluate_models(
         dict(zip(labels, paths, strict=True)), options, baseline=labels[0] if baseline else None
     )
@@ -130,15 +116,13 @@ def evaluate_models(models: dict[str, str], options: EvalOptions, baseline: str 
     env = environment(resolve_device(options.device), options.command_line)
     results: dict[str, ModelResult] = {}
     # Baseline first, so its numbers are there when the others are logged.
-    order = [baseline] + [k for k in models if k != baseline] if baseline else list(models)
-    measure = ENGINES[options.engine].measure_fn()
-    for label in order:
+    measure = resolve(ENGINES[options.engine].measure)
+    for label in sorted(models, key=lambda k: k != baseline):  # a stable sort: the others keep their order
         log.info("[%s] measuring %s (%s)", label, models[label], options.engine)
         contexts = _contexts_for(options, configs[label])[0]
-        res = measure(
+        results[label] = measure(
             label, models[label], config=configs[label], options=options, texts=texts, contexts=contexts
         )
-        log.info("[%s] %s", label, res.describe())
-        results[label] = res
+        log.info("[%s] %s", label, results[label].describe())
     ordered = {label: results[label] for label in models}
     return EvalResults(models=ordered, baseline=baseline, options=options, environment=env)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from gqakit.cli_options import click_options, options_from, out_option
+from gqakit.cli_options import click_options, options_from
 from gqakit.eval.api import EvalOptions, evaluate
 from gqakit.eval.report import headline_table, write_report
 from gqakit.storage import writable_dir
@@ -19,7 +19,13 @@ from gqakit.storage import writable_dir
 @click.argument("model")
 @click.option("--baseline", help="Checkpoint to compare MODEL with (directory or hub id).")
 @click_options(EvalOptions)
-@out_option("report", "Directory for report.md, results.json and the plots.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default="report",
+    show_default=True,
+    help="Directory for report.md, results.json and the plots.",
+)
 def eval_cmd(model: str, baseline: str | None, out: Path, **kwargs) -> None:
     """Measure MODEL (and --baseline): perplexity, lm-eval tasks, decode speed and KV memory.
 

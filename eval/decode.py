@@ -1,20 +1,5 @@
-"""Decode speed and KV-cache memory over a grid of (batch, context), timed with ``generate``.
-
-For every point the model gets ``batch`` random prompts of ``context`` tokens and generates exactly
-``new_tokens`` more with greedy decoding (``min_new_tokens`` equals ``max_new_tokens``, so EOS cannot
-stop it early). A logits processor timestamps each step (after synchronizing the device), so:
-
-* prefill time is from the ``generate`` call to the first step's logits (prompt forward pass, plus
-  the cache allocation of a static cache);
-* decode latency is the median time between two consecutive steps (one forward pass of one token per
-  sequence plus generate's own bookkeeping); decode tokens/s is ``batch / median latency``;
-* KV bytes are measured on the cache object ``generate`` returns (every key and value tensor) and
-  printed beside the prediction ``2 * layers * batch * kv_heads * tokens * head_dim * bytes``. A
-  cache holds ``context + new_tokens - 1`` tokens at the end (the last token is never fed back); a
-  static cache is allocated for exactly that many.
-
-A point also records the bytes a step moves, whose ratio bounds the speedup (:mod:`gqakit.eval.kv_bytes`).
-A point that runs out of memory is recorded with ``status="oom"`` and the grid goes on.
+"""Decode speed and KV-cache memory over a grid of (batch, context), timed with ``generate`` (what each
+figure is: docs/eval.md); a point that runs out of memory is recorded as such and the grid goes on.
 """
 
 from __future__ import annotations
@@ -41,43 +26,26 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DecodePoint:
-    """One (batch, context) point of the decode grid.
+    """One (batch, context) point of the decode grid."""
 
-    Attributes:
-        batch: sequences decoded together.
-        context: prompt tokens per sequence.
-        new_tokens: tokens generated per sequence.
-        status: ``"ok"`` or ``"oom"``.
-        prefill_s: seconds from the call to the first logits.
-        decode_ms: median per-step latency, milliseconds.
-        tokens_per_s: decoded tokens per second over the batch (``batch * 1000 / decode_ms``).
-        kv_bytes: bytes of every K and V tensor in the cache object after generating.
-        kv_bytes_predicted: ``2 * layers * batch * kv_heads * kv_tokens * head_dim * dtype bytes``.
-        kv_tokens: tokens the cache holds (or is allocated for, with a static cache).
-        bytes_per_step: weight bytes + KV bytes at the mean decode position (see ``kv_bytes``).
-        static_cache: a static cache was used.
-        error: the error message of an OOM point.
-        rounds: tokens/s of each round, when the point was measured in rounds (the vLLM engine).
-        spread: ``(max - min) / median`` of the rounds.
-        reliable: the rounds agree (see :func:`round_stats`); no speedup is computed from an unreliable
-            point.
-    """
-
-    batch: int
-    context: int
-    new_tokens: int
-    status: str = "ok"
-    prefill_s: float | None = None
-    decode_ms: float | None = None
+    batch: int  # sequences decoded together.
+    context: int  # prompt tokens per sequence.
+    new_tokens: int  # tokens generated per sequence.
+    status: str = "ok"  # ``"ok"`` or ``"oom"``.
+    prefill_s: float | None = None  # seconds from the call to the first logits.
+    decode_ms: float | None = None  # median per-step latency, milliseconds.
+    # decoded tokens per second over the batch (``batch * 1000 / decode_ms``).
     tokens_per_s: float | None = None
-    kv_bytes: int | None = None
-    kv_bytes_predicted: int = 0
-    kv_tokens: int = 0
-    bytes_per_step: int = 0
-    static_cache: bool = False
-    error: str | None = None
+    kv_bytes: int | None = None  # bytes of every K and V tensor in the cache object after generating.
+    kv_bytes_predicted: int = 0  # ``2 * layers * batch * kv_heads * kv_tokens * head_dim * dtype bytes``.
+    kv_tokens: int = 0  # tokens the cache holds (or is allocated for, with a static cache).
+    bytes_per_step: int = 0  # weight bytes + KV bytes at the mean decode position (see ``kv_bytes``).
+    static_cache: bool = False  # a static cache was used.
+    error: str | None = None  # the error message of an OOM point.
+    # tokens/s of each round, when the point was measured in rounds (the vLLM engine).
     rounds: list[float | None] | None = None
-    spread: float | None = None
+    spread: float | None = None  # ``(max - min) / median`` of the rounds.
+    # the rounds agree (see :func:`round_stats`); no speedup is computed from an unreliable point.
     reliable: bool = True
 
     def to_dict(self) -> dict:
@@ -120,7 +88,7 @@ def _prompts(model, batch: int, context: int, seed: int, device: torch.device) -
     return torch.randint(low, vocab, (batch, context), generator=gen).to(device)
 
 
-def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: int):
+def _random_cache(model, batch: int, tokens: int, static_len: int | None):
     """A cache already holding ``tokens`` random keys and values per layer (``static_len``: a static cache
     of that many slots, else a dynamic one); with ``tokens`` 0, an empty one."""
     # deferred: transformers takes seconds to import
@@ -135,7 +103,7 @@ def _random_cache(model, batch: int, tokens: int, static_len: int | None, seed: 
     )
     # Drawn on the model's device: on a GPU, gigabytes of CPU random numbers would take longer than
     # the decode they stand in for.
-    gen = torch.Generator(device=param.device).manual_seed(seed)
+    gen = torch.Generator(device=param.device).manual_seed(0)
     position = {"cache_position": torch.arange(tokens, device=param.device)}
     shape = (batch, g.num_kv_heads, tokens, g.head_dim)
     for layer in range(g.num_layers if tokens else 0):
@@ -181,20 +149,18 @@ def _generate_once(model, prompts: torch.Tensor, new_tokens: int, static_cache: 
         return_dict_in_generate=True,
     )
     kwargs = {}
-    total = prompts.shape[1] + new_tokens - 1
     if prefill == "random" or static_cache:
         # "random": all but the last prompt token are already "in" the cache, and generate() feeds only the
         # last one. A static cache is our own object, sized for this point: generate() would otherwise reuse
         # (and keep growing) one static cache across calls, and the measured bytes would not be this point's.
         filled = prompts.shape[1] - 1 if prefill == "random" else 0
-        slots = total if static_cache else None
-        kwargs[cache_kwarg()] = _random_cache(model, prompts.shape[0], filled, slots, 0)
-    mask = torch.ones_like(prompts)
+        slots = prompts.shape[1] + new_tokens - 1 if static_cache else None
+        kwargs[cache_kwarg()] = _random_cache(model, prompts.shape[0], filled, slots)
     _sync(device)
     start = time.perf_counter()
     out = model.generate(
         input_ids=prompts,
-        attention_mask=mask,
+        attention_mask=torch.ones_like(prompts),
         generation_config=gen_cfg,
         logits_processor=LogitsProcessorList([_Stamp()]),
         **kwargs,
@@ -294,40 +260,23 @@ def _point(model, b: int, c: int, new_tokens, warmup, static_cache, seed, prefil
     return point
 
 
-# ------------------------------------------------------------------------------- side by side
-# Decode speed of several models measured side by side: short interleaved rounds, the median round and
-# its spread, and a speedup only when the rounds agree.
-#
-# A background job that starts or stops while models are measured one after another can fake a speedup of
-# any size (a loaded machine once showed MHA-9 at 2.9 tokens/s and MQA at 49.8, "16.96x"). So every model
-# is loaded once, and then each round runs a short decode of every model back to back, in an order that
-# rotates from round to round; a change of load hits every model in the rounds it spans. Each model's
-# figure is the median of its rounds, and its spread is ``(max - min) / median``: when that exceeds
-# :data:`DECODE_TOLERANCE`, the figure is marked unreliable and no speedup is computed from it.
-#
-# ``gqakit demo`` (its decode step and llama.cpp column) and ``gqakit replicate`` (decode time per G) both
-# measure this way; they cache the rounds themselves.
-
-# A model's rounds may spread by this fraction of their median before its figure counts as unreliable:
+# Side by side: a background job that starts or stops while models are measured one after another can fake
+# a speedup of any size (a loaded machine once showed MHA-9 at 2.9 tokens/s and MQA at 49.8, "16.96x"). So
+# every model is loaded once, and each short round runs every model back to back, in an order that rotates
+# from round to round (``gqakit demo``, ``gqakit replicate``). A model's figure is the median of its rounds;
+# when their spread ``(max - min) / median`` exceeds DECODE_TOLERANCE it is unreliable and gives no speedup:
 # on a quiet 2-core CPU rounds of one model spread by under 10%; a job starting mid-measurement, by more.
 DECODE_TOLERANCE = 0.25
 
 
 @dataclass(frozen=True)
 class RoundStats:
-    """A model's decode rounds (tokens/s; None for a round that ran out of memory) and their summary.
+    """A model's decode rounds (tokens/s; None for a round that ran out of memory) and their summary."""
 
-    Attributes:
-        rounds: tokens/s of each round, in the order measured.
-        median: the median round (None when every round ran out of memory).
-        spread: ``(max - min) / median`` over the rounds.
-        reliable: the spread is within the tolerance (and some round ran).
-    """
-
-    rounds: tuple[float | None, ...]
-    median: float | None
-    spread: float | None
-    reliable: bool
+    rounds: tuple[float | None, ...]  # tokens/s of each round, in the order measured.
+    median: float | None  # the median round (None when every round ran out of memory).
+    spread: float | None  # ``(max - min) / median`` over the rounds.
+    reliable: bool  # the spread is within the tolerance (and some round ran).
 
     def describe(self) -> str:
         if self.median is None:
@@ -360,8 +309,7 @@ def interleaved(n_models: int, rounds: int, measure: Callable[[int, int], Any]) 
     round; returns each model's results in round order."""
     runs: list[list[Any]] = [[] for _ in range(n_models)]
     for r in range(rounds):
-        shift = r % n_models
-        for i in list(range(shift, n_models)) + list(range(shift)):
+        for i in [(r + k) % n_models for k in range(n_models)]:
             runs[i].append(measure(i, r))
     return runs
 
@@ -385,11 +333,10 @@ def decode_rounds(
     models = [load_causal_lm(p, dtype=dtype, device=device) for p in paths]
 
     def one(i: int, r: int) -> Any:
-        (point,) = bench_decode(
+        return bench_decode(
             models[i], batch_sizes=(batch,), contexts=(context,), new_tokens=new_tokens,
             warmup=1 if r == 0 else 0, progress=False, prefill="random",
-        )  # fmt: skip
-        return point
+        )[0]  # fmt: skip
 
     try:
         return interleaved(len(models), rounds, one)

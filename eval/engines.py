@@ -1,52 +1,25 @@
-"""The engines of ``gqakit eval --engine``: where each model is measured, defined once.
-
-Each entry names the function that measures one model and returns a
-:class:`~gqakit.eval.results.ModelResult` (``measure(label, path, *, config, options, texts, contexts)``:
-the model's name in tables, its checkpoint directory or hub id, its transformers config, the
-:class:`~gqakit.eval.options.EvalOptions`, the perplexity texts or None, the decode contexts that fit it),
-the check that its backend is installed, and what it can do. :func:`gqakit.eval.api.evaluate_models`
-runs every model through the engine's ``measure``; the CLI's ``--engine`` choices and help, and the
-option checks, read this table. A new engine is a module in ``eval/`` and one entry here.
-
-The functions are named as ``"module:function"`` and imported when the engine runs, so listing the
-engines imports no backend.
+"""The engines of ``gqakit eval --engine``: where each model is measured, defined once. Each names its
+functions as ``"module:function"``, imported when the engine runs, so listing the engines imports no backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from gqakit.names import NameTable, resolve
+from gqakit.names import NameTable
 
 
 @dataclass(frozen=True)
 class Engine:
-    """One ``--engine``.
+    """One ``--engine``."""
 
-    Attributes:
-        summary: one line for help texts and docs.
-        measure: ``"module:function"`` measuring one model (see the module docstring).
-        requires: ``"module:function"`` that raises a :class:`~gqakit.errors.GqakitError` with the install
-            command when the backend is missing; None: nothing beyond gqakit's own dependencies.
-        tasks: runs lm-eval tasks (``--tasks``).
-    """
-
-    summary: str
+    summary: str  # one line for help texts and docs.
+    # ``"module:function"``: ``measure(label, path, *, config, options, texts, contexts)`` -> ModelResult.
     measure: str
+    # ``"module:function"`` that raises a :class:`~gqakit.errors.GqakitError` with the install command when
+    # the backend is missing; None: nothing beyond gqakit's own dependencies.
     requires: str | None = None
-    tasks: bool = False
-
-    def measure_fn(self) -> Callable[..., Any]:
-        """The function that measures one model."""
-        return resolve(self.measure)
-
-    def check_installed(self, options: Any = None) -> None:
-        """Raise a clear error when this engine's backend is not installed (``options``: the
-        :class:`~gqakit.eval.options.EvalOptions`, which may say where the backend is)."""
-        if self.requires:
-            resolve(self.requires)(options)
+    tasks: bool = False  # runs lm-eval tasks (``--tasks``).
 
 
 ENGINES: NameTable[Engine] = NameTable(

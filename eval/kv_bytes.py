@@ -1,15 +1,9 @@
 """The bytes model of a decode step: KV-cache bytes (predicted and measured) and weight bytes read.
 
-Why fewer KV heads decode faster: each decode step reads every weight once and the whole KV cache
-once, and at small batch that memory traffic, not arithmetic, sets the pace. So the speedup of a
-candidate over a baseline is bounded by the ratio of bytes moved per step::
-
-    bytes(model) = weight bytes read per step + 2 * layers * batch * G * tokens * head_dim * bytes
-
-(:func:`bytes_moved_per_step`; the input embedding counts only when it doubles as the output layer,
-since a lookup reads ``batch`` rows, not the table).
-
-These functions time nothing; :mod:`gqakit.eval.decode` measures the speed they bound.
+At small batch a decode step's memory traffic, not its arithmetic, sets the pace: it reads every weight
+once and the whole KV cache once, so the speedup of fewer KV heads is bounded by the ratio of bytes moved
+per step (:func:`bytes_moved_per_step`; the input embedding counts only when it doubles as the output
+layer, since a lookup reads ``batch`` rows, not the table). These functions time nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from gqakit.dtypes import dtype_size
+from gqakit.dtypes import torch_dtype
 from gqakit.errors import GqakitError
 from gqakit.families import family_of
 from gqakit.geometry import AttentionGeometry
@@ -74,7 +68,7 @@ def predicted_kv_bytes(
     c = _decoder_config(config)  # a transformers config turned into a dict once
     g = cache_geometry(c)
     held = sum(tokens if w is None else min(tokens, w if static_cache else w - 1) for w in layer_windows(c))
-    element = dtype if isinstance(dtype, int) else dtype_size(dtype)  # a byte count, or a dtype's
+    element = dtype if isinstance(dtype, int) else torch_dtype(dtype).itemsize  # a byte count, or a dtype's
     return 2 * batch * g.num_kv_heads * held * g.head_dim * element
 
 
@@ -92,8 +86,7 @@ def weight_bytes_per_step(model) -> int:
     """Weight bytes one decode step reads: every parameter once, except an input embedding table that
     is not also the output layer (a lookup reads only the rows of the current tokens)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb_in = model.get_input_embeddings()
-    emb_out = model.get_output_embeddings()
+    emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
     if emb_in is not None and (emb_out is None or emb_out.weight is not emb_in.weight):
         total -= emb_in.weight.numel() * emb_in.weight.element_size()
     return total

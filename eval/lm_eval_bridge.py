@@ -1,21 +1,9 @@
-"""Run lm-eval tasks on a model that is already loaded: wrap, never fork.
-
-The model goes to ``lm_eval.simple_evaluate`` inside ``lm_eval.models.huggingface.HFLM(pretrained=model,
-tokenizer=tokenizer)``, so it is not loaded a second time. Our offline tasks (``eval/tasks/*.yaml``, in
-lm-eval's own YAML format) are registered the way ``lm-eval --include_path`` registers a directory, with
-lm-eval's ``TaskManager(include_path=TASKS_DIR)``; every lm-eval task name works too when its data is
-reachable.
-
-Plain lm-eval works on a converted checkpoint with the same tasks::
-
-    lm-eval --model hf --model_args pretrained=./smollm2-mqa \\
-        --include_path "$(python -c 'import gqakit.eval as e; print(e.TASKS_DIR)')" \\
-        --tasks gqakit_ppl,gqakit_mc
+"""Run lm-eval tasks on a model that is already loaded (inside ``HFLM``: not loaded a second time), our
+offline tasks (``eval/tasks/*.yaml``) registered as ``lm-eval --include_path`` registers them (docs/eval.md).
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import logging
@@ -49,18 +37,14 @@ _HFLM_KEYS = {
 
 @dataclass
 class LmEvalArgs:
-    """``--lm-eval-args``, sorted by where each option goes.
+    """``--lm-eval-args``, sorted by where each option goes."""
 
-    Attributes:
-        evaluate: keyword arguments of ``lm_eval.simple_evaluate`` (``num_fewshot``, ``limit``...).
-        hflm: keyword arguments of ``HFLM`` (``max_length``, ``add_bos_token``...).
-        include_path: more task directories, after ours.
-        metadata: task metadata (``ppl_file``, ``mc_file`` for our tasks; ``max_seq_lengths``...).
-    """
-
+    # keyword arguments of ``lm_eval.simple_evaluate`` (``num_fewshot``, ``limit``...).
     evaluate: dict[str, Any] = field(default_factory=dict)
+    # keyword arguments of ``HFLM`` (``max_length``, ``add_bos_token``...).
     hflm: dict[str, Any] = field(default_factory=dict)
-    include_path: list[str] = field(default_factory=list)
+    include_path: list[str] = field(default_factory=list)  # more task directories, after ours.
+    # task metadata (``ppl_file``, ``mc_file`` for our tasks; ``max_seq_lengths``...).
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -75,69 +59,30 @@ def _value(text: str) -> Any:
         return text
 
 
-def _evaluate_params() -> list[str]:
-    # deferred: lm-eval takes seconds to import
-    import lm_eval
-
-    return list(inspect.signature(lm_eval.simple_evaluate).parameters)
-
-
-def _protect_json(text: str) -> tuple[str, list[str]]:
-    """``text`` with each JSON object in it (``{...}``, nested ones included) replaced by a placeholder, and
-    the objects in order: shell splitting would strip the quotes inside ``--metadata {"ppl_file": "x.txt"}``
-    and leave no JSON. Braces that open no JSON object are left to the parser, which names what it cannot
-    read."""
-    out, objects, at = [], [], 0
-    for start in [i for i, ch in enumerate(text) if ch == "{"]:
-        if start < at:  # inside an object already taken
-            continue
-        try:
-            end = json.JSONDecoder().raw_decode(text, start)[1]
-        except ValueError:
-            continue
-        out += [text[at:start], f"\x00{len(objects)}\x00"]
-        objects.append(text[start:end])
-        at = end
-    return "".join(out) + text[at:], objects
-
-
-def _restore_json(token: str, objects: list[str]) -> str:
-    for n, obj in enumerate(objects):
-        token = token.replace(f"\x00{n}\x00", obj)
-    return token
-
-
 def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEvalArgs:
     """Parse ``"--num_fewshot 5 --limit 100"`` or ``"num_fewshot=5,limit=100"`` (either style, dashes or
-    underscores) into :class:`LmEvalArgs`, rejecting unknown names with the known ones."""
+    underscores; a JSON value quoted as in a shell) into :class:`LmEvalArgs`, rejecting unknown names with
+    the known ones."""
     out = LmEvalArgs()
     if not text or not text.strip():
         return out
-    text, objects = _protect_json(text)
-    tokens = shlex.split(text.replace(",", " ") if "--" not in text and "{" not in text else text)
-    tokens = [_restore_json(t, objects) for t in tokens]
-    pairs: list[tuple[str, str]] = []
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        key, eq, val = tok.lstrip("-").partition("=")
-        if not eq:
-            if tok.startswith("--") and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-                val = tokens[i + 1]
-                i += 1
-            elif tok.startswith("--"):
-                val = "true"  # a bare flag, like --log_samples
-            else:
-                raise GqakitError(
-                    f"{flag}: cannot read {tok!r}; write lm-eval's options as `--name value` or `name=value` "
-                    f'(e.g. {flag} "--num_fewshot 5 --limit 100").'
-                )
-        pairs.append((key.replace("-", "_"), val))
-        i += 1
+    tokens = shlex.split(text if "--" in text or "{" in text else text.replace(",", " "))
+    # deferred: lm-eval takes seconds to import
+    import lm_eval
 
-    known = [p for p in _evaluate_params() if p not in _RESERVED]
+    known = [p for p in inspect.signature(lm_eval.simple_evaluate).parameters if p not in _RESERVED]
     problems = []
-    for key, val in pairs:
+    while tokens:
+        tok = tokens.pop(0)
+        key, eq, val = tok.lstrip("-").partition("=")
+        if not eq and not tok.startswith("--"):
+            raise GqakitError(
+                f"{flag}: cannot read {tok!r}; write lm-eval's options as `--name value` or `name=value`, "
+                f"""a JSON value in quotes (e.g. {flag} "--num_fewshot 5 --metadata '{{...}}'")."""
+            )
+        if not eq:  # the next token is the value, else a bare flag like --log_samples
+            val = tokens.pop(0) if tokens and not tokens[0].startswith("--") else "true"
+        key = key.replace("-", "_")
         if key == "include_path":
             out.include_path += [str(Path(p).expanduser().resolve()) for p in val.split(",") if p]
         elif key == "metadata":
@@ -187,24 +132,14 @@ def task_manager(tasks: list[str] | tuple[str, ...] = (), args: LmEvalArgs | Non
     return _task_manager(json.dumps(manager, sort_keys=True))
 
 
-def split_tasks(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
-    """``"hellaswag, arc_easy"`` -> ("hellaswag", "arc_easy")."""
-    return () if value is None else parse_list(value, str, "--tasks")
-
-
 def check_tasks(tasks: list[str] | tuple[str, ...], args: LmEvalArgs | None = None) -> None:
     """Raise a GqakitError naming lm-eval's closest task names for every task it does not know."""
     tm = task_manager(tasks, args)
-    known = set(tm.all_tasks)
-    unknown = [t for t in tasks if t not in known and not t.endswith((".yaml", ".yml"))]
+    unknown = [t for t in tasks if t not in set(tm.all_tasks) and not t.endswith((".yaml", ".yml"))]
     if unknown:
-        lines = []
-        for t in unknown:
-            close = difflib.get_close_matches(t, tm.all_tasks, n=5, cutoff=0.6)
-            hint = f" closest: {', '.join(close)}" if close else " (nothing close)"
-            lines.append(f"{t!r}{';' if close else ''}{hint}")
+        named = " ".join(f"{t!r}.{did_you_mean(t, tm.all_tasks)}" for t in unknown)
         raise GqakitError(
-            f"Unknown lm-eval task(s): {'; '.join(lines)}. Our offline tasks: {', '.join(OUR_TASKS)}. "
+            f"Unknown lm-eval task(s): {named} Our offline tasks: {', '.join(OUR_TASKS)}. "
             "`lm-eval ls tasks` lists all of lm-eval's."
         )
 
@@ -239,7 +174,7 @@ def run_lm_eval(
     from lm_eval.models.huggingface import HFLM
 
     parsed = args if isinstance(args, LmEvalArgs) else parse_lm_eval_args(args)
-    tasks = split_tasks(tasks)
+    tasks = parse_list(tasks, str, "--tasks")
     check_tasks(tasks, parsed)
     hflm_kwargs = {"batch_size": batch_size, **parsed.hflm}
     if max_length is not None:
@@ -251,8 +186,6 @@ def run_lm_eval(
         out = lm_eval.simple_evaluate(
             model=lm, tasks=list(tasks), task_manager=task_manager(tasks, parsed), **kwargs
         )
-    except GqakitError:
-        raise
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
         raise GqakitError(
             f"lm-eval could not run {', '.join(tasks)}: {type(e).__name__}: {e}. Tasks whose data lives on "

@@ -1,21 +1,16 @@
-"""The options of ``gqakit eval``: one frozen dataclass, checked once, every problem reported together.
-
-Each field is declared once with :func:`~gqakit.cli_options.opt`: its help text, default and choices make
-``gqakit eval``'s options. The fields declared ``cli="set"`` are the less used knobs; ``gqakit eval`` takes
-them as ``--set name=value`` (:func:`~gqakit.cli_options.parse_set`).
-"""
+"""The options of ``gqakit eval``: one frozen dataclass, checked once, every problem reported together."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gqakit.cli_options import device_field, opt, progress_field
+from gqakit.cli_options import device_field, opt, parse_list, progress_field
 from gqakit.dtypes import LOAD_DTYPES
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import parse_grid
 from gqakit.eval.engines import ENGINES
-from gqakit.eval.lm_eval_bridge import parse_lm_eval_args, split_tasks
-from gqakit.gguf.tensors import OUT_TYPES
+from gqakit.eval.lm_eval_bridge import parse_lm_eval_args
+from gqakit.gguf.export import OUT_TYPES
 from gqakit.models import resolve_device
 from gqakit.problems import Problems, device_problem
 
@@ -29,23 +24,17 @@ DEFAULT_CONTEXTS = (256, 1024, 4096)
 class EvalOptions:
     """What ``gqakit eval`` measures and how. Grids and task lists also accept their CLI strings."""
 
-    ppl_data: str | None = opt(
-        None, "Text for perplexity: .txt (one document), .jsonl/.parquet (one per row) or a hub dataset."
-    )
+    ppl_data: str | None = opt(None, "Text for perplexity: .txt, .jsonl, .parquet or a hub dataset.")
     seq_len: int = opt(512, "Tokens per perplexity window (also lm-eval's max_length).")
     max_tokens: int | None = opt(None, "Score at most this many tokens of --ppl-data.")
     batch_size: int = opt(8, "Perplexity windows per forward pass (also lm-eval's batch size).")
     bench: bool = opt(False, "Measure decode speed and KV-cache memory over the grid.")
     batch_sizes: tuple[int, ...] | str = opt(DEFAULT_BATCH_SIZES, "Decode batch sizes.", kind=int)
     contexts: tuple[int, ...] | str | None = opt(
-        None,
-        "Decode prompt lengths [default: 256,1024,4096, less any beyond the model's positions].",
-        kind=int,
+        None, "Decode prompt lengths [default: 256,1024,4096 within the model's positions].", kind=int
     )
     new_tokens: int = opt(32, "Tokens generated per decode point.")
-    tasks: tuple[str, ...] | str = opt(
-        (), "lm-eval tasks, comma-separated (offline: gqakit_ppl, gqakit_mc).", kind=str
-    )
+    tasks: tuple[str, ...] | str = opt((), "lm-eval tasks (offline ones: gqakit_ppl, gqakit_mc).", kind=str)
     lm_eval_args: str = opt("", 'More lm-eval options, e.g. "--num_fewshot 5 --limit 100".')
     engine: str = opt("hf", ENGINES.describe() + ".", choices=ENGINES.names)
     device: str = device_field()
@@ -56,36 +45,26 @@ class EvalOptions:
     text_field: str = opt("text", "the text column of a table or hub dataset", cli="set")
     split: str = opt("test", "the split of a hub dataset", cli="set")
     data_config: str | None = opt(None, "the configuration of a hub dataset (wikitext-2-raw-v1)", cli="set")
-    stride: int | None = opt(
-        None, "tokens scored per perplexity window after the first (default seq_len)", cli="set"
-    )
+    stride: int | None = opt(None, "tokens scored per perplexity window after the first [seq_len]", cli="set")
     warmup: int = opt(1, "untimed decode runs before each point", cli="set")
     static_cache: bool = opt(False, "decode with a static KV cache", cli="set")
     gguf_type: str = opt("f16", "llamacpp's weights; f32 also keeps its KV cache in float32", cli="set")
-    vllm_python: str | None = opt(
-        None, "the Python with vLLM (default $GQAKIT_VLLM_PYTHON, else this one)", cli="set"
-    )
+    vllm_python: str | None = opt(None, "the Python with vLLM [$GQAKIT_VLLM_PYTHON, else this]", cli="set")
     kv_budget: int = opt(1, "vllm's KV-cache memory on a CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE)", cli="set")
-    gpu_memory_utilization: float | None = opt(
-        None, "vllm's share of GPU memory, weights + KV cache (default 0.9)", cli="set"
-    )
+    gpu_memory_utilization: float | None = opt(None, "vllm's GPU memory share, weights + KV [0.9]", cli="set")
     rounds: int = opt(3, "vllm's throughput rounds per decode point", cli="set")
     command_line: str | None = None  # the command that ran, for results.json (default: sys.argv)
 
     def __post_init__(self) -> None:
         p = Problems("eval")
-
         f = p.flag  # a knob is named "--set name" where the running command has --set
 
-        for name in ("batch_sizes", "contexts"):
-            value = getattr(self, name)
-            if value is None:
-                continue
+        for name in [n for n in ("batch_sizes", "contexts") if getattr(self, n) is not None]:
             try:
-                object.__setattr__(self, name, parse_grid(value, f(name)))
+                object.__setattr__(self, name, parse_grid(getattr(self, name), f(name)))
             except GqakitError as e:
                 p.add(e.message)
-        object.__setattr__(self, "tasks", split_tasks(self.tasks))
+        object.__setattr__(self, "tasks", parse_list(self.tasks or (), str, "--tasks"))
         least = {"seq_len": 1, "batch_size": 1, "new_tokens": 2, "rounds": 1, "max_tokens": 1, "warmup": 0}
         for name, low in least.items():
             if getattr(self, name) is not None and getattr(self, name) < low:

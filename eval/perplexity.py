@@ -1,34 +1,7 @@
 """Sliding-window perplexity and bits per byte over a corpus, batched, without gradients.
 
-The stream
-    Documents are joined with :data:`~gqakit.text.DOC_SEPARATOR` (``"\\n\\n"``) into one text,
-    tokenized once without special tokens, and a prefix token is put in front of it: the tokenizer's
-    BOS, or its EOS when it has no BOS (the same rule as lm-eval's ``prefix_token_id``). Every text
-    token is scored, the first one given the prefix token alone. ``--max-tokens`` keeps the first
-    ``max_tokens`` text tokens (and the bytes they spell, which may end inside a character:
-    :mod:`~gqakit.eval.kept_bytes`).
-
-The windows
-    A window is one forward pass over at most ``seq_len`` tokens; it scores its last predictions::
-
-        stream:   P t1 t2 t3 t4 t5 t6 t7 t8 t9 t10        seq_len = 4, stride = 2
-        window 0: [P  t1 t2 t3] -> scores t1 t2 t3 t4        (all of its predictions)
-        window 1:       [t2 t3 t4 t5] -> scores     t5 t6    (context t2..t4)
-        window 2:             [t4 t5 t6 t7] -> scores  t7 t8
-        window 3:                   [t6 t7 t8 t9] -> t9 t10
-
-    The first window scores all ``seq_len`` of its predictions; each later one scores the next
-    ``stride`` tokens and sees at least ``seq_len - stride + 1`` tokens of context; the last one is
-    pulled back to a full ``seq_len`` inputs so its tokens get as much context as possible. Every token
-    is scored exactly once. With ``stride == seq_len`` this is exactly lm-eval's
-    ``loglikelihood_rolling`` (its ``context_len=1`` windows) on the same text with
-    ``max_length == seq_len``. Windows all have ``seq_len`` inputs (only a stream shorter than that gives
-    one shorter window), so they batch without padding.
-
-The numbers
-    ``nll`` is the mean negative log-likelihood per scored token (nats), ``ppl = exp(nll)``,
-    ``bits_per_byte = nll_sum / (ln 2 * bytes)`` with ``bytes`` the UTF-8 bytes of the scored text.
-    Perplexity compares models that share a tokenizer; bits per byte compares any two models.
+Every engine scores the same windows of one prefixed token stream (:func:`sliding_windows`, drawn in
+docs/eval.md): every token once, and all windows of ``seq_len`` inputs, so they batch without padding.
 """
 
 from __future__ import annotations
@@ -50,57 +23,20 @@ from gqakit.text import DOC_SEPARATOR
 
 @dataclass
 class PerplexityResult:
-    """Perplexity of one model on one corpus.
+    """Perplexity of one model on one corpus."""
 
-    Attributes:
-        ppl: perplexity, ``exp(nll)``.
-        nll: mean negative log-likelihood per token, nats.
-        bits_per_byte: ``nll_sum / (ln 2 * bytes)``; tokenizer-independent.
-        tokens: scored tokens.
-        bytes: UTF-8 bytes of the scored text.
-        seq_len: tokens per window.
-        stride: new tokens scored per window after the first.
-        nll_sum: total negative log-likelihood, nats.
-        windows: forward passes (window count).
-        documents: documents joined into the stream.
-        elapsed_s: wall time of the forward passes and scoring.
-        tokens_per_s: scored tokens per second.
-    """
-
-    ppl: float
-    nll: float
-    bits_per_byte: float
-    tokens: int
-    bytes: int
-    seq_len: int
-    stride: int
-    nll_sum: float = 0.0
-    windows: int = 0
-    documents: int = 0
-    elapsed_s: float = 0.0
-    tokens_per_s: float = 0.0
-
-    @classmethod
-    def from_sum(
-        cls, nll_sum: float, tokens: int, n_bytes: int, *, seq_len: int, stride: int, windows: int,
-        documents: int, elapsed_s: float,
-    ) -> PerplexityResult:  # fmt: skip
-        """The result of ``nll_sum`` nats over ``tokens`` tokens covering ``n_bytes`` bytes of text."""
-        mean = nll_sum / tokens
-        return cls(
-            ppl=math.exp(mean) if mean < 700 else math.inf,  # exp overflows past 709: a diverged model
-            nll=mean,
-            bits_per_byte=nll_sum / (math.log(2) * n_bytes),
-            tokens=tokens,
-            bytes=n_bytes,
-            seq_len=seq_len,
-            stride=stride,
-            nll_sum=nll_sum,
-            windows=windows,
-            documents=documents,
-            elapsed_s=elapsed_s,
-            tokens_per_s=tokens / elapsed_s if elapsed_s > 0 else float("inf"),
-        )
+    ppl: float  # perplexity, ``exp(nll)``.
+    nll: float  # mean negative log-likelihood per token, nats.
+    bits_per_byte: float  # ``nll_sum / (ln 2 * bytes)``; tokenizer-independent.
+    tokens: int  # scored tokens.
+    bytes: int  # UTF-8 bytes of the scored text.
+    seq_len: int  # tokens per window.
+    stride: int  # new tokens scored per window after the first.
+    nll_sum: float = 0.0  # total negative log-likelihood, nats.
+    windows: int = 0  # forward passes (window count).
+    documents: int = 0  # documents joined into the stream.
+    elapsed_s: float = 0.0  # wall time of the forward passes and scoring.
+    tokens_per_s: float = 0.0  # scored tokens per second.
 
 
 @dataclass(frozen=True)
@@ -122,15 +58,11 @@ def sliding_windows(n: int, seq_len: int, stride: int) -> list[Window]:
         raise GqakitError(f"Need seq_len >= 1 and stride between 1 and seq_len {seq_len}, got {stride}.")
     if n < 2:
         return []
-    windows = []
     first = min(seq_len, n - 1)  # targets 1..first
-    windows.append(Window(0, first, first))
-    done = first
-    while done < n - 1:
-        scored = min(stride, n - 1 - done)
-        end = done + scored  # last input predicts target ``end``
-        windows.append(Window(max(0, end - seq_len), end, scored))
-        done += scored
+    windows = [Window(0, first, first)]
+    for done in range(first, n - 1, stride):
+        end = min(done + stride, n - 1)  # the last input predicts target ``end``
+        windows.append(Window(max(0, end - seq_len), end, end - done))
     return windows
 
 
@@ -145,35 +77,31 @@ def prefix_token_id(tokenizer) -> int:
 def encode_stream(tokenizer, texts: Sequence[str], max_tokens: int | None = None) -> tuple[list[int], int]:
     """Join ``texts``, tokenize, put the prefix token first; return (stream, bytes of the scored text)."""
     text = DOC_SEPARATOR.join(texts)
-    fast = getattr(tokenizer, "is_fast", False)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast, verbose=False)
-    ids = list(enc["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
     if not ids:
         raise GqakitError("The evaluation text tokenizes to nothing.")
     n_bytes = len(text.encode("utf-8"))
     if max_tokens is not None and max_tokens < len(ids):
         # The bytes the kept tokens spell, a cut character's kept bytes included (not the whole of it).
-        n_bytes = kept_bytes(tokenizer, text, ids, max_tokens, enc["offset_mapping"] if fast else None)
+        n_bytes = kept_bytes(tokenizer, text, ids, max_tokens)
         ids = ids[:max_tokens]
     return [prefix_token_id(tokenizer), *ids], n_bytes
 
 
-def _token_nll(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """-log p(target) per position, in float32, as ``logsumexp(logits) - logits[target]``.
+def _token_nll(logits_of: Callable[[slice], torch.Tensor], targets: torch.Tensor, step: int) -> torch.Tensor:
+    """-log p(target) per position, in float32, as ``logsumexp(logits) - logits[target]``, from the logits
+    of ``step`` positions at a time (``logits_of(positions)``).
 
     One pass over the logits without the ``[batch, seq, vocab]`` log-softmax that ``cross_entropy``
-    would materialise, and upcast ``chunk`` positions at a time, so half-precision logits of a long
-    batch never exist as one float32 copy (16 windows of 2048 over a 49k vocabulary would be 6 GiB).
+    would materialise, and upcast a chunk at a time, so half-precision logits of a long batch never exist
+    as one float32 copy (16 windows of 2048 over a 49k vocabulary would be 6 GiB).
     """
-    out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-    for i in range(0, logits.shape[1], chunk):
-        out[:, i : i + chunk] = _nll(logits[:, i : i + chunk], targets[:, i : i + chunk])
+    out = torch.empty(targets.shape, dtype=torch.float32, device=targets.device)
+    for i in range(0, targets.shape[1], step):
+        at = slice(i, i + step)
+        logits = logits_of(at).float()
+        out[:, at] = torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets[:, at, None]).squeeze(-1)
     return out
-
-
-def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, targets[..., None]).squeeze(-1)
 
 
 class _Scorer:
@@ -208,18 +136,13 @@ class _Scorer:
             logits = self._logits(inputs, keep)
             mine = self.model.get_output_embeddings()(self._hidden(inputs, keep))
             self.chunked = mine.shape == logits.shape and torch.allclose(mine, logits, rtol=1e-3, atol=1e-3)
-            return _token_nll(logits, targets[:, -logits.shape[1] :])
-        if not self.chunked:
+        elif not self.chunked:
             logits = self._logits(inputs, keep)
-            return _token_nll(logits, targets[:, -logits.shape[1] :])
-        hidden = self._hidden(inputs, keep)
-        targets = targets[:, -hidden.shape[1] :]
-        head = self.model.get_output_embeddings()
-        step = max(1, self.ROWS // hidden.shape[0])
-        out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
-        for i in range(0, hidden.shape[1], step):
-            out[:, i : i + step] = _nll(head(hidden[:, i : i + step]), targets[:, i : i + step])
-        return out
+        else:
+            hidden, head = self._hidden(inputs, keep), self.model.get_output_embeddings()
+            step = max(1, self.ROWS // hidden.shape[0])
+            return _token_nll(lambda at: head(hidden[:, at]), targets[:, -hidden.shape[1] :], step)
+        return _token_nll(lambda at: logits[:, at], targets[:, -logits.shape[1] :], 512)
 
 
 def windowed_perplexity(
@@ -237,10 +160,22 @@ def windowed_perplexity(
     windows = sliding_windows(len(stream), seq_len, stride)
     start = time.perf_counter()
     nll_sum = score(stream, windows)
-    return PerplexityResult.from_sum(
-        nll_sum, len(stream) - 1, n_bytes, seq_len=seq_len, stride=stride, windows=len(windows),
-        documents=len(texts), elapsed_s=time.perf_counter() - start,
-    )  # fmt: skip
+    elapsed, tokens = time.perf_counter() - start, len(stream) - 1
+    mean = nll_sum / tokens
+    return PerplexityResult(
+        ppl=math.exp(mean) if mean < 700 else math.inf,  # exp overflows past 709: a diverged model
+        nll=mean,
+        bits_per_byte=nll_sum / (math.log(2) * n_bytes),
+        tokens=tokens,
+        bytes=n_bytes,
+        seq_len=seq_len,
+        stride=stride,
+        nll_sum=nll_sum,
+        windows=len(windows),
+        documents=len(texts),
+        elapsed_s=elapsed,
+        tokens_per_s=tokens / elapsed if elapsed > 0 else float("inf"),
+    )
 
 
 @torch.inference_mode()

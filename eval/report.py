@@ -1,16 +1,11 @@
-"""``report.md``, ``results.json`` and PNG plots from :class:`~gqakit.eval.results.EvalResults`.
-
-report.md opens with one table (:func:`headline_table`, which ``gqakit eval`` also prints): a row per
-model, the baseline first, every other row with its delta against the baseline (perplexity, bits per
-byte, lm-eval metrics, KV cache per token, decode tokens/s at the largest measured point with its
-speedup and the bytes-moved bound). The serving table, the full decode grid and the lm-eval metrics
-follow. results.json holds every figure, the options, versions, device, dtype and the command line.
-"""
+"""``report.md`` (opening with :func:`headline_table`, which ``gqakit eval`` also prints), ``results.json``
+and the PNG plots from :class:`~gqakit.eval.results.EvalResults` (docs/eval.md)."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,24 +25,14 @@ def write_report(results: EvalResults, out_dir: str | Path) -> Path:
     data = results.to_dict()
     plots = write_plots(results, out)
     data["plots"] = sorted(p.name for p in plots)
-    write_text(out / "results.json", json.dumps(_finite(data), indent=2, default=str) + "\n")
+    # JSON has no inf/nan: they are written as null
+    finite = json.loads(json.dumps(data, default=str), parse_constant=lambda _: None)
+    write_text(out / "results.json", json.dumps(finite, indent=2) + "\n")
     report = out / "report.md"
     write_text(report, render_markdown(results, [p.name for p in plots]))
     return report
 
 
-def _finite(obj: Any) -> Any:
-    """JSON has no inf/nan: write them as null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-# ----------------------------------------------------------------------------------------- cells
 def _fmt(x: float | None, digits: int = 3) -> str:
     if x is None:
         return DASH
@@ -72,18 +57,15 @@ def _heads(m: ModelResult) -> str:
 
 def _speedup(d: dict[str, Any] | None) -> str:
     """A speedup cell: the ratio, "unreliable" when the rounds disagree, or a dash."""
-    if d is None:
-        return DASH
-    return "unreliable" if not d.get("reliable", True) else _ratio(d["speedup"])
+    return DASH if d is None else _ratio(d["speedup"]) if d["reliable"] else "unreliable"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table, the first column left-aligned and the rest right-aligned."""
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table: the first column left-aligned, the others (figures) right-aligned."""
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
-# ----------------------------------------------------------------------------------------- tables
 def headline_point(results: EvalResults) -> tuple[int, int] | None:
     """The (batch, context) shown in the headline table: the largest one every model measured."""
     sets = [{(p.batch, p.context) for p in m.decode if p.status == "ok"} for m in results.models.values()]
@@ -113,8 +95,7 @@ def headline_table(results: EvalResults) -> str:
     header = ["model", "KV heads (G/H)", "KV cache / token"]
     if ppl:
         header += ["perplexity", "Δ ppl", "bits/byte", "Δ bits/byte"]
-    for k in metrics:
-        header += [k, "Δ"]
+    header += [column for k in metrics for column in (k, "Δ")]
     if point:
         header += [f"decode tok/s (b={point[0]}, ctx={point[1]})", "speedup", "bound (bytes moved)"]
     rows = []
@@ -137,14 +118,14 @@ def headline_table(results: EvalResults) -> str:
             row += [_fmt(pt.tokens_per_s, 1) if pt else DASH]
             row += ["1.00×", "1.00×"] if is_base else [_speedup(dec), _ratio(dec and dec["bound"])]
         rows.append(row)
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def serving_table(results: EvalResults) -> str:
     """Capacity and its ratio to the baseline beside H/G, per model served (its heads and KV bytes per token
     are the headline table's)."""
     models = [m for m in results.models.values() if m.serving]
-    base = results.models.get(results.baseline) if results.baseline else None
+    base = results.models.get(results.baseline)
     header = ["model", "KV capacity (tokens)", f"sequences of {models[0].serving.context:,}"]
     header += ["capacity ratio", "bound (KV bytes)"]
     rows = []
@@ -155,7 +136,7 @@ def serving_table(results: EvalResults) -> str:
             ratio = _ratio(s.kv_tokens / base.serving.kv_tokens)
             bound = _ratio(base.kv_bytes_per_token / m.kv_bytes_per_token)
         rows.append([m.label, _fmt(s.kv_tokens, 0), _fmt(s.max_sequences, 0), ratio, bound])
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def decode_table(results: EvalResults) -> str:
@@ -179,7 +160,7 @@ def decode_table(results: EvalResults) -> str:
             row += [DASH if p.kv_bytes is None else f"{p.kv_bytes / MIB:.1f}", predicted, _speedup(d)]
             row += [_ratio(d and d["bound"]), f"{100 * d['of_bound']:.0f}%" if d and d["of_bound"] else DASH]
             rows.append(row)
-    return _table(header, rows)
+    return md_table(header, rows)
 
 
 def lm_eval_table(results: EvalResults) -> str:
@@ -187,10 +168,9 @@ def lm_eval_table(results: EvalResults) -> str:
     metrics = sorted({k for m in results.models.values() for k in m.task_metrics()})
     cells = {label: m.task_metrics() for label, m in results.models.items()}
     rows = [[k] + [_fmt(cells[label].get(k), 4) for label in results.models] for k in metrics]
-    return _table(["task/metric", *results.models], rows)
+    return md_table(["task/metric", *results.models], rows)
 
 
-# ----------------------------------------------------------------------------------------- report
 def _notes(results: EvalResults) -> list[str]:
     """What the headline table's figures are, under it."""
     opts, models = results.options, list(results.models.values())
@@ -207,10 +187,8 @@ def _notes(results: EvalResults) -> list[str]:
     notes += [f"Not finite: {what}; the plots leave it out." for what in non_finite(results)]
     if any(m.cached_kv_heads for m in models):
         notes.append(
-            "KV heads: the weights' K/V heads / query heads; \"cache: N\" where this engine's KV cache "
-            "holds N heads per layer instead (transformers broadcasts Falcon-40B/180B's K/V heads to every "
-            "query head before caching them; vLLM and llama.cpp cache the weights' heads). KV cache / token "
-            "counts the heads the cache holds."
+            'KV heads: the weights\' K/V heads / query heads; "cache: N": the engine caches N per layer, '
+            "as KV cache / token does (transformers repeats Falcon-40B/180B's K/V heads for each query head)."
         )
     if headline_point(results):
         notes.append(
@@ -238,31 +216,33 @@ def render_markdown(results: EvalResults, plots: list[str]) -> str:
     ]
     notes = _notes(results)
     parts += [f"- {n}" for n in notes] + ([""] if notes else [])
+
+    def section(title: str, *paragraphs: str) -> None:
+        parts.extend([f"## {title}", ""] + [line for p in paragraphs for line in (p, "")])
+
     served = [m.serving for m in models if m.serving]
     if served:
         s = served[0]
         budget = f"{s.kv_budget_bytes / 2**30:g} GiB of KV memory" if s.kv_budget_bytes else "its GPU share"
-        parts += [
-            "## Serving",
-            "",
+        about = (
             f"{s.engine}: the KV cache it allocated for {budget} and the sequences of {s.context:,} tokens "
             f"it holds at once (whole blocks of {s.block_size}). Capacity ratio: the model's tokens over the "
-            "baseline's; bound: the baseline's KV bytes per token over the model's (H/G).",
-            "",
-            serving_table(results),
-            "",
-        ]
+            "baseline's; bound: the baseline's KV bytes per token over the model's (H/G)."
+        )
+        section("Serving", about, serving_table(results))
     if any(m.decode for m in models):
-        parts += ["## Decode grid", "", decode_table(results), ""]
-        if any(p.rounds for m in models for p in m.decode):
-            parts += [
-                "Each point: the median of its rounds (tokens/s ± spread, (max - min) / median); a speedup "
-                'needs both points\' rounds within the tolerance, else it reads "unreliable". Batch: '
-                "concurrent sequences; tokens/s: output tokens per second over them.",
-                "",
-            ]
+        rounds = (
+            "Each point: the median of its rounds (tokens/s ± spread, (max - min) / median); a speedup "
+            'needs both points\' rounds within the tolerance, else it reads "unreliable". Batch: '
+            "concurrent sequences; tokens/s: output tokens per second over them."
+        )
+        section(
+            "Decode grid",
+            decode_table(results),
+            *([rounds] if any(p.rounds for m in models for p in m.decode) else []),
+        )
     if headline_metrics(results):
-        parts += ["## lm-eval", "", lm_eval_table(results), ""]
+        section("lm-eval", lm_eval_table(results))
     if plots:
-        parts += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+        section("Plots", *[f"![{p}]({p})" for p in plots])
     return "\n".join(parts)

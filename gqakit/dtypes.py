@@ -38,11 +38,9 @@ TABLE: tuple[DType, ...] = (
     DType("float8_e5m2", torch.float8_e5m2, "F8_E5M2"),
 )
 # every spelling -> its row: "bfloat16", "torch.bfloat16", "BF16", "bf16", torch.bfloat16
-_ROWS: dict[Any, DType] = {}
-for _row in TABLE:
-    for _key in (_row.name, f"torch.{_row.name}", _row.safetensors, _row.short, _row.torch):
-        _ROWS.setdefault(_key, _row)
-_ROWS.pop("", None)
+_ROWS: dict[Any, DType] = {
+    key: r for r in TABLE for key in (r.name, f"torch.{r.name}", r.safetensors, r.short, r.torch) if key != ""
+}
 
 # The dtypes a model is loaded in (eval, demo): auto is the checkpoint's own.
 LOAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -79,11 +77,6 @@ def short_name(dtype: str | torch.dtype) -> str:
     return r.short or r.name
 
 
-def is_float(dtype: str | torch.dtype) -> bool:
-    """Whether ``dtype`` is one that ``--dtype`` casts (float32, bfloat16, float16, float64)."""
-    return row(dtype).float
-
-
 def config_dtype(config: Any, default: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype a config (a dict or a transformers config) states in ``dtype`` (or the older
     ``torch_dtype``) when it is float32, bfloat16 or float16; else ``default``."""
@@ -91,8 +84,3 @@ def config_dtype(config: Any, default: torch.dtype = torch.float32) -> torch.dty
     stated = get("dtype") or get("torch_dtype")
     found = _ROWS.get(str(stated)) if stated is not None else None
     return found.torch if found is not None and found.name in LOAD_DTYPES else default
-
-
-def dtype_size(dtype: str | torch.dtype) -> int:
-    """Bytes per element of ``dtype`` in any spelling."""
-    return torch_dtype(dtype).itemsize

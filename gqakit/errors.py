@@ -1,10 +1,6 @@
-"""The one exception type users see.
-
-Every error that a person can fix (a bad path, a bad number of groups, a corrupt shard) is raised as
-:class:`GqakitError` with a message that names the bad value and the fix. It subclasses
-``click.ClickException`` so the CLI prints ``Error: <message>`` and exits non-zero without a traceback,
-while Python callers can catch it like any exception.
-"""
+"""The one exception type users see, :class:`GqakitError`: a ``click.ClickException``, so the CLI prints
+``Error: <message>`` and exits non-zero without a traceback, while Python callers catch it like any
+exception."""
 
 from __future__ import annotations
 
@@ -14,12 +10,10 @@ import click
 
 
 class GqakitError(click.ClickException):
-    """A problem with the user's input, reported as one clear message."""
+    """A problem a person can fix (a bad path, a bad number of groups, a corrupt shard), reported as one
+    message that names the bad value and the fix."""
 
     exit_code = 2
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 def did_you_mean(value: str, choices: list[str] | tuple[str, ...]) -> str:

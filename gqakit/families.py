@@ -1,25 +1,20 @@
-"""Everything gqakit knows of each model family, one :class:`Family` per ``config.model_type``.
-
-An entry holds the family's attention tensors (:class:`~gqakit.family_parts.ArchAdapter`: where
-``convert`` finds Q, K, V, O and the key norms), or the rewrite into a stock transformers class that holds
-fewer K/V heads (:class:`~gqakit.family_parts.Retarget`: GPT-2 and OPT into ``gpt_bigcode``, GPT-NeoX
-into ``phi``), or why gqakit cannot convert it; its llama.cpp layout (:class:`~gqakit.gguf.arch.GgufArch`);
-and how its config states the K/V heads of its weights and of transformers' KV cache, where a family says
-so its own way (Falcon, ``gpt_bigcode``). Adding a family is adding one entry to :data:`FAMILIES`; every
-command reads it through :func:`family_of`, so no code outside this table asks which family it holds.
+"""Everything gqakit knows of each model family, one :class:`Family` per ``config.model_type``
+(docs/architecture.md, "a model family"): its attention tensors, or the rewrite into a stock class that
+holds fewer K/V heads, or why it is refused; its llama.cpp layout; its K/V-head facts. Every command reads
+it through :func:`family_of`, so no code outside this table asks which family it holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gguf import MODEL_ARCH
 
 from gqakit.errors import GqakitError, did_you_mean
 from gqakit.family_parts import _ATTN, ArchAdapter, Config, Retarget
-from gqakit.gguf.arch import GEMMA2, GEMMA3, GEMMA3_MM, PHI3_KEYS, GgufArch, rope, sliding_window_check
+from gqakit.gguf.arch import GEMMA2, GEMMA3, PHI3_KEYS, GgufArch, rope
 from gqakit.gguf.arch import head_dim as head_dim_of
 
 
@@ -28,17 +23,14 @@ class Family:
     """Everything gqakit knows of one ``config.model_type`` (see the module docstring).
 
     Attributes:
-        model_type: ``config.model_type``.
         attention: where its attention tensors are, when ``convert`` converts it as it is.
         retarget: the rewrite into a stock class that holds fewer K/V heads, when that is how it converts.
         unsupported: why gqakit cannot convert it, when it is known not to.
         gguf: its llama.cpp layout, when ``export`` writes it.
-        gguf_name: the llama.cpp architecture name of a ``.gguf`` of this family that gqakit does not
-            export (read back only); an exported family's is ``gguf.name``.
-        kv_heads: (config, query heads) -> the K/V heads of the weights, for a family that states them
-            otherwise than ``num_key_value_heads``.
+        kv_heads: (config, query heads) -> the K/V heads of the weights: ``num_key_value_heads``, H when
+            it states none (MHA), unless the family states them otherwise.
         cache_kv_heads: (config, the weights' K/V heads, query heads) -> the K/V heads each layer of
-            transformers' KV cache holds, for a family whose attention caches others than its weights'.
+            transformers' KV cache holds: the weights', unless the family's attention broadcasts them first.
     """
 
     model_type: str
@@ -46,20 +38,17 @@ class Family:
     retarget: Retarget | None = None
     unsupported: str | None = None
     gguf: GgufArch | None = None
-    gguf_name: str | None = None
-    kv_heads: Callable[[Config, int], int] | None = None
-    cache_kv_heads: Callable[[Config, int, int], int] | None = None
+    kv_heads: Callable[[Config, int], int] = lambda c, heads: int(c.get("num_key_value_heads") or heads)
+    cache_kv_heads: Callable[[Config, int, int], int] = lambda c, kv_heads, heads: kv_heads
 
     def weight_kv_heads(self, config: Mapping[str, Any], heads: int) -> int:
         """The K/V heads of the weights ``config`` describes (H when it states none: MHA)."""
-        if self.kv_heads is not None:
-            return self.kv_heads(dict(config), heads)
-        return int(config.get("num_key_value_heads") or heads)
+        return self.kv_heads(dict(config), heads)
 
     def cached_kv_heads(self, config: Mapping[str, Any], kv_heads: int, heads: int) -> int:
         """The K/V heads per layer of transformers' KV cache for this config: the weights', except where
         the family's attention broadcasts them first."""
-        return kv_heads if self.cache_kv_heads is None else self.cache_kv_heads(dict(config), kv_heads, heads)
+        return self.cache_kv_heads(dict(config), kv_heads, heads)
 
 
 def _family(model_type: str, roles: dict[str, Any] | None = None, **facts: Any) -> Family:
@@ -109,31 +98,17 @@ def _falcon_kv_heads(config: Config, heads: int) -> int:
     return 1 if config.get("multi_query", True) else heads
 
 
-# llama.cpp's phi2 and starcoder graphs apply GELU in its tanh form, whatever the config says.
-_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-
-
 def _layernorm(arch: MODEL_ARCH, field: str, **kw: Any) -> GgufArch:
     """A LayerNorm architecture's GGUF rules (phi -> ``phi2``, gpt_bigcode -> ``starcoder``), whose graph
-    applies GELU whatever the config's ``field`` says: another activation is refused, exact GELU warned
-    about (llama.cpp computes its tanh approximation)."""
-
-    def check(cfg: Config) -> str | None:
-        if cfg.get(field) == "gelu":
-            return (
-                f"{field}='gelu' (exact) but llama.cpp computes GELU's tanh approximation: logits differ "
-                "slightly from transformers'."
-            )
-        return None
+    applies GELU whatever the config's ``field`` says: another activation is refused (exact GELU is
+    allowed, though llama.cpp computes its tanh approximation)."""
 
     def problem(cfg: Config) -> str | None:
-        if cfg.get(field) not in (*_GELU_TANH, "gelu"):
-            return (
-                f"{field}={cfg.get(field)!r}: llama.cpp's graph for this family applies GELU (another model)"
-            )
+        if cfg.get(field) not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu"):  # tanh, exact
+            return f"{field}={cfg.get(field)!r}: llama.cpp's graph for this family applies GELU instead"
         return None
 
-    return GgufArch(arch, layer_norm=True, checks=(check,), problems=(problem,), **kw)
+    return GgufArch(arch, layer_norm=True, problems=(problem,), **kw)
 
 
 def _bigcode_kv_heads(cfg: Config, heads: int) -> int:
@@ -153,11 +128,10 @@ def common_names(cfg: Mapping[str, Any]) -> Config:
 def _bigcode_view(cfg: Config) -> Config:
     """gpt_bigcode's config under the names the common GGUF keys read (``n_embd`` -> ``hidden_size``...)."""
     cfg = common_names(cfg)
-    hidden = cfg["hidden_size"]
     return {
         **cfg,
         "num_key_value_heads": _bigcode_kv_heads(cfg, cfg["num_attention_heads"]),
-        "intermediate_size": cfg.get("n_inner") or 4 * hidden,
+        "intermediate_size": cfg.get("n_inner") or 4 * cfg["hidden_size"],
         "max_position_embeddings": cfg["n_positions"],
         "layer_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
     }
@@ -172,15 +146,12 @@ FAMILIES: dict[str, Family] = {
     for f in (
         _family("llama", _LLAMA, gguf=_LLAMA_GGUF),
         # convert_hf_to_gguf.py writes MistralForCausalLM as the llama architecture
-        _family("mistral", _LLAMA, gguf=replace(_LLAMA_GGUF, checks=(sliding_window_check,))),
+        _family("mistral", _LLAMA, gguf=_LLAMA_GGUF),
         _family("qwen2", _LLAMA, gguf=GgufArch(MODEL_ARCH.QWEN2)),  # q/k/v biases: picked up as .bias
         _family("qwen3", _QK_NORM),
-        _family("gemma", _LLAMA, gguf=GgufArch(MODEL_ARCH.GEMMA, norm_plus_one=True, has_output=False)),
+        _family("gemma", _LLAMA, gguf=GgufArch(MODEL_ARCH.GEMMA, norm_plus_one=True)),
         _family("gemma2", _LLAMA, gguf=GEMMA2),
-        # registered before gemma3 so that a gemma3 GGUF reads back as this text model
         _family("gemma3_text", _QK_NORM, gguf=GEMMA3),
-        # the multimodal Gemma 3 (4B and up): its text model exported, as convert_hf_to_gguf.py writes it
-        _family("gemma3", gguf=GEMMA3_MM),
         # Phi3Config's partial_rotary_factor (default 1) limits rotary to the first channels of each head.
         _family(
             "phi3",
@@ -224,7 +195,7 @@ FAMILIES: dict[str, Family] = {
                 "gpt_bigcode",
                 "GPTBigCode is GPT-2's block (learned positions, LayerNorm, GELU MLP, fused c_attn) with "
                 "multi_query: one K/V head for all query heads",
-                False, _gpt2_problems, "gqakit.convert.retarget_bigcode:GPT2",
+                False, _gpt2_problems, "gqakit.convert.retarget_rewrites:GPT2",
             ),
         ),  # fmt: skip
         _family(
@@ -233,7 +204,7 @@ FAMILIES: dict[str, Family] = {
                 "gpt_bigcode",
                 "pre-LN OPT is GPT-2's block with ReLU and learned positions at an offset of 2; GPTBigCode "
                 "holds it with multi_query: one K/V head for all query heads",
-                False, _opt_problems, "gqakit.convert.retarget_bigcode:OPT",
+                False, _opt_problems, "gqakit.convert.retarget_rewrites:OPT",
             ),
         ),  # fmt: skip
         _family(
@@ -242,16 +213,12 @@ FAMILIES: dict[str, Family] = {
                 "phi",
                 "Phi is GPT-NeoX's parallel attention + MLP block (LayerNorm, biases, partial rotary) with "
                 "num_key_value_heads; NeoX's second LayerNorm folds into fc1",
-                True, _neox_problems, "gqakit.convert.retarget_neox:NEOX",
+                True, _neox_problems, "gqakit.convert.retarget_rewrites:NEOX",
             ),
-            gguf_name="gptneox",
         ),  # fmt: skip
         # Families whose transformers attention has one K/V head per query head and no
         # num_key_value_heads: a checkpoint with fewer K/V heads would not load in them.
-        _family(
-            "bloom",
-            unsupported="BLOOM attention has a fused query_key_value with one K/V head per query head",
-        ),
+        _family("bloom", unsupported="BLOOM's fused query_key_value has one K/V head per query head"),
         _family("gptj", unsupported="GPT-J attention has one K/V head per query head"),
         _family(
             "falcon",
@@ -264,7 +231,6 @@ FAMILIES: dict[str, Family] = {
         ),
         _family("t5", unsupported="T5 is an encoder-decoder whose attention has one K/V head per query head"),
         _family("bert", unsupported="BERT is an encoder whose attention has one K/V head per query head"),
-        _family("cohere", gguf_name="command-r"),
     )
 }  # fmt: skip
 
@@ -323,8 +289,6 @@ def _refused(model_type: str, why: str, known: Iterable[str]) -> GqakitError:
 
 def model_type_of_gguf(arch_name: str) -> str:
     """The ``model_type`` a ``.gguf`` of llama.cpp architecture ``arch_name`` reads back as: the first
-    family with that name (a mistral exports as llama and reads back as llama); the name when none has it."""
-    for f in FAMILIES.values():
-        if arch_name in (f.gguf_name, f.gguf and f.gguf.name):
-            return f.model_type
-    return arch_name
+    family exported under that name (a mistral exports as llama and reads back as llama); the name when
+    none is."""
+    return next((t for t, f in FAMILIES.items() if f.gguf and f.gguf.name == arch_name), arch_name)

@@ -10,29 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from gqakit.errors import GqakitError
 
 Config = dict[str, Any]
 _ATTN = "model.layers.{layer}.self_attn"
 
-# The module roles an adapter names; ArchAdapter.module/tensor take one of these.
-Role = Literal[
-    "q",
-    "k",
-    "v",
-    "o",
-    "qkv",
-    "k_norm",
-    "q_norm",
-    "k_norm_flat",
-    "q_norm_flat",
-    "k_norm_per_head",
-    "q_norm_per_head",
-]
-# The roles whose modules normalise keys after projection: a linear key merge is then not exact.
-_KEY_NORM_ROLES: tuple[Role, ...] = ("k_norm", "k_norm_flat", "k_norm_per_head")
+# The module roles an adapter names (ArchAdapter.module/tensor take one of these); those whose modules
+# normalise keys after projection make a linear key merge inexact.
+KeyNormRole = Literal["k_norm", "k_norm_flat", "k_norm_per_head"]
+Role = Literal["q", "k", "v", "o", "qkv", "q_norm", "q_norm_flat", "q_norm_per_head"] | KeyNormRole
+_KEY_NORM_ROLES: tuple[KeyNormRole, ...] = get_args(KeyNormRole)
 
 
 @dataclass(frozen=True)
@@ -40,7 +29,6 @@ class ArchAdapter:
     """Where one family keeps its attention tensors, and what its attention does with them.
 
     Attributes:
-        model_type: ``config.model_type`` this adapter serves.
         q, k, v, o: module paths of the query, key, value and output projections. ``k``/``v`` are
             None when the family fuses them into ``qkv``.
         qkv: module path of a fused projection whose rows are ``q | k | v`` (phi3).
@@ -59,10 +47,6 @@ class ArchAdapter:
         rotary: the family rotates its keys at all (not gpt_bigcode's learned positions).
         qkv_per_head: the fused ``qkv`` rows go head by head, ``q_h | k_h | v_h`` (gpt_bigcode's MHA
             ``c_attn``), while every query head has its own K/V head; ``q | k | v`` once fewer.
-
-    Whether keys are normalised after projection (which makes a linear key merge inexact) follows from
-    the key-norm roles: :meth:`key_norm_modules` names them, and a checkpoint has them or not (stablelm's
-    ``qk_layernorm`` is a config switch).
     """
 
     model_type: str
@@ -127,7 +111,7 @@ class Retarget:
             refinement at G = 1 reach it.
         problems: config -> the reasons this checkpoint cannot be held exactly (empty when it can).
         rewrite: ``module:attribute`` of its :class:`Rewrite` in the convert layer, which this shared
-            layer may not import (:func:`gqakit.convert.retarget.rewrite_of` reads it).
+            layer may not import (:mod:`gqakit.convert.retarget` resolves it).
     """
 
     target: str
@@ -146,7 +130,7 @@ class Retarget:
 @dataclass(frozen=True)
 class Rewrite:
     """The tensor half of a :class:`Retarget`, which names it: pure functions in the convert layer
-    (:mod:`gqakit.convert.retarget_bigcode`, :mod:`gqakit.convert.retarget_neox`).
+    (:mod:`gqakit.convert.retarget_rewrites`).
 
     Attributes:
         config: source config -> target MHA config.

@@ -1,15 +1,6 @@
-"""Attention geometry read from a Hugging Face ``config.json``, and what it implies for the KV cache.
-
-::
-
-    MHA (H = 4, G = 4)      GQA (H = 4, G = 2)      MQA (H = 4, G = 1)
-    q0 q1 q2 q3             q0 q1 q2 q3             q0 q1 q2 q3
-    |  |  |  |              \\  /  \\  /               \\  \\  /  /
-    k0 k1 k2 k3               k0    k1                   k0
-
-Hugging Face's ``repeat_kv`` gives query head ``j`` the KV head ``j // (H / G)``, so a group is a run of
-consecutive query heads. A KV cache stores keys and values for every layer, KV head and token:
-``2 * layers * G * head_dim * bytes`` per token, so G sets the cache size directly.
+"""Attention geometry read from a Hugging Face ``config.json``, and what it implies for the KV cache:
+keys and values for every layer, K/V head and token, ``2 * layers * G * head_dim * bytes`` per token, so
+G sets the cache size directly (the groups themselves: docs/convert.md).
 """
 
 from __future__ import annotations
@@ -81,15 +72,13 @@ class AttentionGeometry:
         g = self.num_kv_heads if groups is None else groups
         return 2 * self.num_layers * g * self.head_dim * dtype_bytes
 
-    def tensor_parallel_kv(
-        self, degrees: tuple[int, ...] = TP_DEGREES, dtype_bytes: int = 2
-    ) -> list[TensorParallelKV]:
-        """KV-cache bytes per GPU per token at each tensor-parallel degree: each GPU holds G / TP K/V heads
-        (at least one: with G < TP vLLM replicates each head on TP / G GPUs), and whether transformers'
-        own TP refuses the model there."""
+    def tensor_parallel_kv(self) -> list[TensorParallelKV]:
+        """bf16 KV-cache bytes per GPU per token at each of :data:`TP_DEGREES`: each GPU holds G / TP K/V
+        heads (at least one: with G < TP vLLM replicates each head on TP / G GPUs), and whether
+        transformers' own TP refuses the model there."""
         h, g = self.num_heads, self.num_kv_heads
         out = []
-        for tp in degrees:
+        for tp in TP_DEGREES:
             heads = max(1, -(-g // tp))  # G / TP, rounded up; one whole head at least
             if tp > g:
                 why = f"TP {tp} > {g} K/V heads"
@@ -98,9 +87,5 @@ class AttentionGeometry:
                 why = f"TP {tp} does not divide {' or '.join(counts)}"
             else:
                 why = ""
-            out.append(
-                TensorParallelKV(
-                    tp, heads, 2 * self.num_layers * heads * self.head_dim * dtype_bytes, g < tp, why
-                )
-            )
+            out.append(TensorParallelKV(tp, heads, self.kv_bytes_per_token(heads), g < tp, why))
         return out

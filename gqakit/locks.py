@@ -1,13 +1,11 @@
-"""Locks (:func:`exclusive`, :func:`one_at_a_time`): one process at a time in a directory of resumable
-work (:func:`gqakit.storage.working_directory`), an output being written or a cache entry being built.
-Two processes at once would write the same files, and a later resume could read a mix of both. A lock
-goes with its process (``kill -9`` leaves nothing to clean up); on a filesystem whose ``flock`` does not
-work (NFS without a lock service, some FUSE mounts, Windows: :data:`NO_LOCKS`) the block runs unguarded,
-with a warning, rather than not at all.
+"""Locks (:func:`exclusive`, :func:`one_at_a_time`): one process at a time in a working directory, an
+output being written or a cache entry being built, as docs/reliability.md promises. A lock goes with its
+process; where ``flock`` does not work (:data:`NO_LOCKS`) the block runs unguarded, with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -75,38 +73,36 @@ def _acquire(path: Path, busy: Callable[[str], None]) -> int:
         except BaseException:
             os.close(fd)
             raise
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
                 return fd
-        except FileNotFoundError:
-            pass
         # the holder released and removed the file between our open and our lock: the lock we hold is on
         # a file nobody else will open again, so take the new one
         os.close(fd)
 
 
 @contextmanager
-def _held(path: Path, busy: Callable[[str], None]) -> Iterator[None]:
-    fd = _acquire(path, busy)
+def one_at_a_time(lock_file: str | Path, waiting: Callable[[str], None]) -> Iterator[None]:
+    """Hold ``lock_file`` for the ``with`` block, waiting while another process holds it (work that takes
+    a minute and that this process needs too); ``waiting`` is called once with the holder's description
+    (it may raise instead, to refuse: :func:`exclusive`)."""
+    path = Path(lock_file)
+    fd = _acquire(path, waiting)
     try:
         argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else ["python"]
         since = time.strftime("%Y-%m-%d %H:%M:%S")
+        owner = f"pid {os.getpid()} on {socket.gethostname()} since {since}: {shlex.join(argv)}\n"
         os.ftruncate(fd, 0)
-        os.write(
-            fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}: {shlex.join(argv)}\n".encode()
-        )
+        os.write(fd, owner.encode())
         yield
     finally:
         # removed while still locked, so no process can lock this file after we let it go
-        try:
+        with contextlib.suppress(OSError):
             path.unlink()
-        except OSError:
-            pass
         os.close(fd)
 
 
-@contextmanager
-def exclusive(lock_file: str | Path, busy: str) -> Iterator[None]:
+def exclusive(lock_file: str | Path, busy: str):
     """Hold ``lock_file`` (in an existing directory) for the ``with`` block, or refuse at once if another
     process holds it, instead of waiting for hours: a :class:`GqakitError` of ``busy`` with :data:`OWNER`
     replaced by the holder's pid and command (which the file holds until release removes it)."""
@@ -114,16 +110,7 @@ def exclusive(lock_file: str | Path, busy: str) -> Iterator[None]:
     def refuse(owner: str) -> None:
         raise GqakitError(busy.replace(OWNER, owner))
 
-    with _held(Path(lock_file), refuse):
-        yield
-
-
-@contextmanager
-def one_at_a_time(lock_file: str | Path, waiting: Callable[[str], None]) -> Iterator[None]:
-    """Hold ``lock_file`` for the ``with`` block, waiting while another process holds it (work that takes
-    a minute and that this process needs too); ``waiting`` is called once with the holder's description."""
-    with _held(Path(lock_file), waiting):
-        yield
+    return one_at_a_time(lock_file, refuse)
 
 
 def building(lock_file: Path, what: str, logger: logging.Logger = log):

@@ -3,6 +3,7 @@ can act on; devices, and handing freed memory back between the steps of layer-by
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from gqakit.checkpoint import model_source, open_checkpoint_dir, read_config
-from gqakit.dtypes import LOAD_DTYPES, torch_dtype
+from gqakit.dtypes import torch_dtype
 from gqakit.errors import GqakitError
 from gqakit.safetensors_io import check_finite
 
@@ -24,12 +25,10 @@ def resolve_device(device: str = "auto") -> torch.device:
     """``auto`` -> cuda when available, else cpu; anything else as given, checked."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GqakitError(
-            f"--device {device} was asked for but no CUDA device is available; use --device cpu."
-        )
-    return dev
+    why = device_unavailable(device, "--device")
+    if why:
+        raise GqakitError(why)
+    return torch.device(device)
 
 
 def device_name(device: torch.device) -> str:
@@ -43,24 +42,23 @@ def device_name(device: torch.device) -> str:
 
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux, where ``platform.processor()`` is often empty)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 
-def device_unavailable(device: str) -> str | None:
-    """Why this machine cannot run on ``speed.device`` (a CUDA device it does not have), or None."""
+def device_unavailable(device: str, flag: str = "speed.device") -> str | None:
+    """Why this machine cannot run on ``device``, given as ``flag`` (a CUDA device it does not have), or
+    None."""
     if not device.startswith("cuda"):
         return None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if int(device.partition(":")[2] or 0) < count:
         return None
     has = f"{count} CUDA device(s)" if count else "no CUDA device"
-    return f"speed.device={device}, but this machine has {has}: set speed.device=cpu or auto."
+    return f"{flag}={device}, but this machine has {has}: set {flag}=cpu or auto."
 
 
 def max_positions(config) -> int | None:
@@ -106,7 +104,7 @@ def check_causal_lm(config: Any, path: str | Path, what: str = "model") -> None:
         )
 
 
-def causal_lm_config(path: str | Path, what: str = "model"):
+def causal_lm_config(path: str | Path):
     """The transformers config of the causal LM at ``path`` (a directory or a hub id, as
     :func:`gqakit.checkpoint.model_source` returns it), checked without loading weights: a directory
     without ``config.json``, an encoder (:func:`check_causal_lm`) or a model type that
@@ -121,7 +119,7 @@ def causal_lm_config(path: str | Path, what: str = "model"):
         config = AutoConfig.from_pretrained(str(path))
     except Exception as e:
         raise GqakitError(f"Could not read a model config from {path}: {e}") from None
-    check_causal_lm(config, path, what)
+    check_causal_lm(config, path)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise GqakitError(
             f"{path} is a {config.model_type!r} model, not a causal language model (AutoModelForCausalLM "
@@ -148,8 +146,6 @@ def load_causal_lm(path: str | Path, dtype: str = "auto", device: str = "auto", 
     # deferred: transformers takes seconds to import
     from transformers import AutoModelForCausalLM
 
-    if dtype not in LOAD_DTYPES:
-        raise GqakitError(f"dtype {dtype!r} is unknown; choose one of {', '.join(LOAD_DTYPES)}.")
     path = model_source(path)
     causal_lm_config(path)
     # every shard's header checked against its file size: a truncated download says so

@@ -1,20 +1,13 @@
-"""Tables of names: the one place a kind of name (a conversion method, a grouping, an eval engine) is
-defined, with what each name means.
-
-A :class:`NameTable` maps each name to its entry (a description, or a dataclass that says what the name
-does). Everything else reads the table: click's choices, the help text, recipe validation, the docs'
-tests, and the dispatch to an implementation. An unknown name gets one message with the choices and the
-closest name (lm-eval's registries work the same way)::
-
-    GROUPINGS = NameTable("grouping", {"contiguous": "...", "similarity": "..."})
-    GROUPINGS.unknown("simlarity", "--grouping")
-    # --grouping 'simlarity' is unknown; choose one of contiguous, similarity. Did you mean "similarity"?
+"""Tables of names: the one place a kind of name (a conversion method, a preset, an eval engine) is
+defined, with what each name means. Everything else reads the table: click's choices, the help text,
+recipe validation, the docs' tests, the dispatch to an implementation, and the one message for an
+unknown name, with the choices and the closest one.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 from gqakit.errors import did_you_mean
@@ -22,8 +15,8 @@ from gqakit.errors import did_you_mean
 T = TypeVar("T")
 
 
-class NameTable(Mapping[str, T], Generic[T]):
-    """Names of one kind, in the order they are shown, each with its entry.
+class NameTable(dict[str, T], Generic[T]):
+    """Names of one kind, in the order they are shown, each with its entry (a dict of them).
 
     Args:
         kind: what a name is, for messages (``conversion method``).
@@ -35,56 +28,42 @@ class NameTable(Mapping[str, T], Generic[T]):
     def __init__(
         self, kind: str, entries: Mapping[str, T], summary: Callable[[T], str] | None = None
     ) -> None:
+        super().__init__(entries)
         self.kind = kind
-        self._entries = dict(entries)
         self._summary = summary or (lambda e: e if isinstance(e, str) else str(getattr(e, "summary", e)))
-
-    def __getitem__(self, name: str) -> T:
-        return self._entries[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     @property
     def names(self) -> tuple[str, ...]:
         """Every name, in display order (click's ``Choice``, docs)."""
-        return tuple(self._entries)
+        return tuple(self)
 
     def where(self, test: Callable[[T], bool]) -> tuple[str, ...]:
         """The names whose entry passes ``test``, in display order."""
-        return tuple(n for n, e in self._entries.items() if test(e))
+        return tuple(n for n, e in self.items() if test(e))
 
-    def unknown(self, name: str, flag: str, among: tuple[str, ...] | None = None) -> str | None:
-        """The message for ``name`` given as ``flag`` when it is not one of ``among`` (default: every
-        name), with the choices and the closest one; None when it is known."""
-        among = self.names if among is None else among
-        if name in among:
+    def unknown(self, name: str, flag: str) -> str | None:
+        """The message for ``name`` given as ``flag`` when it is not in the table, with the choices and the
+        closest one; None when it is known."""
+        if name in self:
             return None
-        return (
-            f"{flag} {name!r} is unknown; choose one of {', '.join(among)}.{did_you_mean(str(name), among)}"
-        )
+        close = did_you_mean(str(name), self.names)
+        return f"{flag} {name!r} is unknown; choose one of {', '.join(self)}.{close}"
 
-    def unknown_in(
-        self, names: tuple[str, ...] | list[str], flag: str, among: tuple[str, ...] | None = None
-    ) -> str | None:
+    def unknown_in(self, names: tuple[str, ...] | list[str], flag: str) -> str | None:
         """The message for a comma-separated list ``names`` given as ``flag``: the unknown ones, the
         choices and the closest name to the first unknown; None when every name is known."""
-        among = self.names if among is None else among
-        bad = [n for n in names if n not in among]
+        bad = [n for n in names if n not in self]
         if not bad:
             return None
         plural = "s" if len(bad) > 1 else ""
         return (
-            f"{flag} {','.join(map(str, bad))}: unknown {self.kind}{plural}; choose from {', '.join(among)}."
-            f"{did_you_mean(str(bad[0]), among)}"
+            f"{flag} {','.join(map(str, bad))}: unknown {self.kind}{plural}; choose from {', '.join(self)}."
+            f"{did_you_mean(str(bad[0]), self.names)}"
         )
 
-    def describe(self, names: tuple[str, ...] | None = None, sep: str = "; ") -> str:
-        """``name: summary`` for each of ``names`` (default: all), for help texts."""
-        return sep.join(f"{n}: {self._summary(self._entries[n])}" for n in (names or self.names))
+    def describe(self) -> str:
+        """``name: summary`` for every name, for help texts."""
+        return "; ".join(f"{n}: {self._summary(e)}" for n, e in self.items())
 
 
 def resolve(ref: str) -> Any:

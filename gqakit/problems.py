@@ -1,11 +1,6 @@
-"""The problem collector that names each flag the way the running command spells it, and the checks
-every command shares (``--device``, learning rates).
-
-:class:`Problems` gathers everything wrong with a set of options and raises it as one message. A
-message names a field through :meth:`Problems.flag`, which looks the field up among the parameters of
-the command that is running (``gqakit demo``'s ``report_dir`` is ``--out``), or, from Python, of the
-command the options belong to. A field that command has no flag for is named as the field itself
-(``seq_len``), so a message can only name a flag the user could have typed.
+"""The problem collector that names each flag the way the running command spells it (:class:`Problems`:
+a message can only name a flag the user could have typed), and the checks every command shares
+(``--device``, learning rates).
 """
 
 from __future__ import annotations
@@ -21,35 +16,27 @@ from gqakit.cli import load_command
 from gqakit.errors import GqakitError
 
 
-def finite_positive(x: float) -> bool:
-    """A usable rate or scale: finite and above 0. click's ``float`` and YAML (``.inf``) both read ``inf``
-    and ``nan``, and ``inf`` passes a ``> 0`` check; such a learning rate only fails, or trains to nan,
-    once the work has started."""
-    return math.isfinite(x) and x > 0
-
-
 def rate_problem(flag: str, lr: float, default: float | None = None) -> str | None:
-    """What is wrong with the learning rate ``lr`` given as ``flag`` (:func:`finite_positive`), or None.
+    """What is wrong with the learning rate ``lr`` given as ``flag``, or None when it is finite and above 0.
 
     One wording for every rate gqakit takes (convert's, a recipe's, recovery's and replicate's), naming
     the default where the option has one.
     """
-    if finite_positive(lr):
+    # click's float and YAML (.inf) both read inf and nan, and inf passes a > 0 check; such a rate only
+    # fails, or trains to nan, once the work has started
+    if math.isfinite(lr) and lr > 0:
         return None
     example = f"; e.g. {default:g} (the default)" if default is not None else ""
     return f"{flag} must be a finite learning rate above 0, got {lr}{example}."
 
 
-DEVICES = "auto, cpu, cuda or cuda:N"  # what --device (and a recipe's speed.device) takes
-
-
 def device_problem(device: str, flag: str = "--device") -> str | None:
-    """What is wrong with a ``--device`` value, or None when it is one of :data:`DEVICES` (checked before
-    any work: torch would only refuse ``gpu`` when the first tensor moves)."""
+    """What is wrong with a ``--device`` value, or None when it is auto, cpu, cuda or cuda:N (checked
+    before any work: torch would only refuse ``gpu`` when the first tensor moves)."""
     # an index as torch reads it: no leading zeros (torch refuses "cuda:01"), at most 4 digits
     if re.fullmatch(r"auto|cpu|cuda(:(0|[1-9]\d{0,3}))?", device):
         return None
-    return f"{flag} must be {DEVICES}, got {device!r}."
+    return f"{flag} must be auto, cpu, cuda or cuda:N, got {device!r}."
 
 
 def command_flags(command: click.Command) -> dict[str, str]:

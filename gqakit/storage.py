@@ -1,16 +1,7 @@
-"""Everything gqakit writes to disk goes through here: files, output directories and the cache root.
-
-* Files (:func:`atomic_write`) and output directories (:func:`atomic_output_dir`) are written into a
-  hidden temporary sibling and renamed into place only when complete: a reader never sees half of one,
-  and an interrupted run leaves the old one as it was.
-* The cache (:func:`cache_root`: ``$GQAKIT_CACHE`` or ``~/.cache/gqakit``) holds the assets
-  (:mod:`gqakit.assets`) and two caches of copies made from a source that changes: ``.gguf`` files
-  dequantized into checkpoints (:mod:`gqakit.gguf.dequantize`) and checkpoints exported to GGUF for
-  llama.cpp (:mod:`gqakit.eval.llamacpp_engine`), whose rules are at
-  :func:`gqakit.cached_copies.cached_copy`.
-* A pipeline's working directory (:func:`working_directory`) is held by one run at a time.
-
-The locks are in :mod:`gqakit.locks`.
+"""Everything gqakit writes to disk goes through here: files (:func:`atomic_write`) and output
+directories (:func:`atomic_output_dir`), renamed into place only when complete; the cache and its
+copies of a changing source (:func:`cached_copy`); a pipeline's working directory
+(:func:`working_directory`). The promises: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -21,19 +12,17 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from gqakit.errors import GqakitError
-from gqakit.locks import OWNER, exclusive
+from gqakit.locks import OWNER, building, exclusive
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------- files
 
 
 def sha256_file(path: Path) -> str:
@@ -63,23 +52,15 @@ def fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 @contextmanager
 def atomic_write(path: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling of the file ``path`` (``.NAME.<random>.partial``, created empty) to
     write; rename it over ``path`` only on success, with the permissions of any new file."""
     path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.partial")
+    tmp.touch(exist_ok=False)  # a new file, with the permissions of any new file (the umask's)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -97,13 +78,9 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-# -------------------------------------------------------------------------------- output directories
 def _writable_ancestor(path: Path) -> Path:
     """The nearest existing ancestor of ``path`` (the directory a mkdir would write into)."""
-    p = path
-    while not p.exists():
-        p = p.parent
-    return p
+    return next(p for p in (path, *path.parents) if p.exists())
 
 
 CREATED: list[Path] = []  # directories make_dirs created in this process, outermost first
@@ -127,6 +104,9 @@ def remove_new_empty() -> None:
             CREATED.pop().rmdir()
 
 
+_OUTPUT_FIX = "choose an output path in a directory you can write to"
+
+
 def check_output_dir(dst: Path, force: bool, src: Path | None = None) -> Path:
     """DST, resolved, once checked before any work: not SRC, inside it or containing it; not a file; empty
     unless ``force`` (replace it); in a directory that can be written."""
@@ -148,13 +128,14 @@ def check_output_dir(dst: Path, force: bool, src: Path | None = None) -> Path:
         raise GqakitError(
             f"Output {dst} exists and is not empty: pass --force to replace it, or choose another path."
         )
-    base = _writable_ancestor(dst.parent)
-    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
-        raise GqakitError(
-            f"Cannot write the output {dst}: {base} is not a writable directory. Choose an output path "
-            "in a directory you can write to."
-        )
+    writable_dir(dst.parent, "The output's folder", fix=_OUTPUT_FIX)
     return dst
+
+
+def unwritable(name: str, e: OSError, fix: str = "choose a directory you can write to") -> GqakitError:
+    """The one refusal of a place that cannot be written: ``name`` (its option and path), the system's
+    reason and ``fix``."""
+    return GqakitError(f"{name} cannot be written ({e.strerror}): {fix}.")
 
 
 def writable_dir(
@@ -169,10 +150,9 @@ def writable_dir(
     try:
         if create:
             make_dirs(out)
-        probe = Path(tempfile.mkdtemp(prefix=".write-test.", dir=_writable_ancestor(out)))
-        probe.rmdir()
+        Path(tempfile.mkdtemp(prefix=".write-test.", dir=_writable_ancestor(out))).rmdir()
     except OSError as e:
-        raise GqakitError(f"{option} {path} cannot be written ({e.strerror}): {fix}.") from None
+        raise unwritable(f"{option} {path}", e, fix) from None
     return out
 
 
@@ -200,45 +180,34 @@ def atomic_output_dir(dst: Path, force: bool = False, src: Path | None = None) -
                     log.warning("removed %s, left by an interrupted run into %s", stale, dst)
             tmp.mkdir()
         except OSError as e:  # a read-only parent: permissions (EACCES), a read-only filesystem, sysfs...
-            raise GqakitError(
-                f"Cannot write the output {dst}: {e.strerror} ({e.filename}). Choose an output path in a "
-                "directory you can write to."
-            ) from None
+            raise unwritable(f"The output {dst}", e, _OUTPUT_FIX) from None
         try:
             yield tmp
             if dst.exists():
                 os.rename(dst, old)
-                os.rename(tmp, dst)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, dst)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
 
 @contextmanager
-def working_directory(work_dir: str | Path, option: str = "--work-dir") -> Iterator[Path]:
+def working_directory(work_dir: str | Path) -> Iterator[Path]:
     """Create ``work_dir`` if needed and hold it for one pipeline run (:func:`exclusive`); yield it
     resolved."""
     work = Path(work_dir).expanduser().resolve()
     busy = (
-        f"{option} {work} is in use by another run ({OWNER}). Two runs in one working directory would "
-        f"write the same checkpoints: wait for that run to finish, or pass another {option}."
+        f"--work-dir {work} is in use by another run ({OWNER}). Two runs in one working directory would "
+        "write the same checkpoints: wait for that run to finish, or pass another --work-dir."
     )
     with ExitStack() as held:
         try:  # a directory that cannot be made, or an existing one that cannot be written (the lock file)
             make_dirs(work)
             held.enter_context(exclusive(work / ".gqakit-lock", busy))
         except OSError as e:
-            raise GqakitError(
-                f"{option} {work_dir} cannot be created or written ({e.strerror}): choose a directory you "
-                "can write to."
-            ) from None
+            raise unwritable(f"--work-dir {work_dir}", e) from None
         yield work
-
-
-# ---------------------------------------------------------------------------------------------- cache
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -246,12 +215,9 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     chosen = cache_dir or os.environ.get("GQAKIT_CACHE") or Path.home() / ".cache" / "gqakit"
     root = Path(chosen).expanduser().resolve()
     if root.exists() and not root.is_dir():
-        source = (
-            "--cache-dir" if cache_dir else ("GQAKIT_CACHE" if os.environ.get("GQAKIT_CACHE") else "cache")
-        )
         raise GqakitError(
-            f"The asset cache {root} ({source}) is a file, not a directory: point --cache-dir or "
-            "GQAKIT_CACHE at a directory."
+            f"The asset cache {root} is a file, not a directory: point --cache-dir or GQAKIT_CACHE at a "
+            "directory."
         )
     return root
 
@@ -260,3 +226,52 @@ def writable_cache(root: Path) -> Path:
     """``root``, created if needed; a clear error when it cannot be written."""
     fix = "pass --cache-dir DIR or set GQAKIT_CACHE to a writable directory"
     return writable_dir(root, "The asset cache", create=True, fix=fix)
+
+
+def source_folder(cache: str, source: Path, key: str = "") -> Path:
+    """The folder of ``source``'s copies in the cache folder ``cache``: the source's name and a hash of
+    its resolved path, this machine's name (a cache shared over the network holds other machines' copies,
+    whose paths are theirs) and ``key``, what else the copies depend on (an export's weight type)."""
+    tag = hashlib.sha256(f"{socket.gethostname()}\0{source}\0{key}".encode()).hexdigest()[:12]
+    return cache_root() / cache / f"{source.name}-{tag}"
+
+
+def cached_copy(
+    folder: Path, name: str, build: Callable[[Path], object], what: str, log: logging.Logger
+) -> Path:
+    """The copy ``name`` in ``folder`` (:func:`source_folder`), found or built: a ``.gguf`` file
+    dequantized into a checkpoint, a checkpoint exported to GGUF for llama.cpp. A copy is named by the
+    source's fingerprint and the writer's version, so a rewritten source or a newer gqakit gets a new copy,
+    never a stale one.
+
+    ``build(copy)`` writes a missing copy atomically (a hidden temporary renamed into place), so a copy
+    that exists is whole. It runs under the folder's lock (:func:`gqakit.locks.building`; ``what`` for a
+    process that waits): a second process asking for a copy of the same source waits for the first's
+    instead of writing its own. Under the same lock the copy's siblings then go, each removal logged with
+    its size; a failed one is a warning with the command that removes it, and the command goes on. A
+    hidden entry (a copy being written, the lock) is never removed.
+    """
+    copy = writable_cache(folder) / name
+    if not copy.exists():
+        with building(folder / ".lock", what.format(copy=copy), log):
+            if not copy.exists():
+                build(copy)
+                for old in sorted(folder.iterdir()):
+                    if old != copy and not old.name.startswith("."):
+                        _remove(old, copy, log)
+    return copy
+
+
+def _remove(old: Path, current: Path, log: logging.Logger) -> None:
+    """Remove the superseded copy ``old``: renamed to a hidden name first, so that a removal cut short
+    leaves nothing that is handed out as a copy."""
+    size = sum(f.stat().st_size for f in (old, *old.rglob("*")) if f.is_file() and not f.is_symlink())
+    gone = old.with_name(f".removing-{old.name}")
+    try:
+        old.rename(gone)
+        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    except OSError as e:
+        left = gone if gone.exists() else old
+        log.warning("could not remove %s, a superseded copy: %s; remove it: rm -rf %s", old, e, left)
+        return
+    log.info("removed %s (%.1f MiB), superseded by %s", old, size / 2**20, current.name)

@@ -1,14 +1,7 @@
-"""Text for every verb: local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files, or a hub dataset.
-
-One rule for every source, so a number means the same thing whichever file it came from:
-
-* a ``.txt`` file is **one document**, its text exactly as stored (UTF-8), so its byte count is the
-  file's byte count;
-* a ``.jsonl`` / ``.json`` / ``.parquet`` file or a hub dataset gives **one document per row** (the
-  ``text_field`` column); rows whose text is empty or only whitespace are dropped (wikitext's raw
-  splits have thousands of them).
-
-Perplexity and calibration then join the documents with :data:`DOC_SEPARATOR`.
+"""Text for every verb: local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files, or a hub dataset,
+read by one rule (docs/eval.md), so a number means the same thing whichever file it came from: a ``.txt``
+file is one document, its text exactly as stored; a table or a hub dataset gives one document per row
+(empty rows dropped). Perplexity and calibration then join the documents with :data:`DOC_SEPARATOR`.
 """
 
 from __future__ import annotations
@@ -53,11 +46,13 @@ def load_texts(
     if path.is_dir():
         raise GqakitError(f"{option} {source} is a directory; point at a .txt, .jsonl or .parquet file.")
     builder = _TABLE_BUILDERS.get(path.suffix.lower())
+    suffixed = path.suffix.lower() in {".txt", *_TABLE_BUILDERS}
     if path.is_file() and builder:
         if builder == "json":
             read_text_file(path, option)  # datasets lets a UnicodeDecodeError through
         texts = _load_table(source, option, text_field, builder, "train", data_files=str(path.resolve()))
-    elif path.is_file() or _looks_local(str(source)):
+    # any other file, or a path-like name (./x, /x, ~/x, a/b/c, x.txt) rather than a hub dataset's owner/name
+    elif path.is_file() or str(source).startswith((".", "/", "~")) or str(source).count("/") > 1 or suffixed:
         texts = [read_text_file(path, option)]  # any other file is text; a missing one is named
     else:
         texts = _load_table(
@@ -67,15 +62,6 @@ def load_texts(
     if not texts:
         raise GqakitError(f"{option} {source} holds no text (every document is empty).")
     return texts
-
-
-def _looks_local(source: str) -> bool:
-    """A path-like string (``./x``, ``/x``, ``~/x``, ``a/b/c``, ``x.txt``) rather than ``owner/name``."""
-    return (
-        source.startswith((".", "/", "~"))
-        or source.count("/") > 1
-        or Path(source).suffix.lower() in {".txt", *_TABLE_BUILDERS}
-    )
 
 
 def read_text_file(path: str | Path, what: str = "") -> str:
@@ -118,21 +104,12 @@ def _load_table(
 
     try:
         ds = datasets.load_dataset(path, split=split, **kwargs)
-    except ValueError as e:
-        if "split" in str(e).lower():
-            raise GqakitError(f"{option} {source} has no split {split!r}: {e}") from None
-        raise GqakitError(f"{option} {source} could not be read: {e}") from None
-    except Exception as e:  # datasets raises many types (DatasetGenerationError, FileNotFoundError...)
-        hint = ""
-        if not _looks_local(str(source)):
-            hint = " Hub datasets need a network connection (HF_DATASETS_OFFLINE is set in tests)."
-        raise GqakitError(f"{option} {source} could not be loaded ({type(e).__name__}: {e}).{hint}") from None
-    if len(ds) == 0:
-        raise GqakitError(f"{option} {source} is empty.")
+    except Exception as e:  # datasets raises many types (ValueError: no such split, FileNotFoundError...)
+        raise GqakitError(f"{option} {source} could not be loaded ({type(e).__name__}: {e}).") from None
     if text_field not in ds.column_names:
         raise GqakitError(
             f"{option} {source} has no field {text_field!r}; its fields are {', '.join(ds.column_names)}."
-            f"{did_you_mean(text_field, ds.column_names)} Pass --text-field NAME."
+            f"{did_you_mean(text_field, ds.column_names)} Set text_field to the column that holds the text."
         )
     texts = ds[text_field]
     if not all(isinstance(t, str) or t is None for t in texts):

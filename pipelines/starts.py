@@ -8,6 +8,7 @@ A pipeline's ``--set model.convert.FIELD=VALUE`` changes a conversion setting of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -23,11 +24,6 @@ CONVERT = "model.convert."  # the --set prefix of the conversion settings
 SETTABLE = ("calib_tokens", "refine_steps", "refine_target", "refine_lr", "refine_qk_lr")
 
 
-def _uses(r: ConvertOptions, field: str) -> bool:
-    """Whether the resolved conversion ``r`` uses the setting ``field`` (one of :data:`SETTABLE`)."""
-    return bool(r.refine_steps) if field.startswith("refine_") else r.needs_text
-
-
 # for --help: the summaries are in `gqakit convert --help` and docs/convert.md
 STARTS_HELP = f"a convert preset ({', '.join(PRESETS)}) or method ({', '.join(METHOD_STARTS)})"
 STARTS: NameTable[str] = NameTable(
@@ -35,9 +31,7 @@ STARTS: NameTable[str] = NameTable(
 )
 
 
-def split_sets(
-    sets: tuple[str, ...] | list[str], p: Problems | None = None
-) -> tuple[dict[str, Any], list[str]]:
+def split_sets(sets: Sequence[str], p: Problems | None = None) -> tuple[dict[str, Any], list[str]]:
     """``--set`` items as (conversion settings by field, the other overrides as given). An unknown
     conversion field is a problem added to ``p`` (raised at once without one)."""
     convert: dict[str, Any] = {}
@@ -64,7 +58,7 @@ def convert_options_for(
     groups: int,
     *,
     calib_data: str | None,
-    settings: dict[str, Any] | None = None,
+    sets: Sequence[str] = (),
     device: str = "auto",
     seed: int = 0,
 ) -> ConvertOptions:
@@ -74,14 +68,17 @@ def convert_options_for(
         start: a name of :data:`STARTS`.
         groups: K/V heads after conversion.
         calib_data: the calibration text, given to the starts that read text.
-        settings: conversion settings by field (:func:`split_sets`); each goes to the starts that use it.
+        sets: the pipeline's ``--set`` items; each ``model.convert.*`` setting goes to the starts that use it.
         device: where the calibrated conversions run.
         seed: the seed of ``random`` and of the refinement's batch order.
     """
     kind = {"preset": start} if start in PRESETS else {"method": start}
     opts = ConvertOptions(groups, **kind, device=device, seed=seed, force=True)
     r = opts.resolved()
-    opts = replace(opts, **{k: v for k, v in (settings or {}).items() if _uses(r, k)})
+    # a setting goes to the starts that use it: refine_* to those that refine, the rest to those reading text
+    settings = split_sets(sets)[0]
+    uses = {k: bool(r.refine_steps) if k.startswith("refine_") else r.needs_text for k in settings}
+    opts = replace(opts, **{k: v for k, v in settings.items() if uses[k]})
     return replace(opts, calib_data=str(calib_data)) if opts.needs_text else opts
 
 

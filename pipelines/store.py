@@ -5,16 +5,8 @@ A step that takes minutes (a conversion, an evaluation, an uptraining run) store
 result depends on: the settings, and the :func:`fingerprint` of every checkpoint the step read. A later
 run asks for the same name with its own key; a different key (changed settings, a rebuilt input) is a
 miss and the step runs again. So a second run reuses whatever is still valid, and an interrupted one
-resumes at the first step whose result is missing::
-
-    store = ResultStore(work / "results")
-    key = {"source": fingerprint(src), "options": {"groups": 8}}
-    store.build_once(dst, key, lambda: convert(src, dst, opts))  # skipped while dst is what key built
-    value = store.value("eval-" + dst.name, key, lambda: evaluate(dst))  # measured once per key
-
-A step whose product is a directory (a checkpoint) records the directory's fingerprint with its value
-(:meth:`ResultStore.put_output`); :meth:`ResultStore.get_output` hits only while the directory is
-unchanged, so a checkpoint rewritten or deleted by hand is rebuilt.
+resumes at the first step whose result is missing (:meth:`ResultStore.build_once`,
+:meth:`ResultStore.value`).
 
 Each result records its own compute time (``compute_s``): from the lookup that missed to the ``put``
 that stored it, less the results stored in between (counted once, as their own). A report sums the times
@@ -28,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +57,9 @@ class ResultStore:
             raise ValueError(f"result name {name!r} must be a plain file stem (no '/', no leading '.')")
         return self.root / f"{name}.json"
 
-    def _lookup(self, name: str, key: dict[str, Any]) -> dict[str, Any] | None:
-        """The whole record (key, value and compute time), or None."""
+    def _lookup(self, name: str, key: dict[str, Any], dst: str | Path | None) -> dict[str, Any] | None:
+        """The whole record (key, value and compute time), or None; with ``dst``, only while that directory
+        is as it was stored."""
         if self.fresh and name not in self._written:
             return None
         try:
@@ -77,36 +70,39 @@ class ResultStore:
             return None
         if not isinstance(stored.get(TIME), int | float):
             return None  # stored before results recorded their time
+        if dst is not None and (not Path(dst).is_dir() or fingerprint(dst) != stored["value"].get(FILES)):
+            return None
         return stored
 
-    def _hit(self, name: str, record: dict[str, Any]) -> dict[str, Any]:
-        if name not in self._written:
-            self.reused += 1
-        self._used[name] = float(record[TIME])
-        return record["value"]
-
-    def _miss(self, name: str, key: dict[str, Any]) -> None:
-        """Start timing the result's computation (unless already timing it under ``key``)."""
-        if name not in self._open or self._open[name][0] != key:
-            self._open[name] = (key, time.perf_counter())
-
-    def get(self, name: str, key: dict[str, Any]) -> dict[str, Any] | None:
+    def get(self, name: str, key: dict[str, Any], dst: str | Path | None = None) -> dict[str, Any] | None:
         """The value stored under ``name`` if it was computed with ``key``, else None.
 
         Args:
             name: the result's file stem, e.g. ``eval-mqa-mean``.
             key: everything the value depends on, JSON-serializable; compared for equality.
+            dst: a directory stored with the value (:meth:`put`): a hit only while it is unchanged, so a
+                checkpoint rewritten or deleted by hand is rebuilt.
         """
-        record = self._lookup(name, key)
-        if record is None:
-            self._miss(name, key)
+        record = self._lookup(name, key, dst)
+        if record is None:  # start timing its computation (unless already timing it under ``key``)
+            if name not in self._open or self._open[name][0] != key:
+                self._open[name] = (key, time.perf_counter())
             return None
-        return self._hit(name, record)
+        if name not in self._written:
+            self.reused += 1
+        self._used[name] = float(record[TIME])
+        return record["value"]
 
-    def put(self, name: str, key: dict[str, Any], value: dict[str, Any]) -> None:
+    def put(
+        self, name: str, key: dict[str, Any], value: dict[str, Any], dst: str | Path | None = None
+    ) -> dict[str, Any]:
         """Store ``value`` under ``name`` for ``key``, atomically (a crash leaves the old file or none),
         with its compute time: since the lookup of ``name`` under ``key`` missed, less the results
-        computed inside it (a step that stores other results on its way must not count them twice)."""
+        computed inside it (a step that stores other results on its way must not count them twice). With
+        ``dst``, the directory just built, its fingerprint goes with the value (as ``files``). Returns the
+        value stored."""
+        if dst is not None:
+            value = {**value, FILES: fingerprint(dst)}
         path = self._path(name)
         now = time.perf_counter()
         missed_key, t0 = self._open.pop(name, (key, now))
@@ -118,55 +114,22 @@ class ResultStore:
         write_json(path, {"key": key, "value": value, TIME: own})
         self._written.add(name)
         self._used[name] = own
+        return value
 
     def value(self, name: str, key: dict[str, Any], compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The value stored under ``name`` for ``key``, else ``compute()``, stored."""
         cached = self.get(name, key)
-        if cached is None:
-            cached = compute()
-            self.put(name, key, cached)
-        return cached
-
-    def get_output(self, name: str, key: dict[str, Any], dst: str | Path) -> dict[str, Any] | None:
-        """Like :meth:`get`, and only while the directory ``dst`` is the one stored with the value.
-
-        Returns:
-            The value stored by :meth:`put_output` (with its ``files`` fingerprint), or None when the
-            key differs or ``dst`` is missing or was rewritten since.
-        """
-        record = self._lookup(name, key)
-        dst = Path(dst)
-        if record is None or not dst.is_dir() or fingerprint(dst) != record["value"].get(FILES):
-            self._miss(name, key)
-            return None
-        return self._hit(name, record)
-
-    def put_output(
-        self, name: str, key: dict[str, Any], dst: str | Path, value: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Store ``value`` for ``key`` together with the fingerprint of the directory ``dst`` just built.
-
-        Returns:
-            The stored value: ``value`` plus ``files``, the fingerprint of ``dst``.
-        """
-        stored = {**(value or {}), FILES: fingerprint(dst)}
-        self.put(name, key, stored)
-        return stored
+        return self.put(name, key, compute()) if cached is None else cached
 
     def time_of(self, name: str) -> float | None:
         """The compute time recorded with ``name``, a result this run returned or stored, else None."""
         return self._used.get(name)
 
-    def compute_time(self, names: Iterable[str] | None = None) -> float:
+    def compute_time(self) -> float:
         """What the results this run used (returned or stored) took to compute, for its report: each
         result's own recorded time, whether this run or an earlier one computed it, so a cached re-run
-        and one whose settings changed but reuse results report the same figure for the same results.
-
-        Args:
-            names: only these results (those of them this run used); default every one it used.
-        """
-        wanted = None if names is None else set(names)
-        return sum(t for n, t in self._used.items() if wanted is None or n in wanted)
+        and one whose settings changed but reuse results report the same figure for the same results."""
+        return sum(self._used.values())
 
     def build_once(
         self, dst: str | Path, key: dict[str, Any], build: Callable[[], object], name: str | None = None
@@ -185,8 +148,8 @@ class ResultStore:
         """
         dst = Path(dst)
         name = name or "checkpoint-" + dst.name
-        if self.get_output(name, key, dst) is not None:
+        if self.get(name, key, dst) is not None:
             return False
         build()
-        self.put_output(name, key, dst)
+        self.put(name, key, {}, dst)
         return True

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from gqakit.cli import COMMANDS, load_command, main
 from gqakit.cli_options import parse_list
-from gqakit.convert.methods import GROUPINGS, MERGE_METHODS, METHODS, PAPER_METHODS, POOLING_METHODS
+from gqakit.convert.methods import METHODS, PAPER_METHODS, POOLING_METHODS
 from gqakit.convert.options import PRESETS, ConvertOptions, check_groups
 from gqakit.errors import GqakitError
 from gqakit.eval.engines import ENGINES
@@ -118,11 +118,9 @@ def test_from_python_the_options_name_their_own_commands_flags():
     )
     assert "seq_len must be at least 1" in demo and "--seq-len" not in demo  # gqakit demo has no --seq-len
     assert "--budget-scale must be positive" in demo and "--work-dir and --out must differ" in demo
-    probe = problems_of(
-        ProbeOptions, {"groups": (1,), "eval_data": "x", "groupings": ("simlarity",)}, "probe"
-    )
-    assert "--grouping simlarity: unknown grouping; choose from contiguous, similarity." in probe
-    assert 'similarity. Did you mean "similarity"?' in probe
+    probe = problems_of(ProbeOptions, {"groups": (1,), "eval_data": "x", "methods": ("meen",)}, "probe")
+    assert "--methods meen: unknown conversion method; choose from mean, first" in probe
+    assert 'calibrated. Did you mean "mean"?' in probe
 
 
 def test_the_demo_reports_its_options_with_its_own_flags(tmp_path):
@@ -179,10 +177,8 @@ def test_the_name_tables_say_what_each_name_is_and_suggest_the_closest():
         ENGINES.unknown("hff", "--engine")
         == "--engine 'hff' is unknown; choose one of hf, llamacpp, vllm. Did you mean \"hf\"?"
     )
-    assert GROUPINGS.unknown("contiguous", "--grouping") is None
     assert METHODS.names == ("mean", "first", "random", "calibrated")
     assert POOLING_METHODS == PAPER_METHODS == ("mean", "first", "random")
-    assert MERGE_METHODS == ("mean", "first", "calibrated")
     assert ARMS.names == (*PRESETS.names, "first", "random", "calibrated")  # starts: presets, then methods
     table = NameTable("colour", {"red": "warm", "blue": "cold"})
     assert table.describe() == "red: warm; blue: cold" and table.where(lambda e: e == "cold") == ("blue",)
@@ -222,7 +218,6 @@ def test_problems_outside_any_command_use_the_home_commands_flags():
     ("doc", "flag", "table"),
     [
         ("convert.md", "--method", METHODS),
-        ("convert.md", "--set grouping=", GROUPINGS),
         ("eval.md", "--engine", ENGINES),
     ],
 )

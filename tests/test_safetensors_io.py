@@ -3,6 +3,8 @@ dtype table spells each dtype as torch, config.json, safetensors and a recipe do
 
 from __future__ import annotations
 
+from contextlib import closing
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,7 +32,7 @@ def test_written_file_loads_with_reference_library(tmp_path):
 
 def test_reader_reads_reference_files(tmp_path):
     save_file(TENSORS, tmp_path / "ref.safetensors")
-    with SafetensorsFile(tmp_path / "ref.safetensors") as f:
+    with closing(SafetensorsFile(tmp_path / "ref.safetensors")) as f:
         for k, v in TENSORS.items():
             assert torch.equal(f.read(k), v)
             assert f.tensors[k].shape == tuple(v.shape)

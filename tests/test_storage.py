@@ -1,9 +1,9 @@
-"""gqakit.storage, gqakit.locks and gqakit.cached_copies: atomic files and output directories, the
-locks, and the cached copies.
+"""gqakit.storage and gqakit.locks: atomic files and output directories, the locks, and the cached
+copies.
 
 A second process is refused a working directory with the first's pid and command, and a killed holder
-leaves nothing that blocks the next run. A cached copy's record says when a newer copy supersedes it (the
-caches that use it, dequantized GGUF copies and llama.cpp's exports, are tested with them).
+leaves nothing that blocks the next run. The caches of copies (dequantized GGUF copies and llama.cpp's
+exports) are tested with their users.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gqakit import locks
-from gqakit.cached_copies import CopyKind, _superseded, write_record
+from gqakit import locks, storage
 from gqakit.errors import GqakitError
 from gqakit.locks import exclusive
 from gqakit.storage import atomic_output_dir, atomic_write, working_directory, write_json
@@ -124,7 +122,7 @@ def test_the_lock_is_released_on_an_error_and_taken_again_in_the_same_process(tm
 def test_a_working_directory_that_cannot_be_created_is_named(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(GqakitError, match=r"--work-dir .*file/w cannot be created"):
+    with pytest.raises(GqakitError, match=r"--work-dir .*file/w cannot be written"):
         with working_directory(blocker / "w"):
             pass
 
@@ -135,7 +133,7 @@ def test_a_working_directory_that_cannot_be_written_is_named(tmp_path, monkeypat
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(locks.os, "open", read_only)  # as in a directory this user cannot write
-    message = r"--work-dir .*w cannot be created or written \(Permission denied\)"
+    message = r"--work-dir .*w cannot be written \(Permission denied\)"
     with pytest.raises(GqakitError, match=message):
         with working_directory(tmp_path / "w"):
             pass
@@ -166,46 +164,10 @@ def test_where_flock_does_not_work_the_block_runs_unguarded_with_a_warning(
         pass  # any other error still stops the command
 
 
-# sources that exist; GONE does not (no longer a reason to remove a copy)
-HERE, OTHER, GONE = str(Path(__file__).resolve()), str(Path(__file__).resolve().parent), "/no/such/models/m"
-CURRENT = {"source": HERE, "fingerprint": "bbbb", "out_type": "f16", "v": 3}
-_KIND = CopyKind(
-    "x", "{name}", "v", lambda: 3, lambda c: c / "source.json", Path.is_dir, lambda c: 0, str, "a copy",
-    logging.getLogger("test"),
-)  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("record", "superseded"),
-    [
-        ({**CURRENT, "fingerprint": "aaaa"}, True),  # the source changed since
-        ({**CURRENT, "v": 2}, True),  # an older writer
-        ({**CURRENT, "v": 2, "fingerprint": "aaaa"}, True),
-        (CURRENT, False),  # the same copy (written again)
-        ({**CURRENT, "fingerprint": "aaaa", "v": 4}, False),  # a newer writer's: left to it
-        ({**CURRENT, "fingerprint": "aaaa", "source": OTHER}, False),  # another source
-        ({**CURRENT, "fingerprint": "aaaa", "source": GONE}, False),  # another source, even one that is gone
-        ({**CURRENT, "fingerprint": "aaaa", "out_type": "f32"}, False),  # another key differs
-        ({**CURRENT, "fingerprint": "aaaa", "v": "2"}, False),  # a version that is not a number
-        ({k: v for k, v in CURRENT.items() if k != "v"}, False),  # no version
-        (["not", "an", "object"], False),
-        ({**CURRENT, "fingerprint": "aaaa", "host": "another-machine"}, False),  # a shared cache: its own
-    ],
-)
-def test_a_record_supersedes_by_source_fingerprint_and_version(tmp_path, record, superseded):
-    if isinstance(record, dict):
-        record = {"host": socket.gethostname(), **record}
-    (tmp_path / "source.json").write_text(json.dumps(record))
-    assert _superseded(_KIND, tmp_path, CURRENT) is superseded
-
-
-def test_a_missing_or_unreadable_record_keeps_its_copy(tmp_path):
-    path = tmp_path / "source.json"
-    assert _superseded(_KIND, tmp_path, CURRENT) is False
-    path.write_text("{not json")
-    assert _superseded(_KIND, tmp_path, CURRENT) is False
-    path.write_bytes(b"\xff\xfe")
-    assert _superseded(_KIND, tmp_path, CURRENT) is False
-    write_record(tmp_path / "copy" / "source.json", CURRENT)  # its folder made as needed
-    host = socket.gethostname()  # the machine that wrote it
-    assert json.loads((tmp_path / "copy" / "source.json").read_text()) == {**CURRENT, "host": host}
+def test_each_source_machine_and_key_has_a_folder_of_copies_of_its_own(monkeypatch):
+    a, b = Path("/models/a/m.gguf"), Path("/models/b/m.gguf")
+    here = storage.source_folder("x", a, "f16")
+    assert here.name.startswith("m.gguf-") and here == storage.source_folder("x", a, "f16")
+    assert here != storage.source_folder("x", b, "f16") != storage.source_folder("x", a, "f32")
+    monkeypatch.setattr(storage.socket, "gethostname", lambda: "another-machine")  # a shared cache
+    assert storage.source_folder("x", a, "f16") != here

@@ -5,9 +5,6 @@ Usage::
     from gqakit.uptrain import load_recipe, uptrain
 
     result = uptrain(load_recipe("recipes/smollm2-135m-mqa.yaml", ["budget.steps=20"]))
-
-The run reads top to bottom in :mod:`gqakit.uptrain.train`; the recipe and its validation are
-:mod:`gqakit.uptrain.recipe`, the checks before any work :mod:`gqakit.uptrain.preflight`.
 """
 
 from gqakit.uptrain.checkpoints import read_history

@@ -1,14 +1,6 @@
 """``gqakit uptrain RECIPE [key.sub=value ...] [--resume | --force]``: parse, call ``uptrain``, print.
-
-With ``--accelerate-config FILE`` it checks the accelerate config first and then hands over to
-``accelerate launch --config_file FILE -m gqakit.uptrain RECIPE ...``, run by this Python
-(``sys.executable -m accelerate.commands.launch``: no ``accelerate`` looked up on PATH, which fails in a
-virtual environment that is not activated). A config that cannot run fails late or never under
-``accelerate launch`` alone: a multi-machine config whose ``main_process_ip`` is still the shipped
-placeholder makes every machine retry the rendezvous forever, and a multi-process FSDP/DDP config on a
-machine without the GPUs it asks for starts N independent single-process runs; gqakit reports every
-such problem with the key to fill in or the config to use (and refuses DeepSpeed, retired for FSDP2).
-"""
+With ``--accelerate-config FILE``: check the config first (:func:`launch_problems`: what would fail late
+or never under ``accelerate launch`` alone), then hand over to this Python's ``accelerate launch``."""
 
 from __future__ import annotations
 
@@ -19,11 +11,10 @@ from typing import Any
 import click
 import torch
 
-from gqakit.cli_options import force_option
 from gqakit.errors import GqakitError
-from gqakit.uptrain.plan import GPUS, plan, read_accelerate_config
+from gqakit.uptrain.plan import plan, truthy
 from gqakit.uptrain.preflight import DEEPSPEED_RETIRED, process_state
-from gqakit.uptrain.recipe import load_recipe
+from gqakit.uptrain.recipe import load_recipe, read_mapping
 from gqakit.uptrain.train import uptrain
 
 
@@ -35,7 +26,7 @@ from gqakit.uptrain.train import uptrain
     help="A recipe override, as OVERRIDES are (repeatable): --set train.lr=3e-4.",
 )  # fmt: skip
 @click.option("--resume", is_flag=True, help="Continue the run in output_dir from its newest checkpoint.")
-@force_option("Delete a non-empty output_dir and start over.")
+@click.option("--force", is_flag=True, help="Delete a non-empty output_dir and start over.")
 @click.option("--print-recipe", is_flag=True, help="Print the resolved recipe (overrides applied) and exit.")
 @click.option(
     "--accelerate-config",
@@ -57,7 +48,6 @@ from gqakit.uptrain.train import uptrain
 @click.option(
     "--tokens", type=click.FloatRange(min=1), help="With --plan: cost this many tokens instead of the budget."
 )
-@click.option("--gpu", type=click.Choice(sorted(GPUS)), default="h100", help="With --plan: the GPU.")
 def uptrain_cmd(
     recipe: str,
     overrides: tuple[str, ...],
@@ -70,7 +60,6 @@ def uptrain_cmd(
     main_process_ip: str | None,
     plan_only: bool,
     tokens: float | None,
-    gpu: str,
 ) -> None:
     """Uptrain a (converted) model as RECIPE says; OVERRIDES are key.sub=value pairs.
 
@@ -89,9 +78,11 @@ def uptrain_cmd(
     if print_recipe:
         click.echo(rec.to_yaml(), nl=False)
         return
-    launch = read_accelerate_config(accelerate_config) if accelerate_config else None
+    launch = None
+    if accelerate_config:
+        launch = read_mapping(accelerate_config, "--accelerate-config", "accelerate settings")
     if plan_only:
-        click.echo(plan(rec, launch, gpu, int(tokens) if tokens is not None else None).to_text())
+        click.echo(plan(rec, launch, int(tokens) if tokens else None).to_text())
         return
     if launch is not None:
         problems = launch_problems(launch, main_process_ip)
@@ -99,19 +90,22 @@ def uptrain_cmd(
             raise GqakitError(f"--accelerate-config {accelerate_config}: " + " ".join(problems))
         # this Python's accelerate, not a PATH lookup (a virtual environment need not be activated)
         argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
-        if machine_rank is not None:
-            argv += ["--machine_rank", str(machine_rank)]
-        if main_process_ip is not None:
-            argv += ["--main_process_ip", main_process_ip]
-        argv += ["-m", "gqakit.uptrain", recipe, *overrides]
-        argv += (["--resume"] if resume else []) + (["--force"] if force else [])
+        for flag, value in (("--machine_rank", machine_rank), ("--main_process_ip", main_process_ip)):
+            argv += [flag, str(value)] if value is not None else []
+        argv += ["-m", "gqakit.uptrain", recipe, *overrides, *["--resume"] * resume, *["--force"] * force]
         os.execve(argv[0], argv, launch_env(launch))  # replaces this process (tests stub it)
         return
 
     try:
         res = uptrain(rec, resume=resume, force=force)
     except RuntimeError as e:
-        if not lost_peer(e):
+        # a collective failing for a lost peer: the connection reset (gloo, NCCL) or the collective timing
+        # out (GQAKIT_COLLECTIVE_TIMEOUT seconds, default 600)
+        dist, text = torch.distributed, str(e)
+        lost = isinstance(e, dist.DistError) or any(
+            k in text for k in ("gloo", "NCCL", "Timed out", "Connection")
+        )
+        if not (dist.is_initialized() and lost):
             raise
         raise GqakitError(
             "This run lost another of its processes (a machine or process that stopped, or stopped "
@@ -132,19 +126,7 @@ def launch_env(config: dict[str, Any]) -> dict[str, str]:
     """The environment the launched processes run in: this one, plus ``ACCELERATE_USE_CPU=true`` for a
     config with ``use_cpu: true`` (accelerate's multi-process launcher does not pass that key on, and its
     processes would each run alone on the CPU)."""
-    return {**os.environ, **({"ACCELERATE_USE_CPU": "true"} if uses_cpu(config) else {})}
-
-
-def lost_peer(e: RuntimeError) -> bool:
-    """Whether ``e`` is a collective of a distributed run failing for a lost peer: the connection reset
-    (gloo, NCCL) or the collective timing out (GQAKIT_COLLECTIVE_TIMEOUT seconds, default 600)."""
-    # deferred: torch takes seconds to import, and `gqakit uptrain --help` needs none of it
-    import torch.distributed as dist
-
-    text = str(e)
-    return dist.is_initialized() and (
-        isinstance(e, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Timed out", "Connection"))
-    )
+    return {**os.environ, **({"ACCELERATE_USE_CPU": "true"} if truthy(config.get("use_cpu")) else {})}
 
 
 # The address recipes/accelerate/multi-node.yaml ships with: to be replaced by machine 0's.
@@ -153,27 +135,16 @@ PLACEHOLDER_IPS = ("10.0.0.1", "", "MACHINE_0_ADDRESS")
 _GPU_TYPES = ("MULTI_GPU", "FSDP")
 
 
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() in ("true", "1", "yes")
-
-
-def uses_cpu(config: dict[str, Any]) -> bool:
-    """Whether an accelerate config puts its processes on the CPU (``use_cpu: true``)."""
-    return _truthy(config.get("use_cpu", False))
-
-
 def launch_problems(
     config: dict[str, Any], main_process_ip: str | None = None, gpus: int | None = None
 ) -> list[str]:
-    """Why the accelerate config ``config`` would not start one distributed run on this machine, each
-    with what to use instead; empty when it would.
+    """Why the accelerate config ``config`` would not start one distributed run on this machine (``gpus``
+    GPUs; default: ``torch.cuda.device_count()``), each with what to use instead; empty when it would.
 
-    DeepSpeed is refused (:data:`DEEPSPEED_RETIRED`). A multi-machine config whose ``main_process_ip``
-    (or --main-process-ip) is still the shipped placeholder would make every machine retry
-    the rendezvous forever. Without GPUs and without ``use_cpu: true`` accelerate starts a multi-process
-    FSDP or DDP config as N independent single-process runs (each rank 0 of 1), which then fight over
-    output_dir; a config asking for more GPUs than this machine has fails inside torchrun. ``gpus`` is
-    this machine's GPU count (default: ``torch.cuda.device_count()``).
+    DeepSpeed is refused (:data:`DEEPSPEED_RETIRED`); a multi-machine config whose ``main_process_ip`` is
+    the shipped placeholder would retry the rendezvous forever; without GPUs and ``use_cpu: true``
+    accelerate starts a multi-process config as N independent single-process runs; more GPUs than this
+    machine has fails inside torchrun.
     """
     gpus = torch.cuda.device_count() if gpus is None else gpus
     kind = str(config.get("distributed_type", "NO")).upper()
@@ -196,7 +167,8 @@ def launch_problems(
             "or set main_process_ip in the config. Also set --machine-rank on every machine."
         )
     # ACCELERATE_USE_CPU=1 in the environment reaches every process too (docs/uptrain.md's 2 CPU ranks)
-    if uses_cpu(config) or _truthy(os.environ.get("ACCELERATE_USE_CPU")) or kind not in _GPU_TYPES:
+    cpu = truthy(config.get("use_cpu")) or truthy(os.environ.get("ACCELERATE_USE_CPU"))
+    if cpu or kind not in _GPU_TYPES:
         return problems
     here = max(1, processes // machines)  # num_processes counts every machine's
     ids = str(config.get("gpu_ids", "all") or "all")

@@ -1,13 +1,10 @@
 """Training text -> fixed-length token blocks, cached by ``datasets``.
 
-Documents come from local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files or a hub dataset. Each
-is tokenized with the model's tokenizer (its own special tokens, e.g. Llama's BOS) and ended with EOS;
-the token streams are concatenated and cut into blocks of ``seq_len`` tokens, the tail that does not
-fill a block being dropped (per 1,000 documents, as in transformers' ``run_clm``). Every step is a
-``datasets`` ``map`` over Arrow files, so a second run with the same files, tokenizer and ``seq_len``
-reads the blocks from the cache instead of tokenizing again.
-
-Validation is ``val_files``, the hub's ``val_split``, or a seeded random ``val_fraction`` of the blocks.
+Documents (local files or a hub dataset) are tokenized with the model's tokenizer, ended with EOS,
+concatenated and cut into blocks of ``seq_len`` tokens, the tail that does not fill a block dropped (per
+1,000 documents, as in transformers' ``run_clm``). Each step is a ``datasets`` ``map``, so a second run
+with the same text, tokenizer and ``seq_len`` reads the blocks from the cache. Validation is
+``val_files``, the hub's ``val_split``, or a seeded random ``val_fraction`` of the blocks.
 """
 
 from __future__ import annotations
@@ -25,26 +22,17 @@ from gqakit.uptrain.recipe_schema import DataConfig
 
 # File suffix -> datasets builder.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-# data.txt_docs -> the text builder's sample_by.
-_SAMPLE_BY = {"line": "line", "paragraph": "paragraph", "file": "document"}
 _PACK_BATCH = 1000
 
 
 @dataclass
 class Blocks:
-    """Packed token blocks, ``input_ids`` of length ``seq_len`` each, as torch-formatted datasets.
-
-    Attributes:
-        train: training blocks.
-        val: validation blocks (at most ``data.max_val_blocks``).
-        seq_len: tokens per block.
-        source: where the text came from, for the log and provenance.
-    """
+    """Packed token blocks, ``input_ids`` of length ``seq_len`` each, as torch-formatted datasets."""
 
     train: Any
-    val: Any
+    val: Any  # at most data.max_val_blocks
     seq_len: int
-    source: str
+    source: str  # where the text came from, for the log and provenance
 
 
 def resolve_files(patterns: list[str], key: str, problems: list[str]) -> list[str]:
@@ -94,9 +82,8 @@ def _documents(cfg: DataConfig, val: bool = False) -> tuple[Any, str, str, str] 
     if not files:
         return None
     builder = BUILDERS[Path(files[0]).suffix.lower()]  # one type: preflight refuses a mix
-    kwargs = {"sample_by": _SAMPLE_BY[cfg.txt_docs]} if builder == "text" else {}
-    try:
-        ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+    try:  # a .txt file: one document per line
+        ds = datasets.load_dataset(builder, data_files=files, split="train")
     except Exception as e:  # datasets raises many types for unreadable files
         raise GqakitError(f"{key} could not be read as {builder} ({type(e).__name__}: {e}).") from None
     return ds, "text" if builder == "text" else cfg.text_field, key, ", ".join(files)
@@ -197,9 +184,5 @@ def build_blocks(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> Blocks:
         train, val = split["train"], split["test"]
     if cfg.max_val_blocks is not None and len(val) > cfg.max_val_blocks:
         val = val.select(range(cfg.max_val_blocks))
-    return Blocks(
-        train=train.with_format("torch", columns=["input_ids"]),
-        val=val.with_format("torch", columns=["input_ids"]),
-        seq_len=cfg.seq_len,
-        source=source,
-    )
+    as_torch = {"type": "torch", "columns": ["input_ids"]}
+    return Blocks(train.with_format(**as_torch), val.with_format(**as_torch), cfg.seq_len, source)

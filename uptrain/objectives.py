@@ -1,21 +1,8 @@
-"""Training objectives: next-token cross-entropy, distillation KL at a temperature, and their mix, from
-logits or fused with the output projection.
+"""Training objectives: next-token cross-entropy (``lm``), distillation KL at a temperature (``distill``)
+and their ``mix``, from logits or fused with the output projection.
 
-Losses are computed in float32 whatever the logits' dtype, and averaged over tokens: ``lm`` is the mean
-next-token cross-entropy over positions with a target (the last position has none), ``distill`` the mean
-over all positions of KL(teacher || student) at temperature ``T``, times ``T**2``, and ``mix`` is
-``(1 - w) * lm + w * distill``.
-
-The fused loss (:func:`fused_linear_loss`) never holds the ``[tokens, vocab]`` logits. A causal LM's last
-linear layer maps ``[tokens, hidden]`` to ``[tokens, vocab]``: for a 1.1B Llama at 4 x 2048 tokens that is
-8,192 x 32,000 floats (1 GiB in float32, plus the same again for their gradient and the softmax), written
-and read several times per step. The fused loss instead walks the tokens in chunks: for each chunk it
-forms the logits, the loss and the loss's gradient with respect to those logits, and immediately turns
-that into the gradients of the hidden states and of the projection's weight and bias; the chunk's logits
-are then dropped. Backward only scales the stored gradients. This is the technique of fused linear
-cross-entropy kernels (e.g. Liger-Kernel's), written with plain torch operations so it runs, and is
-tested against the unfused objectives, on any device. For distillation the teacher's logits are formed
-chunk by chunk as well, from its last hidden states and output projection.
+Losses are float32 and averaged over tokens. The fused loss (:func:`fused_linear_loss`) never holds the
+``[tokens, vocab]`` logits (why and how: docs/uptrain.md#the-fused-loss).
 """
 
 from __future__ import annotations
@@ -47,11 +34,6 @@ def lm_loss_per_sequence(logits: torch.Tensor, input_ids: torch.Tensor) -> torch
         logits.flatten(0, 1).float(), _next_tokens(input_ids).flatten(), ignore_index=-100, reduction="none"
     )
     return tok.view(input_ids.shape).sum(dim=1) / (input_ids.shape[1] - 1)
-
-
-def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position with a target (each block has as many)."""
-    return lm_loss_per_sequence(logits, input_ids).mean()
 
 
 def distill_kl(
@@ -107,7 +89,7 @@ class Objective:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         parts: dict[str, torch.Tensor] = {}
         if self.kind in ("lm", "mix"):
-            parts["lm"] = lm_loss(logits, input_ids)
+            parts["lm"] = lm_loss_per_sequence(logits, input_ids).mean()  # every block has as many targets
         if self.kind in ("distill", "mix"):
             if teacher_logits is None:
                 raise ValueError(f"objective {self.kind!r} needs the teacher's logits")
@@ -185,10 +167,9 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_lm, _grad_kl):
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        scale = grad_loss
-        out_h = grad_h * scale.to(grad_h.dtype) if grad_h is not None else None
-        out_w = (grad_w * scale).to(ctx.weight_dtype) if grad_w is not None else None
-        out_b = (grad_b * scale).to(ctx.weight_dtype) if grad_b is not None else None
+        out_h = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
+        out_w = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
+        out_b = (grad_b * grad_loss).to(ctx.weight_dtype) if grad_b is not None else None
         return out_h, out_w, out_b, None, None, None, None, None
 
 
@@ -252,16 +233,15 @@ def install_fused_loss(model: torch.nn.Module) -> None:
     def forward(self, input_ids=None, *args, loss_spec: Objective | None = None, teacher=None, **kwargs):
         if loss_spec is None:
             return own(input_ids, *args, **kwargs)
-        hidden = self.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
-        head = self.get_output_embeddings()
-        th, tw, tb = teacher if teacher is not None else (None, None, None)
-        return fused_linear_loss(hidden, head.weight, head.bias, input_ids, loss_spec, th, tw, tb)
+        hidden, weight, bias = hidden_and_head(self, input_ids)
+        return fused_linear_loss(hidden, weight, bias, input_ids, loss_spec, *(teacher or ()))
 
     model.forward = types.MethodType(forward, model)
 
 
-def teacher_outputs(teacher: torch.nn.Module, input_ids: torch.Tensor) -> tuple:
-    """The teacher's last hidden states and output projection, for the fused distillation loss."""
-    head = teacher.get_output_embeddings()
-    hidden = teacher.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+def hidden_and_head(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple:
+    """The model's last hidden states and output projection (weight, bias): what the fused loss takes, of
+    the student and of the teacher."""
+    head = model.get_output_embeddings()
+    hidden = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
     return hidden, head.weight, head.bias

@@ -1,13 +1,7 @@
 """``preflight(recipe)``: everything an uptraining run checks before it writes, converts, loads a model or
-trains, reported as one message with every problem in it.
-
-The recipe's own keys, types and cross-field rules were checked when it was loaded
-(:mod:`gqakit.uptrain.recipe`); this checks what the recipe points at and where it runs: the model and
-teacher (causal LMs, enough positions, one vocabulary, a G the model can be converted to), the data files
-(present, UTF-8 text, not empty, one type, a batch for every process), the machine (the device, the
-precision it can run, what a distributed launch allows), the output directory (free or resumable,
-writable, not holding the inputs) and, for ``--resume``, that the run being continued is the one the
-recipe describes.
+trains, reported as one message with every problem in it: what the recipe points at (model, teacher,
+data), the machine, the output directory and, for ``--resume``, the run being continued. (The recipe's own
+keys, types and cross-field rules were checked when it was loaded: :mod:`gqakit.uptrain.recipe`.)
 """
 
 from __future__ import annotations
@@ -19,7 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import yaml
 
 from gqakit.checkpoint import model_source, read_config
 from gqakit.convert.retarget import groups_problem
@@ -27,11 +20,11 @@ from gqakit.errors import GqakitError
 from gqakit.models import check_causal_lm, check_seq_len, device_unavailable, load_tokenizer, resolve_device
 from gqakit.storage import writable_dir
 from gqakit.text import load_texts
+from gqakit.uptrain.checkpoints import PROVENANCE, latest_checkpoint, read_checkpoint_record
 from gqakit.uptrain.data import BUILDERS, build_blocks, resolve_files
-from gqakit.uptrain.recipe import expand
+from gqakit.uptrain.recipe import expand, read_mapping
 from gqakit.uptrain.recipe_schema import Recipe
 from gqakit.uptrain.schedule import resolve_budget
-from gqakit.uptrain.state_io import PROVENANCE, latest_checkpoint, read_checkpoint_record
 
 # What a resumed run may change: how long it trains (a longer budget stretches the cosine schedule from
 # the resumed step on), how often it evaluates, logs and checkpoints, how fast it runs, the saved dtype,
@@ -45,9 +38,7 @@ RESUME_SAFE: tuple[str, ...] = (
 
 
 def preflight(recipe: Recipe, *, resume: bool = False, force: bool = False) -> None:
-    """Check everything a run needs before any work, in every process of a launch: the model, teacher
-    and data files the recipe names, the machine, the output directory and (``resume``) the run being
-    continued.
+    """Check everything a run needs before any work, in every process of a launch.
 
     Raises:
         GqakitError: every problem, one per line.
@@ -77,23 +68,15 @@ def preflight(recipe: Recipe, *, resume: bool = False, force: bool = False) -> N
         raise GqakitError("\n".join(lines))
 
 
-# The device process_state() last put this single process on, if any, and the CUDA device that was
-# current before it (restored when the process is put elsewhere: "cuda" means the current device).
-_pinned: list[tuple[torch.device, int | None]] = []
-
-
 def process_state(device: str | None = None):
     """accelerate's per-process state (rank, world size, device, barriers), as ``Accelerator`` will see it.
 
     ``PartialState()`` alone ignores ``ACCELERATE_USE_CPU`` (only ``AcceleratorState`` reads it), and the
     first call fixes the state for the whole process: a 2-process CPU launch would then run as two
-    independent single processes.
-
-    Args:
-        device: a recipe's ``speed.device``: ``cpu``, ``cuda`` or ``cuda:N`` puts a single process there,
-            ``auto`` where accelerate puts it by itself (also after an earlier run in this process was
-            put elsewhere); None leaves the state as it is. The processes of a distributed launch stay
-            where the launch put them (:func:`environment_problems` refuses a device there).
+    independent single processes. ``device``, a recipe's ``speed.device``, puts a single process there;
+    None and ``auto`` leave it where it is (accelerate's choice, or the device a recipe put it on). A
+    process trains on one device: a later recipe naming another is refused. The processes of a
+    distributed launch stay where the launch put them.
     """
     # deferred: accelerate takes seconds to import
     from accelerate import PartialState
@@ -104,60 +87,38 @@ def process_state(device: str | None = None):
     # instead of torch's 30. The first PartialState creates the process group: Accelerator's is too late.
     timeout = timedelta(seconds=float(os.environ.get("GQAKIT_COLLECTIVE_TIMEOUT") or 600))
     state = PartialState(cpu=cpu, timeout=timeout)
-    if device is None or state.use_distributed or (device == "auto" and not _pinned):
+    want = None if device in (None, "auto") else resolve_device(device)
+    if want is None or state.use_distributed or state.device == want:
         return state
-    want = None if device == "auto" else resolve_device(device)
-    if want is not None and state.device == want:
-        return state
-    # One process holds no process group, so its state can be made again: accelerate picks the device
-    # once per process, and a pipeline (or a notebook) may run one recipe on the CPU, the next on CUDA.
+    if "gqakit_device" in PartialState._shared_state:
+        raise GqakitError(
+            f"speed.device={device}: this process already trains on {state.device}, and a process trains "
+            "on one device. Run this recipe in a process of its own."
+        )
+    # One process holds no process group, so its state can be made again on the recipe's device.
     PartialState._reset_state()
-    if _pinned and _pinned[0][1] is not None:
-        torch.cuda.set_device(_pinned[0][1])  # the current device before the last pin
-    _pinned.clear()
-    state = PartialState(cpu=cpu if want is None else want.type == "cpu")
-    if want is not None:
-        state.device = want
-        before = None
-        if want.type == "cuda" and want.index is not None:
-            before = torch.cuda.current_device()
-            torch.cuda.set_device(want)  # what runs on "the current device" (autocast, compile) too
-        _pinned.append((want, before))
+    state = PartialState(cpu=want.type == "cpu")
+    state.device = state.gqakit_device = want  # (an attribute of the shared state: reset with it)
+    if want.type == "cuda" and want.index is not None:
+        torch.cuda.set_device(want)  # what runs on "the current device" (autocast, compile) too
     return state
-
-
-# ------------------------------------------------------------------------------------- Model, teacher, data
-
-
-def _config(path: str, key: str, problems: list[str]) -> dict[str, Any] | None:
-    """``config.json`` of a local checkpoint (None for a hub id); record a problem when it is unusable.
-    ``path`` takes every form a command's SRC does (:func:`gqakit.checkpoint.model_source`)."""
-    try:
-        p = Path(model_source(expand(path)))
-        return read_config(p) if p.is_dir() else None  # None: a hub id
-    except GqakitError as e:
-        problems.append(f"{key}: {e.message}")
-        return None
 
 
 def input_problems(recipe: Recipe) -> list[str]:
     """What is wrong with the model, teacher and data files the recipe names."""
     problems: list[str] = []
+    configs: dict[str, dict[str, Any]] = {}
     uses_teacher = bool(recipe.teacher) and recipe.objective.kind != "lm"
-    model_cfg = _config(recipe.model.path, "model.path", problems)
-    teacher_cfg = _config(recipe.teacher, "teacher", problems) if uses_teacher else None
-    seq_len = recipe.data.seq_len
-    for cfg, key, path in (
-        (model_cfg, "model.path", recipe.model.path),
-        (teacher_cfg, "teacher", recipe.teacher),
-    ):
-        if cfg is None:
-            continue
-        try:
-            check_causal_lm(cfg, path, what=key.partition(".")[0])
-            check_seq_len(SimpleNamespace(**cfg), seq_len, "data.seq_len")
+    for key, path in [("model.path", recipe.model.path), *([("teacher", recipe.teacher)] * uses_teacher)]:
+        try:  # every form a command's SRC takes; a hub id's config is read when it loads
+            local = Path(model_source(expand(path)))
+            if local.is_dir():
+                cfg = configs[key] = read_config(local)
+                check_causal_lm(cfg, path, what=key.partition(".")[0])
+                check_seq_len(SimpleNamespace(**cfg), recipe.data.seq_len, "data.seq_len")
         except GqakitError as e:
             problems.append(f"{key}: {e.message}")
+    model_cfg, teacher_cfg = configs.get("model.path"), configs.get("teacher")
     if model_cfg and teacher_cfg and model_cfg.get("vocab_size") != teacher_cfg.get("vocab_size"):
         problems.append(
             f"teacher {recipe.teacher} has a vocabulary of {teacher_cfg.get('vocab_size')} tokens and the "
@@ -205,20 +166,6 @@ def data_problems(recipe: Recipe, state: Any) -> list[str]:
 # ---------------------------------------------------------------------------------------------- The machine
 
 
-def precision_problem(precision: str, device_type: str) -> str | None:
-    """Why ``train.precision`` cannot run on this device, or None. A run records the precision that ran,
-    so a precision the device would quietly replace is refused rather than misrecorded."""
-    if precision == "fp16" and device_type == "cpu":
-        # accelerate would train in float32 under the name fp16
-        return (
-            "train.precision=fp16 needs a CUDA GPU; on a CPU set train.precision=fp32 (or bf16, which "
-            "CPUs run through autocast)."
-        )
-    if precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
-        return "train.precision=bf16 needs a GPU with bfloat16 (Ampere or newer); use fp16 or fp32."
-    return None
-
-
 def resolve_precision(precision: str, device: str = "auto") -> str:
     """``precision`` with ``auto`` resolved for ``device``: bf16 autocast where it has bf16 instructions (a
     CUDA GPU that supports it, a CPU with AVX-512 BF16 or AMX), else fp32. Other values pass through."""
@@ -243,8 +190,11 @@ DEEPSPEED_RETIRED = (
 def environment_problems(recipe: Recipe, distributed_type: str, device_type: str) -> list[str]:
     """What this machine and launch cannot run of the recipe (precision, DeepSpeed, a device for a
     distributed launch)."""
-    # (auto always resolves to a precision the device runs)
-    problems = [p for p in [precision_problem(recipe.train.precision, device_type)] if p]
+    problems = []
+    # A run records the precision that ran: one the device would quietly replace is refused instead (auto
+    # always resolves to a precision the device runs).
+    if recipe.train.precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        problems.append("train.precision=bf16 needs a GPU with bfloat16 (Ampere or newer); use fp32.")
     if distributed_type == "DEEPSPEED":  # launched by accelerate launch directly
         problems.append(DEEPSPEED_RETIRED)
     if recipe.speed.device != "auto" and distributed_type != "NO":
@@ -262,9 +212,7 @@ def environment_problems(recipe: Recipe, distributed_type: str, device_type: str
 def output_problems(recipe: Recipe, out: Path, resume: bool, force: bool) -> list[str]:
     """Refuse a non-empty run directory unless resuming or forcing, a finished run to resume, inputs
     inside it (``force`` would delete them) and a directory that cannot be written."""
-    if out.exists() and not out.is_dir():
-        return [f"output_dir {out} is a file: choose a directory path."]
-    problems = []
+    problems = []  # (a file there: writable_dir's message)
     d = recipe.data
     for item in [recipe.model.path, *([recipe.teacher] if recipe.teacher else []), *d.files, *d.val_files]:
         path = Path(expand(item)).resolve()
@@ -304,8 +252,8 @@ def resume_problems(recipe: Recipe, out: Path, processes: int) -> list[str]:
     saved_file = out / "recipe.yaml"
     if saved_file.is_file():
         try:
-            saved = flat(yaml.safe_load(saved_file.read_text()) or {})
-        except (yaml.YAMLError, UnicodeDecodeError, AttributeError):
+            saved = flat(read_mapping(saved_file, "", ""))
+        except GqakitError:
             saved = {}
             problems.append(f"{saved_file} is not the recipe gqakit wrote: start over with --force.")
         now = flat(recipe.to_dict())

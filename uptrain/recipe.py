@@ -1,18 +1,9 @@
-"""Uptraining recipes: the typed sections, YAML loading, ``key.sub=value`` overrides and validation.
+"""Uptraining recipes: YAML loading, ``key.sub=value`` overrides and validation (the typed sections, their
+field help and rules are :mod:`gqakit.uptrain.recipe_schema`).
 
-A recipe is a commented YAML file (``recipes/*.yaml``) that maps one-to-one onto :class:`Recipe`. Each
-field says what it means once, in its ``help`` metadata. Loading checks every key, type and cross-field
-rule and reports *all* problems in one :class:`RecipeError`, each naming the key, the bad value and what
-is allowed::
-
-    recipe = load_recipe("recipes/smollm2-135m-mqa.yaml", ["train.lr=3e-4", "budget.steps=50"])
-
-The ``model.convert`` section is :class:`gqakit.convert.ConvertOptions` itself (the options of
-``gqakit convert``, checked by its own rules). Strings may refer to environment variables as ``${VAR}``
-or ``${VAR:-default}``, and ``~`` is the home directory, so a shipped recipe can point into
-``${GQAKIT_CACHE:-~/.cache/gqakit}``. What a recipe points at (files, the machine, the run directory) is
-checked when a run starts (:mod:`gqakit.uptrain.preflight`). The sections, their field help and their
-rules are :mod:`gqakit.uptrain.recipe_schema`.
+Loading reports *all* problems (keys, types, cross-field rules) in one :class:`RecipeError`. Strings may
+use ``${VAR}``, ``${VAR:-default}`` and ``~``. What a recipe points at is checked when a run starts
+(:mod:`gqakit.uptrain.preflight`).
 """
 
 from __future__ import annotations
@@ -29,6 +20,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from gqakit.errors import GqakitError, did_you_mean
+from gqakit.text import read_text_file
 from gqakit.uptrain.recipe_schema import Recipe
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -48,91 +40,67 @@ class RecipeError(GqakitError):
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
+_SCALARS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+
+
 def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
-        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+        return "one of " + ", ".join(map(str, args))
     if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        return " or ".join(map(_describe, args))
     if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}s"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping (section)"
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
-    return names.get(tp, str(tp))
-
-
-def _optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
+        return f"a list of {_describe(args[0])}s"
+    return "a mapping (section)" if dataclasses.is_dataclass(tp) else _SCALARS.get(tp, str(tp))
 
 
 def _coerce(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
     """Check ``value`` against type ``tp``; return it (converted where harmless) or record a problem."""
     if isinstance(value, str):
         value = expand(value)
-    origin = typing.get_origin(tp)
-    bad = f"{key}: expected {_describe(tp)}, got {value!r}"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = f"{key}: expected {_describe(tp)}, got {value!r}."
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
         for arg in (a for a in args if a is not type(None)):
-            if dataclasses.is_dataclass(arg) and isinstance(value, dict):  # a section: its own problems
-                return _coerce(arg, value, key, problems)
             trial: list[str] = []
             out = _coerce(arg, value, key, trial)
-            if not trial:
+            if not trial or (dataclasses.is_dataclass(arg) and isinstance(value, dict)):  # a section's own
+                problems += trial
                 return out
-        problems.append(bad + ".")
-        return None
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            hint = did_you_mean(str(value), [str(c) for c in choices])
+    elif origin is Literal:
+        if value not in args:
+            hint = did_you_mean(str(value), [str(c) for c in args])
             problems.append(
-                f"{key}: {value!r} is not allowed.{hint} Choose one of {', '.join(map(str, choices))}."
+                f"{key}: {value!r} is not allowed.{hint} Choose one of {', '.join(map(str, args))}."
             )
         return value
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            if item is str and isinstance(value, str):
-                value = [value]  # a single path where a list of paths is expected
-            else:
-                problems.append(bad + ".")
-                return None
-        return [_coerce(item, v, f"{key}[{i}]", problems) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            problems.append(bad + ".")
-            return None
-        return _build(tp, value, key + ".", problems)
-    if tp is bool:
-        if not isinstance(value, bool):
-            problems.append(bad + ".")
-        return value
-    if tp in (int, float):
+    elif origin is list:
+        if isinstance(value, str) and args[0] is str:
+            value = [value]  # a single path where a list of paths is expected
+        if isinstance(value, list):
+            return [_coerce(args[0], v, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key + ".", problems)
+    elif tp in (int, float):
         # YAML reads 2e12 (no dot) as a string; accept numbers written that way.
         if isinstance(value, str) and _NUMBER.match(value.strip()):
             value = float(value)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            problems.append(bad + ".")
-            return None
-        if tp is int:
-            if float(value).is_integer():
-                return int(value)
-            problems.append(bad + " (not a whole number).")
-            return None
-        return float(value)
-    if tp is str and not isinstance(value, str):
-        problems.append(bad + ".")
-        return None
-    return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if tp is float or float(value).is_integer():
+                return tp(value)
+            bad = bad[:-1] + " (not a whole number)."
+    elif isinstance(value, tp):  # bool, str
+        return value
+    problems.append(bad)
+    return None
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str, problems: list[str]) -> Any:
     """``cls(**data)``, each value checked against its field's type; None when anything is missing."""
-    hints = typing.get_type_hints(cls)
+    hints, before = typing.get_type_hints(cls), len(problems)
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     section = prefix.rstrip(".") or "the recipe"
@@ -141,21 +109,14 @@ def _build(cls: type, data: dict[str, Any], prefix: str, problems: list[str]) ->
         if key not in hints:
             hint = did_you_mean(str(key), names)
             problems.append(f"{prefix}{key}: unknown key.{hint} Known keys in {section}: {', '.join(names)}.")
-            continue
-        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}", problems)
-    missing = [
-        f
-        for f in fields
-        if f.name not in data
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-    ]
-    for f in missing:
-        what = f.metadata.get("gqakit", {}).get("help", "")
-        problems.append(f"{prefix}{f.name} is required ({_describe(hints[f.name])}). {what}".rstrip())
-    if missing or any(v is None and not _optional(hints[k]) for k, v in kwargs.items()):
-        return None
-    return cls(**kwargs)
+        else:
+            kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}", problems)
+    missing = dataclasses.MISSING
+    for f in fields:
+        if f.name not in data and f.default is missing and f.default_factory is missing:
+            what = f.metadata.get("gqakit", {}).get("help", "")
+            problems.append(f"{prefix}{f.name} is required ({_describe(hints[f.name])}). {what}".rstrip())
+    return cls(**kwargs) if len(problems) == before else None
 
 
 # ------------------------------------------------------------------------------------ Loading and overrides
@@ -196,8 +157,15 @@ def apply_overrides(
             node[parts[-1]] = value
 
 
-def shipped_recipes() -> list[str]:
-    return sorted(p.name for p in RECIPES_DIR.glob("*.yaml"))
+def read_mapping(path: str | Path, what: str, of: str) -> dict[str, Any]:
+    """The YAML mapping (of ``of``) in the file ``path``, which messages call ``what``; empty: ``{}``."""
+    try:
+        data = yaml.safe_load(read_text_file(path, what))
+    except yaml.YAMLError as e:
+        raise GqakitError(f"{what} {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict | None):
+        raise GqakitError(f"{what} {path} must be a YAML mapping of {of}, not a list or value.")
+    return data or {}
 
 
 def _find(path: str | Path) -> Path:
@@ -207,7 +175,7 @@ def _find(path: str | Path) -> Path:
     for candidate in (RECIPES_DIR / p.name, RECIPES_DIR / f"{p.name}.yaml"):
         if p.parent == Path(".") and candidate.is_file():  # a bare shipped name: `smollm2-135m-mqa`
             return candidate
-    known = ", ".join(shipped_recipes())
+    known = ", ".join(sorted(p.name for p in RECIPES_DIR.glob("*.yaml")))
     what = "is a directory" if p.is_dir() else "does not exist"
     raise GqakitError(f"Recipe {path} {what}. Give a YAML file; shipped recipes ({RECIPES_DIR}): {known}.")
 
@@ -224,18 +192,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         RecipeError: any unknown key, wrong type or invalid value, all listed.
     """
     file = _find(path)
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise GqakitError(f"Recipe {file} is not valid YAML: {e}") from None
-    except UnicodeDecodeError:
-        raise GqakitError(f"Recipe {file} is not a UTF-8 text file.") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise GqakitError(
-            f"Recipe {file} must be a YAML mapping of sections (model:, data:, ...), not a list or value."
-        )
+    data = read_mapping(file, "Recipe", "sections (model:, data:, ...)")
     return recipe_from_dict(data, overrides, source=str(file))
 
 

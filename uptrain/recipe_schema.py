@@ -48,9 +48,6 @@ class DataConfig:
     split: str = opt("train", "The hub split to train on.")
     val_split: str | None = opt(None, "The hub split to validate on (with files: val_files).")
     text_field: str = opt("text", "The column holding the text (tables and hub datasets).")
-    txt_docs: Literal["line", "paragraph", "file"] = opt(
-        "line", "What one document of a .txt file is: a line, a blank-line separated paragraph, or the file."
-    )
     seq_len: int = opt(512, "Tokens per packed block (the model sees seq_len tokens, predicts seq_len - 1).")
     add_eos: bool = opt(True, "End every document with the tokenizer's EOS token before packing.")
     val_fraction: float = opt(0.01, "Fraction of the blocks held out for validation, without val data.")
@@ -82,15 +79,13 @@ class TrainConfig:
     batch_size: int = opt(8, "Blocks per process per micro-step.")
     grad_accum: int = opt(1, "Micro-steps per optimizer step.")
     max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm to this (null: no clipping).")
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = opt(
+    precision: Literal["auto", "bf16", "fp32"] = opt(
         "fp32",
-        "bf16 / fp16 mixed precision (fp32 master weights), fp32, or auto: bf16 where the device has bf16 "
+        "bf16 mixed precision (fp32 master weights), fp32, or auto: bf16 where the device has bf16 "
         "instructions, else fp32 (gqakit.json records what ran).",
     )
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
-    trainable: Literal["all", "attention", "kv"] = opt(
-        "all", "all (the paper), attention (attention blocks only) or kv (the K/V projections only)."
-    )
+    trainable: Literal["all", "attention"] = opt("all", "all (the paper), or the attention blocks only.")
 
 
 @dataclass
@@ -158,10 +153,9 @@ class GuardConfig:
 
 @dataclass
 class LogConfig:
-    """Metrics: OUTPUT_DIR/metrics.jsonl always, TensorBoard under OUTPUT_DIR/tb when installed."""
+    """Metrics: OUTPUT_DIR/metrics.jsonl (one JSON record per line) and the log."""
 
     every: int = opt(1, "Steps between training-metric records.")
-    tensorboard: bool = opt(True, "Also log to TensorBoard (if the package is installed).")
     progress: bool = opt(True, "Show a progress bar.")
     all_ranks: bool = opt(False, "Log from every process of a launch (else: errors only, but the main's).")
 

@@ -11,17 +11,13 @@ from gqakit.uptrain.recipe_schema import BudgetConfig
 
 @dataclass(frozen=True)
 class Budget:
-    """A training budget resolved to whole optimizer steps.
-
-    Attributes:
-        steps: optimizer steps to run.
-        tokens_per_step: ``batch_size * grad_accum * processes * seq_len``.
-        pretraining_tokens: the model's original pretraining tokens, when the recipe states them.
-    """
+    """A training budget resolved to whole optimizer steps."""
 
     steps: int
-    tokens_per_step: int
-    pretraining_tokens: int | None = None
+    tokens_per_step: int  # batch_size * grad_accum * processes * seq_len
+    pretraining_tokens: int | None = (
+        None  # the model's original pretraining tokens, when the recipe states them
+    )
 
     def tokens(self, step: int | None = None) -> int:
         """Tokens trained after ``step`` steps (default: the whole budget)."""
@@ -41,13 +37,10 @@ class Budget:
 
     def describe(self) -> str:
         """``500 steps = 2,048,000 tokens = alpha 1.02e-06 of 2e+12 pretraining tokens``."""
-        alpha = self.alpha()
-        a = (
-            f"alpha {alpha:.3g} of {self.pretraining_tokens:.3g} pretraining tokens"
-            if alpha is not None
-            else "alpha n/a (set budget.pretraining_tokens)"
-        )
-        return f"{self.steps:,} steps = {self.tokens():,} tokens = {a}"
+        head, alpha = f"{self.steps:,} steps = {self.tokens():,} tokens = alpha", self.alpha()
+        if alpha is None:
+            return f"{head} n/a (set budget.pretraining_tokens)"
+        return f"{head} {alpha:.3g} of {self.pretraining_tokens:.3g} pretraining tokens"
 
 
 def _exact(x: float) -> Fraction:

@@ -1,13 +1,16 @@
-"""The run's named setup helpers: the accelerator, the student (frozen as asked, with the speed levers this
-device runs), the teacher, the data and the optimizer, gathered into a :class:`Run` by :func:`setup`.
+"""The run's named setup helpers: its directory (held, made, emptied), the accelerator, the student
+(frozen as asked, with the speed levers this device runs), the teacher, the data and the optimizer,
+gathered into a :class:`Run` by :func:`setup`.
 The run itself reads top to bottom in :mod:`gqakit.uptrain.train`."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import importlib.util
 import logging
 import re
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -18,13 +21,15 @@ from torch.utils.data import DataLoader
 from gqakit.dtypes import dtype_name, torch_dtype
 from gqakit.errors import GqakitError
 from gqakit.families import get_adapter
+from gqakit.locks import OWNER, exclusive
 from gqakit.models import load_causal_lm, load_tokenizer
+from gqakit.storage import make_dirs, remove_new_empty
+from gqakit.uptrain.checkpoints import CHECKPOINTS, CONVERTED, PROVENANCE, TrainState
 from gqakit.uptrain.data import Blocks, build_blocks
 from gqakit.uptrain.objectives import Objective, fused_loss_unsupported, install_fused_loss
-from gqakit.uptrain.preflight import flat, process_state, resolve_precision
+from gqakit.uptrain.preflight import process_state, resolve_precision
 from gqakit.uptrain.recipe_schema import Recipe, SpeedConfig
 from gqakit.uptrain.schedule import Budget, resolve_budget
-from gqakit.uptrain.state_io import TrainState
 
 log = logging.getLogger("gqakit.uptrain")
 
@@ -51,19 +56,80 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
 
 
-# ---------------------------------------------------------------------------------------------------- Setup
+@contextlib.contextmanager
+def run_dir(out: Path, resume: bool, force: bool, check: Callable[[], None]) -> Iterator[None]:
+    """Hold the run directory ``out`` for one run, ``check()`` it (the preflight), and create it (``force``:
+    empty it first) in the main process once every process has checked it.
+
+    Held first (a run under way is the reason its directory is not empty): the main process locks
+    ``.OUT.lock`` beside it (beside, so that ``--force`` and the emptiness check never see it). When another
+    command holds it, every process of this one stops with the holder's pid and command: two runs in one
+    directory would mix their checkpoints, and a ``--resume`` of either could read the other's. A new run
+    that fails before its first checkpoint deletes the directory again, so that the same command can
+    simply be run again; it is kept when it holds something to resume from (a checkpoint, or a finished
+    conversion, which ``--resume`` reuses)."""
+    state = process_state()
+    busy = (
+        f"output_dir {out} is in use by another run ({OWNER}). Two runs writing one directory would mix "
+        "their checkpoints: wait for that run to finish, or choose another output_dir (override "
+        "output_dir=DIR)."
+    )
+    try:
+        with contextlib.ExitStack() as held:
+            refused: str | None = None
+            if state.is_main_process:
+                try:
+                    make_dirs(out.parent)
+                    held.enter_context(exclusive(out.parent / f".{out.name}.lock", busy))
+                except GqakitError as e:
+                    refused = e.message
+                except OSError:
+                    pass  # a directory that cannot be written: preflight names it, with the fix
+            # deferred: accelerate takes seconds to import
+            from accelerate.utils import broadcast_object_list
+
+            (refused,) = broadcast_object_list([refused], from_process=0)  # every rank: the main's answer
+            if refused is not None:
+                raise GqakitError(refused)
+            check()
+            emptied = force and not resume and out.is_dir() and any(out.iterdir())
+            state.wait_for_everyone()
+            if state.is_main_process:
+                if emptied:
+                    shutil.rmtree(out)
+                out.mkdir(parents=True, exist_ok=True)
+            state.wait_for_everyone()
+            try:
+                yield
+            except BaseException:
+                keep = (
+                    resume
+                    or any((out / CHECKPOINTS).glob("step-*"))
+                    or (out / CONVERTED / PROVENANCE).is_file()
+                    or (out / PROVENANCE).is_file()  # a finished model (a failure after saving it)
+                )
+                if state.is_main_process and not keep:
+                    shutil.rmtree(out, ignore_errors=True)
+                raise
+    except BaseException:
+        remove_new_empty()  # the parents this run made, still empty
+        raise
 
 
 def setup(recipe: Recipe, out: Path, model_path: str) -> Run:
-    """Everything the loop needs before its first step, in order; logs what the run is."""
+    """Everything the loop needs before its first step, in order: the accelerator, the student, the
+    teacher, the data (its loaders), the budget, the objective and the optimizer; logs what the run is."""
     # ``auto`` becomes what this machine runs, once: every step, evaluation and record then agree
     precision = resolve_precision(recipe.train.precision, recipe.speed.device)
     recipe = replace(recipe, train=replace(recipe.train, precision=precision))
-    acc = make_accelerator(recipe, out)
+    acc = make_accelerator(recipe)
     model, speed, save_dtype = load_student(recipe, model_path, acc)
     teacher = load_teacher(recipe, acc, speed)
-    tokenizer, blocks, train_loader, val_loader = load_data(recipe, model_path, acc)
-    t = recipe.train
+    t, tokenizer = recipe.train, load_tokenizer(model_path)
+    with acc.main_process_first():  # tokenized once, by the main process first (counted by preflight)
+        blocks = build_blocks(recipe.data, tokenizer, recipe.seed)
+    train_loader = DataLoader(blocks.train, batch_size=t.batch_size, shuffle=True, drop_last=True)
+    val_loader = DataLoader(blocks.val, batch_size=recipe.eval.batch_size or t.batch_size)
     budget = resolve_budget(recipe.budget, t.batch_size * t.grad_accum * acc.num_processes * blocks.seq_len)
     o = recipe.objective
     # the fused loss's chunk products run in the autocast dtype
@@ -74,7 +140,7 @@ def setup(recipe: Recipe, out: Path, model_path: str) -> Run:
         objective, optimizer=make_optimizer(t, model),
     )  # fmt: skip
     # No scheduler: each step sets its learning rate from the step (set_lr). Nothing is registered with
-    # accelerate for checkpointing: gqakit writes and reads its checkpoints itself (gqakit.uptrain.state_io).
+    # accelerate for checkpointing: gqakit writes and reads its checkpoints itself (checkpoints.py).
     if sharded_here(acc):  # sharded already (shard): accelerate would wrap it in DDP, which refuses DTensors
         run.model = acc.prepare_model(model, evaluation_mode=True)
         run.optimizer, run.train_loader, run.val_loader = acc.prepare(run.optimizer, train_loader, val_loader)
@@ -82,12 +148,6 @@ def setup(recipe: Recipe, out: Path, model_path: str) -> Run:
         run.model, run.optimizer, run.train_loader, run.val_loader = acc.prepare(
             model, run.optimizer, train_loader, val_loader
         )
-    if acc.log_with:
-        scalars = {
-            k: v if isinstance(v, int | float | str | bool) else str(v)
-            for k, v in flat(recipe.to_dict()).items()
-        }
-        acc.init_trackers("uptrain", config=scalars)
     log.info(
         "data: %d train / %d validation blocks of %d tokens from %s",
         len(blocks.train), len(blocks.val), blocks.seq_len, blocks.source,
@@ -96,18 +156,13 @@ def setup(recipe: Recipe, out: Path, model_path: str) -> Run:
     return run
 
 
-def make_accelerator(recipe: Recipe, out: Path):
-    """The ``Accelerator`` of this process: precision, exact gradient accumulation, a seeded data order,
-    trackers; the process placed on ``speed.device`` and seeded."""
+def make_accelerator(recipe: Recipe):
+    """The ``Accelerator`` of this process: precision, exact gradient accumulation, a seeded data order;
+    the process placed on ``speed.device`` and seeded."""
     # deferred: accelerate takes seconds to import
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import (
-        DataLoaderConfiguration,
-        GradientAccumulationPlugin,
-        ProjectConfiguration,
-        set_seed,
-    )
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 
     r = recipe
     # The accelerator state is a process-wide singleton that refuses a second, different precision, and
@@ -115,34 +170,27 @@ def make_accelerator(recipe: Recipe, out: Path):
     # group (PartialState) is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
     process_state(r.speed.device)  # a single process on the recipe's device (auto: accelerate's)
-    tensorboard = r.log.tensorboard and (
-        importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
+    # (bf16 on a GPU without it: refused by preflight)
+    acc = Accelerator(
+        mixed_precision="no" if r.train.precision == "fp32" else r.train.precision,
+        # Exactly grad_accum micro-batches per step, also across an epoch boundary.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=r.train.grad_accum, sync_with_dataloader=False, adjust_scheduler=False
+        ),
+        # The data order depends on the seed and the epoch only, so a resumed run sees the same.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=r.seed),
     )
-    try:
-        acc = Accelerator(
-            mixed_precision="no" if r.train.precision == "fp32" else r.train.precision,
-            # Exactly grad_accum micro-batches per step, also across an epoch boundary.
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=r.train.grad_accum, sync_with_dataloader=False, adjust_scheduler=False
-            ),
-            # The data order depends on the seed and the epoch only, so a resumed run sees the same.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=r.seed),
-            log_with=["tensorboard"] if tensorboard else None,
-            project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tb")),
-        )
-    except ValueError as e:  # e.g. bf16 on a GPU without it
-        raise GqakitError(f"train.precision={r.train.precision} cannot run here: {e}") from None
     set_seed(r.seed)
     return acc
 
 
 def load_student(recipe: Recipe, model_path: str, acc: Any) -> tuple[Any, SpeedConfig, torch.dtype]:
-    """The model to train in float32 master weights (bf16/fp16 are autocast by accelerate), frozen as
+    """The model to train in float32 master weights (bf16 is autocast by accelerate), frozen as
     ``train.trainable`` says, with the speed levers this device runs; and the dtype to save it in."""
     r = recipe
     model = load_causal_lm(model_path, device="cpu")  # in its own dtype; accelerate.prepare places it
     save_dtype = model.dtype if r.model.save_dtype == "auto" else torch_dtype(r.model.save_dtype)
-    model.float()  # float32 master weights; bf16/fp16 are autocast by accelerate
+    model.float()  # float32 master weights; bf16 is autocast by accelerate
     n_trainable, n_params = apply_trainable(model, r.train.trainable)
     if r.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -186,7 +234,12 @@ def shard(model: torch.nn.Module, acc: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     if acc.device.type == "cpu":
-        keep_large_blocks_mapped()
+        # glibc raises its mmap threshold to the size of each large block freed, so the layer weights FSDP
+        # gathers and frees again at every forward and backward end up in the heap, which keeps them:
+        # measured, a process's memory grew to hold the whole model again. Fixed at 128 KiB, every block
+        # over it goes back to the system when freed. (Not glibc: nothing to do.)
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD, fixed from then on
     mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
@@ -195,54 +248,27 @@ def shard(model: torch.nn.Module, acc: Any) -> None:
 
 
 def apply_trainable(model: torch.nn.Module, mode: str) -> tuple[int, int]:
-    """Freeze every parameter that ``train.trainable`` does not train: ``all`` (the paper), ``attention``
-    (the attention blocks) or ``kv`` (the K/V projections, a fused qkv projection whole, and the norms
-    regrouped with them), located by the family's adapter. Returns (trainable, total) parameter counts.
+    """Freeze every parameter that ``train.trainable`` does not train: ``all`` (the paper) trains
+    everything, ``attention`` the attention blocks only, located by the family's adapter. Returns
+    (trainable, total) parameter counts.
 
     Raises:
-        GqakitError: the family has no adapter (for ``attention`` / ``kv``), or nothing matched.
+        GqakitError: the family has no adapter (for ``attention``), or nothing matched.
     """
     params = dict(model.named_parameters())
-    total = sum(p.numel() for p in params.values())
-    if mode == "all":
-        for p in params.values():
-            p.requires_grad_(True)
-        return total, total
     model_type = getattr(model.config, "model_type", "")
-    a = get_adapter(model_type)
-    # ``model.layers.{layer}.self_attn.k_proj`` -> a regex matching its parameters
-    templates = (
-        [a.o.rsplit(".", 1)[0]]
-        if mode == "attention"
-        else [a.k, a.v, a.qkv, a.k_norm_flat, a.k_norm_per_head]
-    )
-    patterns = [
-        re.escape(t).replace(r"\{layer\}", r"\d+").replace(r"\{head\}", r"\d+") + r"\."
-        for t in templates
-        if t
-    ]
-    regex = re.compile("|".join(patterns))
-    chosen = 0
-    for name, p in params.items():
-        p.requires_grad_(bool(regex.match(name)))
-        chosen += p.numel() if p.requires_grad else 0
+    if mode == "attention":
+        block = get_adapter(model_type).o.rsplit(".", 1)[0]  # model.layers.{layer}.self_attn
+        regex = re.compile(re.escape(block).replace(r"\{layer\}", r"\d+") + r"\.")
+        for name, p in params.items():
+            p.requires_grad_(bool(regex.match(name)))
+    chosen = sum(p.numel() for p in params.values() if p.requires_grad)
     if chosen == 0:
         raise GqakitError(
             f"train.trainable={mode} matched no parameter of this {model_type} model (first names: "
             f"{', '.join(list(params)[:3])}). Use train.trainable=all."
         )
-    return chosen, total
-
-
-def keep_large_blocks_mapped() -> None:
-    """Make glibc return every block over 128 KiB to the system when it is freed. By default it raises
-    that threshold to the size of each large block freed, so the layer weights FSDP gathers and frees
-    again at every forward and backward end up in the heap, which keeps them: measured, a process's
-    memory grew to hold the whole model again. (Not glibc: nothing to do.)"""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD, fixed from then on
-    except (OSError, AttributeError):
-        pass
+    return chosen, sum(p.numel() for p in params.values())
 
 
 def load_teacher(recipe: Recipe, acc: Any, speed: SpeedConfig) -> Any:
@@ -277,18 +303,6 @@ def load_teacher(recipe: Recipe, acc: Any, speed: SpeedConfig) -> Any:
     return teacher
 
 
-def load_data(recipe: Recipe, model_path: str, acc: Any) -> tuple[Any, Blocks, DataLoader, DataLoader]:
-    """The tokenizer, the packed blocks (tokenized once, by the main process first; counted against the
-    batch by preflight) and their loaders."""
-    r = recipe
-    tokenizer = load_tokenizer(model_path)
-    with acc.main_process_first():
-        blocks = build_blocks(r.data, tokenizer, r.seed)
-    train_loader = DataLoader(blocks.train, batch_size=r.train.batch_size, shuffle=True, drop_last=True)
-    val_loader = DataLoader(blocks.val, batch_size=r.eval.batch_size or r.train.batch_size)
-    return tokenizer, blocks, train_loader, val_loader
-
-
 def make_optimizer(t: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, weight decay on matrices only (not norms or biases)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -310,13 +324,8 @@ def resolve_speed(
     cfg: SpeedConfig, device_type: str, distributed_type: str, model: torch.nn.Module
 ) -> tuple[SpeedConfig, str]:
     """The levers this run uses (no ``auto`` left) and the log line saying what runs and what is off.
-
-    ``auto`` is what was measured fastest (benchmarks/bench_uptrain.py): on a CUDA GPU in one process or
-    DDP, ``compile`` and with it the fused loss (eager, the fused loss's chunk loop costs more than it
-    saves there); on a CPU the fused loss alone (compiling costs more than short CPU runs gain); under
-    FSDP nothing (not measured there). An explicit lever the device cannot run is turned off with the
-    reason.
-    """
+    ``auto`` is what was measured fastest per device (the table in docs/uptrain.md#speed: eager on a GPU,
+    the fused loss's chunk loop costs more than it saves); a lever the device cannot run is turned off."""
     cuda = device_type == "cuda"
     simple = distributed_type in ("NO", "MULTI_GPU", "MULTI_CPU")
     off: list[str] = []

@@ -1,36 +1,14 @@
-"""The uptraining run, top to bottom: ``uptrain(recipe)`` checks, sets up, trains and saves.
-
-::
-
-    uptrain(recipe, resume, force)
-      preflight     every check, before anything is written (gqakit.uptrain.preflight)
-      run dir       held by a lock beside it, emptied by --force, recipe.yaml written
-      convert       model.convert: the source converted into OUTPUT_DIR/work/converted (once)
-      setup         accelerator -> student (frozen as asked, speed levers) -> teacher -> data
-                    -> optimizer + schedule -> accelerate.prepare   (--resume: the newest checkpoint)
-      train         each step: grad_accum micro-batches (forward, loss, backward) -> clip
-                    -> finite? step : skip -> log -> eval every N -> checkpoint every N
-      finish        final validation -> gathered full state dict -> HF safetensors + tokenizer + gqakit.json
-
-One process or many (DDP, FSDP2, several nodes) is decided by ``accelerate launch`` and its
-config file, never here: the loop is accelerate's ``prepare`` / ``accumulate`` / ``backward``. Every
-process runs all of it; only the main process writes shared files.
-
-A non-finite loss or gradient norm skips the step (no update); ``guard.max_bad_steps`` in a row roll the
-run back to the last checkpoint and go on with the learning rate times ``guard.lr_factor``. A checkpoint
-holds the model, optimizer, scaler and RNG states (:mod:`gqakit.uptrain.state_io`: nothing unpickled)
-and the counters (:class:`~gqakit.uptrain.state_io.TrainState`); the learning-rate schedule is a function
-of the step.
-"""
+"""The uptraining run, top to bottom: ``uptrain(recipe)`` checks, sets up, trains and saves
+(docs/uptrain.md#the-loop). One process or many (DDP, FSDP2, several nodes) is decided by ``accelerate
+launch`` and its config, never here; every process runs all of it, and only the main process writes
+shared files."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
@@ -46,23 +24,23 @@ from gqakit.console import quiet_transformers
 from gqakit.convert import convert_checkpoint
 from gqakit.storage import write_json, write_text
 from gqakit.uptrain.checkpoints import (
+    CHECKPOINTS,
     CONVERTED,
     METRICS,
-    hold_run_dir,
+    PROVENANCE,
     log_eval,
     log_train,
     resume_run,
     rollback,
-    run_dir,
     save_checkpoint,
+    whole_state_dict,
 )
-from gqakit.uptrain.objectives import lm_loss_per_sequence, teacher_outputs
-from gqakit.uptrain.preflight import preflight, process_state, resolve_precision
+from gqakit.uptrain.objectives import hidden_and_head, lm_loss_per_sequence
+from gqakit.uptrain.preflight import preflight, process_state
 from gqakit.uptrain.recipe import expand
-from gqakit.uptrain.recipe_schema import Recipe
+from gqakit.uptrain.recipe_schema import ObjectiveConfig, Recipe
 from gqakit.uptrain.schedule import lr_multiplier, warmup_steps
-from gqakit.uptrain.setup import Run, distributed_kind, load_data, load_student, make_accelerator, setup
-from gqakit.uptrain.state_io import CHECKPOINTS, PROVENANCE, whole_state_dict
+from gqakit.uptrain.setup import Run, distributed_kind, run_dir, setup
 
 log = logging.getLogger("gqakit.uptrain")
 
@@ -96,9 +74,6 @@ class UptrainResult:
     rollbacks: int = 0
 
 
-# -------------------------------------------------------------------------------------------------- The run
-
-
 def uptrain(recipe: Recipe, *, resume: bool = False, force: bool = False) -> UptrainResult:
     """Run an uptraining recipe to the end and save the final model.
 
@@ -117,29 +92,21 @@ def uptrain(recipe: Recipe, *, resume: bool = False, force: bool = False) -> Upt
     """
     start = time.perf_counter()
     out = Path(expand(recipe.output_dir)).resolve()
-    quiet_other_ranks(recipe)
-    with hold_run_dir(out):  # first: a run under way is the reason its directory is not empty
-        preflight(recipe, resume=resume, force=force)  # everything, before anything is written
-        with run_dir(out, resume, force):
-            if process_state().is_main_process:
-                write_text(out / "recipe.yaml", recipe.to_yaml())
-            model_path, conversion = convert_first(recipe, out)
-            run = setup(recipe, out, model_path)
-            if resume:
-                resume_run(run)
-            train(run)
-            result = finish(run, conversion, start)
+    if not (recipe.log.all_ranks or process_state().is_main_process):  # one log per run, unless log.all_ranks
+        logging.getLogger("gqakit").setLevel(logging.ERROR)  # the other processes: errors only, no bars
+        quiet_transformers()
+    # preflight: everything, before anything is written
+    with run_dir(out, resume, force, lambda: preflight(recipe, resume=resume, force=force)):
+        if process_state().is_main_process:
+            write_text(out / "recipe.yaml", recipe.to_yaml())
+        model_path, conversion = convert_first(recipe, out)
+        run = setup(recipe, out, model_path)
+        if resume:
+            resume_run(run)
+        train(run)
+        result = finish(run, conversion, start)
     result.elapsed_s = time.perf_counter() - start
     return result
-
-
-def quiet_other_ranks(recipe: Recipe) -> None:
-    """One log per run, not one per process: the other processes report errors only, and show no
-    progress bars, unless ``log.all_ranks``."""
-    if recipe.log.all_ranks or process_state().is_main_process:
-        return
-    logging.getLogger("gqakit").setLevel(logging.ERROR)
-    quiet_transformers()
 
 
 def convert_first(recipe: Recipe, out: Path) -> tuple[str, dict[str, Any]]:
@@ -173,9 +140,6 @@ def set_lr(run: Run) -> float:
     return lr
 
 
-# ------------------------------------------------------------------------------------------------- Training
-
-
 def train(run: Run) -> None:
     """Train from ``run.state.step`` to the budget (the final evaluation is :func:`finish`'s)."""
     r, acc, s, budget = run.recipe, run.acc, run.state, run.budget
@@ -189,7 +153,6 @@ def train(run: Run) -> None:
     )  # fmt: skip
     max_norm = r.train.max_grad_norm or float("inf")
     bad_streak = 0
-    eval_at = set(r.eval.at_steps)
     start, start_step = time.perf_counter(), s.step
     while s.step < budget.steps:
         t0 = time.perf_counter()
@@ -205,17 +168,10 @@ def train(run: Run) -> None:
             sums += torch.stack([loss.detach().float(), parts.get("lm", zero), parts.get("kl", zero)])
         grad_norm = acc.clip_grad_norm_(run.model.parameters(), max_norm)
         stats = acc.reduce(sums / r.train.grad_accum, reduction="mean")
-        # fp16's grad scaler skips an overflowing step by itself; only the loss counts then.
-        norm_ok = r.train.precision == "fp16" or math.isfinite(float(grad_norm))
-        if bool(torch.isfinite(stats).all()) and norm_ok:
+        if bool(torch.isfinite(stats).all()) and math.isfinite(float(grad_norm)):
             run.optimizer.step()
             bad_streak = 0
         else:
-            # optimizer.step() would have called the fp16 grad scaler's update(); without it the next
-            # step's clip_grad_norm_ unscales again and torch raises. update() also lowers the scale when
-            # this step's gradients overflowed.
-            if acc.scaler is not None:
-                acc.scaler.update()
             bad_streak += 1
             s.skipped += 1
             log.warning(
@@ -234,7 +190,7 @@ def train(run: Run) -> None:
         bar.set_postfix(loss=f"{stats[0].item():.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
         if s.step % r.log.every == 0 or s.step == budget.steps:
             log_train(run, stats, grad_norm, lr, tok_s, s.step - start_step, time.perf_counter() - start)
-        due = (r.eval.every and s.step % r.eval.every == 0) or s.step in eval_at
+        due = (r.eval.every and s.step % r.eval.every == 0) or s.step in r.eval.at_steps
         if due and s.step < budget.steps:  # the last step is evaluated by finish()
             log_eval(run, *evaluate(acc, run.model, run.val_loader))
         if r.checkpoint.every and s.step % r.checkpoint.every == 0 and s.step < budget.steps:
@@ -261,7 +217,7 @@ def loss_step(run: Run, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, d
     if run.teacher is not None:
         with torch.no_grad(), run.acc.autocast():
             if run.speed.fused_loss:  # its last hidden states and output projection
-                teacher = teacher_outputs(run.teacher, ids)
+                teacher = hidden_and_head(run.teacher, ids)
             else:
                 teacher = run.teacher(input_ids=ids, use_cache=False).logits
     if run.speed.fused_loss:  # logits never materialised (objectives.fused_linear_loss)
@@ -282,15 +238,13 @@ def evaluate(acc: Any, model: Any, val_loader: Any) -> tuple[float, float]:
     return loss, math.exp(min(loss, 700.0))
 
 
-# ----------------------------------------------------------------------------------------------- The result
-
-
 def finish(run: Run, conversion: dict[str, Any], start: float) -> UptrainResult:
-    """Evaluate the final model, save it with its provenance, and say what the run did."""
+    """Evaluate the final model and write it at the run directory's root (safetensors, config, tokenizer),
+    its provenance ``gqakit.json`` last (atomically): its presence marks a finished run. Under FSDP the
+    whole tensors are gathered to the main process, which alone writes."""
     r, b, s, acc = run.recipe, run.budget, run.state, run.acc
     val_loss, val_ppl = evaluate(acc, run.model, run.val_loader)
     log_eval(run, val_loss, val_ppl)
-    elapsed = time.perf_counter() - start
     provenance = {
         "tool": "gqakit",
         "version": __version__,
@@ -311,46 +265,30 @@ def finish(run: Run, conversion: dict[str, Any], start: float) -> UptrainResult:
         "precision": r.train.precision,
         "skipped_steps": s.skipped,
         "rollbacks": s.rollbacks,
-        "elapsed_s": round(elapsed, 3),
+        "elapsed_s": round(time.perf_counter() - start, 3),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "recipe": r.to_dict(),
     }
-    save_final(run, provenance)
-    acc.end_training()
-    same = {f.name for f in fields(UptrainResult)} & provenance.keys()  # steps, tokens, alpha...
-    return UptrainResult(output_dir=run.out, history=run.out / METRICS, **{k: provenance[k] for k in same})
-
-
-def save_final(run: Run, provenance: dict[str, Any]) -> None:
-    """Write the final model at the run directory's root: safetensors, config, tokenizer, gqakit.json.
-
-    Under FSDP the whole tensors are gathered to the main process, which alone writes. Files go to a
-    temporary directory first and are moved into place with ``gqakit.json`` last, whose presence marks a
-    finished run.
-    """
-    acc = run.acc
     acc.wait_for_everyone()
     state_dict = whole_state_dict(acc, run.model)
     if acc.is_main_process:
         model = acc.unwrap_model(run.model)
-        tmp = run.out / ".final.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
         state_dict = {k: v.to(run.save_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         model.config.use_cache = True
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        model.save_pretrained(run.out, state_dict=state_dict, safe_serialization=True)
         # save_pretrained records the dtype of the float32 master weights; the file holds save_dtype,
         # which from_pretrained(dtype="auto") must read back.
         model.config.dtype = run.save_dtype
-        model.config.save_pretrained(tmp)
-        copy_non_weight_files(Path(run.model_path), tmp)
-        run.tokenizer.save_pretrained(tmp)
-        write_json(tmp / PROVENANCE, provenance)
-        for item in sorted(tmp.iterdir(), key=lambda p: p.name == PROVENANCE):
-            os.replace(item, run.out / item.name)
-        tmp.rmdir()
-        if not run.recipe.checkpoint.keep_after_finish:
+        model.config.save_pretrained(run.out)
+        copy_non_weight_files(Path(run.model_path), run.out)
+        run.tokenizer.save_pretrained(run.out)
+        write_json(run.out / PROVENANCE, provenance)
+        if not r.checkpoint.keep_after_finish:
             shutil.rmtree(run.out / CHECKPOINTS, ignore_errors=True)
     acc.wait_for_everyone()
+    acc.end_training()
+    same = {f.name for f in fields(UptrainResult)} & provenance.keys()  # steps, tokens, alpha...
+    return UptrainResult(output_dir=run.out, history=run.out / METRICS, **{k: provenance[k] for k in same})
 
 
 def validation_perplexity(recipe: Recipe, model_path: str) -> tuple[float, int]:
@@ -361,13 +299,8 @@ def validation_perplexity(recipe: Recipe, model_path: str) -> tuple[float, int]:
     Returns:
         The perplexity and the number of validation blocks.
     """
-    precision = resolve_precision(recipe.train.precision, recipe.speed.device)
-    recipe = replace(recipe, train=replace(recipe.train, precision=precision))
-    with tempfile.TemporaryDirectory(prefix="gqakit-val-") as tmp:
-        acc = make_accelerator(recipe, Path(tmp))
-        model, _, _ = load_student(recipe, model_path, acc)
-        _, blocks, _, val_loader = load_data(recipe, model_path, acc)
-        model, val_loader = acc.prepare(model, val_loader)
-        ppl = evaluate(acc, model, val_loader)[1]
-        acc.end_training()
-        return ppl, len(blocks.val)
+    lm_only = replace(recipe, teacher=None, objective=ObjectiveConfig())  # no teacher: only evaluated
+    run = setup(lm_only, Path(expand(recipe.output_dir)), model_path)
+    ppl = evaluate(run.acc, run.model, run.val_loader)[1]
+    run.acc.end_training()
+    return ppl, len(run.blocks.val)

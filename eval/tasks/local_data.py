@@ -1,14 +1,5 @@
-"""Data loaders for the offline gqakit lm-eval tasks (``custom_dataset: !function local_data.load_*``).
-
-lm-eval passes a task's metadata to these functions as keyword arguments (the YAML's ``metadata``, the
-TaskManager's metadata, or ``lm-eval --metadata '{...}'``, plus lm-eval's ``model_args``), so:
-
-* ``ppl_file`` / ``ppl_text_field``: the text for ``gqakit_ppl`` (default: ``gqakit_ppl.txt`` here);
-* ``mc_file``: the questions for ``gqakit_mc`` (default: ``gqakit_mc.jsonl`` here).
-
-Default files are found next to this module, never from the working directory, so the tasks run from
-any directory and from an installed wheel. A path a user passes that is relative is taken relative to
-the directory they ran the command from, and made absolute before anything reads it.
+"""Data loaders for the offline gqakit lm-eval tasks (``custom_dataset: !function local_data.load_*``),
+given the task's metadata as keyword arguments (docs/eval.md); default files are found next to this module.
 """
 
 from __future__ import annotations

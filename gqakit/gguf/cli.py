@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import click
 
-from gqakit.cli_options import force_option, progress_option
-from gqakit.gguf.export import export_gguf
-from gqakit.gguf.tensors import OUT_TYPES
+from gqakit.gguf.export import OUT_TYPES, export_gguf
 
 
 @click.command("export")
@@ -21,14 +19,12 @@ from gqakit.gguf.tensors import OUT_TYPES
     help="Storage of the weight matrices (norms and biases stay f32): f32 is exact, q8_0 is llama.cpp's "
     "8-bit format.",
 )
-@force_option("Replace DST if it exists.")
-@progress_option()
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--progress/--no-progress", default=True, help="Show progress bars of the long steps.")
 def export_cmd(src: str, dst: str, out_type: str, force: bool, progress: bool) -> None:
     """Write SRC (a checkpoint directory, .gguf or hub id; MHA, GQA or MQA) as the GGUF file DST, with its
     tokenizer, for llama.cpp."""
     res = export_gguf(src, dst, out_type=out_type, force=force, progress=progress)
-    for warning in res.warnings:
-        click.echo(f"warning: {warning}", err=True)
     click.echo(
         f"{res.model_type} -> GGUF {res.arch} ({res.out_type}): {res.num_heads} query heads, "
         f"{res.num_kv_heads} K/V heads, {res.tensors} tensors, {res.bytes / 2**20:,.1f} MiB, tokenizer "

@@ -1,12 +1,7 @@
-"""The tokenizer, embedded in the GGUF the way llama.cpp's tokenizers read it.
-
-Two kinds of Hugging Face fast tokenizer map onto llama.cpp's (``tokenizer.ggml.model``):
-
-* byte-level BPE (GPT-2, SmolLM, Llama 3, Qwen2): ``gpt2`` -- tokens, merges, and the name of a
-  pre-tokenizer llama.cpp implements (``tokenizer.ggml.pre``);
-* byte-fallback BPE (Llama 2, Mistral, Gemma, Phi-3: SentencePiece converted to ``tokenizer.json``):
-  ``llama`` -- tokens with scores that order the merges, ``<0xNN>`` byte tokens, no pre-tokenizer.
-
+"""The tokenizer, embedded in the GGUF the way llama.cpp's tokenizers read it (``tokenizer.ggml.model``):
+byte-level BPE (GPT-2, SmolLM, Llama 3, Qwen2) as ``gpt2`` (tokens, merges, the name of a pre-tokenizer
+llama.cpp implements), byte-fallback BPE (Llama 2, Mistral, Gemma, Phi-3: SentencePiece converted to
+``tokenizer.json``) as ``llama`` (tokens with scores that order the merges, ``<0xNN>`` byte tokens).
 Anything else (Unigram, WordPiece, a slow-only tokenizer) is refused with one message.
 """
 
@@ -53,9 +48,7 @@ class Vocab:
     tokens: list[str]
     types: list[int]
     scores: list[float] | None
-    merges: list[str]
     add_space_prefix: bool | None
-    warnings: list[str]
     special: gguf.SpecialVocab | None = None  # set by load_vocab
 
     def add_to(self, writer: gguf.GGUFWriter) -> None:
@@ -65,8 +58,6 @@ class Vocab:
         writer.add_token_types(self.types)
         if self.scores is not None:
             writer.add_token_scores(self.scores)
-        if self.merges:
-            writer.add_token_merges(self.merges)
         if self.add_space_prefix is not None:
             writer.add_add_space_prefix(self.add_space_prefix)
         self.special.add_to_gguf(writer, quiet=True)
@@ -90,23 +81,9 @@ def _pre_steps(pre: dict[str, Any] | None) -> tuple[tuple[Any, ...], ...]:
     return ((str(kind), json.dumps(pre, sort_keys=True)),)
 
 
-def _merges(model: dict[str, Any]) -> list[str]:
-    """Merges as GGUF stores them: ``"left right"``. tokenizer.json may list pairs; a space inside a
-    part is written as U+0120, the byte-level alphabet's space (gguf-py's SpecialVocab does the same)."""
-    out = []
-    for m in model.get("merges", []):
-        if isinstance(m, str):
-            out.append(m)
-        else:
-            out.append(" ".join(part.replace(" ", chr(ord(" ") + 256)) for part in m))
-    return out
-
-
-def _base_tokens(
-    spec: dict[str, Any], n_vocab: int, unk: str | None = None
-) -> tuple[list[str], list[int], list[str]]:
-    """Token texts and types for ids ``0..n_vocab-1``, and warnings; an added token is a control token
-    when special, else user-defined, and ``unk`` (given for SentencePiece-style vocabularies) is UNKNOWN.
+def _base_tokens(spec: dict[str, Any], n_vocab: int) -> tuple[list[str], list[int]]:
+    """Token texts and types for ids ``0..n_vocab-1``; an added token is a control token when special,
+    else user-defined.
 
     Ids the tokenizer does not use become ``[PADi]`` / UNUSED, as llama.cpp's converter pads a
     vocabulary smaller than the embedding. An added token past the embedding (transformers' Qwen2
@@ -120,7 +97,6 @@ def _base_tokens(
             "this tokenizer does not belong to this model."
         )
     added = [a for a in spec.get("added_tokens", []) if a["id"] < n_vocab]
-    dropped = [a["content"] for a in spec.get("added_tokens", []) if a["id"] >= n_vocab]
     tokens = [f"[PAD{i}]" for i in range(n_vocab)]
     types = [int(TokenType.UNUSED)] * n_vocab
     for text, i in vocab.items():
@@ -129,41 +105,24 @@ def _base_tokens(
         tokens[i], types[i] = text, int(TokenType.UNUSED if filler else TokenType.NORMAL)
     for a in added:
         kind = TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED
-        unknown = unk is not None and a["content"] == unk
-        tokens[a["id"]], types[a["id"]] = a["content"], int(TokenType.UNKNOWN if unknown else kind)
-    warnings = []
-    if dropped:
-        warnings.append(
-            f"left out {len(dropped)} added token(s) whose ids are past the embedding's {n_vocab} rows "
-            f"({', '.join(dropped[:3])}): the model cannot read them."
-        )
-    return tokens, types, warnings
+        tokens[a["id"]], types[a["id"]] = a["content"], int(kind)
+    return tokens, types
 
 
 def _byte_level(spec: dict[str, Any], n_vocab: int) -> Vocab:
-    tokens, types, warnings = _base_tokens(spec, n_vocab)
-    # llama.cpp's name for this tokenizer's pre-tokenizer, or None when gqakit does not know it
-    pre = PRE_TOKENIZERS.get(
-        ((spec.get("normalizer") or {}).get("type"), _pre_steps(spec.get("pre_tokenizer")))
-    )
-    if pre is None:
-        pre = "default"
-        warnings.append(
-            "the tokenizer's pre-tokenizer is not one gqakit maps to llama.cpp's (known: "
-            f"{', '.join(sorted(set(PRE_TOKENIZERS.values())))}); wrote 'default', so llama.cpp may split "
-            "some text differently from transformers."
-        )
-    return Vocab("gpt2", pre, tokens, types, None, _merges(spec["model"]), None, warnings)
+    # llama.cpp's name for this tokenizer's pre-tokenizer; 'default' when gqakit does not know it
+    stated = ((spec.get("normalizer") or {}).get("type"), _pre_steps(spec.get("pre_tokenizer")))
+    return Vocab("gpt2", PRE_TOKENIZERS.get(stated, "default"), *_base_tokens(spec, n_vocab), None, None)
 
 
 def _byte_fallback(spec: dict[str, Any], n_vocab: int) -> Vocab:
     unk = spec["model"].get("unk_token")
-    tokens, types, warnings = _base_tokens(spec, n_vocab, unk)
+    tokens, types = _base_tokens(spec, n_vocab)
     for i, text in enumerate(tokens):
-        if types[i] == TokenType.NORMAL and _BYTE_TOKEN.fullmatch(text):
-            types[i] = int(TokenType.BYTE)
-        elif types[i] == TokenType.NORMAL and text == unk:
+        if text == unk:  # whether in the vocabulary or added
             types[i] = int(TokenType.UNKNOWN)
+        elif types[i] == TokenType.NORMAL and _BYTE_TOKEN.fullmatch(text):
+            types[i] = int(TokenType.BYTE)
         elif types[i] == TokenType.USER_DEFINED:
             # llama.cpp matches user-defined tokens against raw text, where a space is a space
             tokens[i] = text.replace(_SPACE, " ")
@@ -173,28 +132,21 @@ def _byte_fallback(spec: dict[str, Any], n_vocab: int) -> Vocab:
     vocab: dict[str, int] = spec["model"]["vocab"]
     scores = [0.0] * n_vocab
     merged: set[int] = set()
-    for rank, m in enumerate(_merges(spec["model"])):
-        left, right = m.split(" ", 1)
-        i = vocab.get(left + right)
+    for rank, m in enumerate(spec["model"].get("merges", [])):
+        i = vocab.get("".join(m.split(" ", 1) if isinstance(m, str) else m))
         if i is not None and i not in merged:
             merged.add(i)
             scores[i] = -float(rank + 1)
-    return Vocab("llama", "default", tokens, types, scores, [], _prepends_space(spec), warnings)
-
-
-def _nodes(node: Any):
-    if isinstance(node, dict):
-        yield node
-        node = list(node.values())
-    if isinstance(node, list):
-        for child in node:
-            yield from _nodes(child)
+    return Vocab("llama", "default", tokens, types, scores, _prepends_space(spec))
 
 
 def _prepends_space(spec: dict[str, Any]) -> bool:
     """Whether the tokenizer puts a ``▁`` before the text (Llama 2 does, Gemma does not): a
     ``Prepend("▁")`` normalizer, or a ``Metaspace`` pre-tokenizer that prepends."""
-    for n in _nodes([spec.get("normalizer"), spec.get("pre_tokenizer")]):
+    steps = []
+    for step in (spec.get("normalizer") or {}, spec.get("pre_tokenizer") or {}):  # a Sequence: its steps
+        steps += [step, *step.get("normalizers", []), *step.get("pretokenizers", [])]
+    for n in steps:
         if n.get("type") == "Prepend" and n.get("prepend") == _SPACE:
             return True
         if n.get("type") == "Metaspace":
@@ -255,7 +207,9 @@ def load_vocab(path: Path, n_vocab: int) -> Vocab:
             f"in a GGUF. Supported: {_SUPPORTED} from tokenizer.json."
         )
     vocab = (_byte_fallback if model.get("byte_fallback") else _byte_level)(spec, n_vocab)
-    special = vocab.special = gguf.SpecialVocab(path, load_merges=False, n_vocab=n_vocab)
+    # gguf's SpecialVocab reads the merges (byte-level BPE: llama.cpp's gpt2 tokenizer applies them; a
+    # SentencePiece-style one orders its merges by the scores) and the special tokens from the files
+    special = vocab.special = gguf.SpecialVocab(path, load_merges=vocab.model == "gpt2", n_vocab=n_vocab)
     # Whether BOS/EOS are added is measured on the tokenizer itself: it is what transformers (and so
     # gqakit's eval) does, whatever the config files claim.
     with_special = tok(_PROBE, add_special_tokens=True)["input_ids"]

@@ -10,16 +10,14 @@ from pathlib import Path
 from gqakit.cli_options import opt
 from gqakit.dtypes import LOAD_DTYPES
 from gqakit.errors import GqakitError
-from gqakit.pipelines.starts import STARTS
 from gqakit.pipelines.steps import PipelineOptions, at_least, out_field, work_dir_field
 from gqakit.problems import Problems
 from gqakit.uptrain.recipe import load_recipe
 
 SMOLLM2 = "smollm2-135m"
-WIKI = "wiki-en"
-RECIPE = "smollm2-135m-mqa"  # shipped in recipes/, found by name
-REFINED_RECIPE = "smollm2-135m-mqa-refined"  # uptraining from the fast start
+RECIPE = "smollm2-135m-mqa"  # shipped in recipes/, found by name; the variants' default
 KV_TOKENS = 2048  # the table's KV-cache column: one sequence of this many tokens
+DECODE_BATCH, NEW_TOKENS = 8, 16  # the decode point: sequences decoded together, greedy steps timed
 
 
 @dataclass(frozen=True)
@@ -41,25 +39,22 @@ class Variant:
         groups: K/V heads G after conversion; 0 means "as many as the original has".
         start: the conversion, by preset or method (:data:`~gqakit.pipelines.starts.STARTS`); a start that
             reads text calibrates on the training split.
-        uptrain: uptrain this model with the recipe and add an "after uptraining" row.
-        recipe: this variant's uptraining recipe (a shipped name or a path); None: the demo's ``recipe``.
+        uptrain: uptrain this model with ``recipe`` and add an "after uptraining" row.
+        recipe: its uptraining recipe (a shipped name or a path).
     """
 
     slug: str
     groups: int
     start: str = "mean"
     uptrain: bool = False
-    recipe: str | None = None
-
-    def resolved_groups(self, original_kv_heads: int) -> int:
-        return self.groups or original_kv_heads
+    recipe: str = RECIPE
 
 
 VARIANTS: tuple[Variant, ...] = (
     Variant("gqa-mean", groups=0),  # back to the original's G: must reproduce it exactly
     Variant("mqa-mean", groups=1, uptrain=True),  # the paper's method, uptrained with the demo's recipe
     # the fast preset (calibrated merge + 200 refinement steps per layer), and its own recipe
-    Variant("mqa-fast", groups=1, start="fast", uptrain=True, recipe=REFINED_RECIPE),
+    Variant("mqa-fast", groups=1, start="fast", uptrain=True, recipe="smollm2-135m-mqa-refined"),
 )
 
 
@@ -67,9 +62,8 @@ VARIANTS: tuple[Variant, ...] = (
 class DemoOptions(PipelineOptions):
     """Options of ``gqakit demo`` (and the common ones of :class:`~gqakit.pipelines.steps.PipelineOptions`).
 
-    The fields without a flag are for Python callers and tests: the perplexity window, the decode point,
-    the recipe of the variants that name none, the variants themselves, the llama.cpp and vLLM columns
-    (measured when those engines are installed) and the asset step (None fetches SmolLM2 and wiki-en).
+    The fields without a flag are for Python callers and tests: the perplexity window, the decode context
+    and the asset step (None fetches SmolLM2 and wiki-en).
     """
 
     out: Path = out_field("demo-report")
@@ -85,14 +79,8 @@ class DemoOptions(PipelineOptions):
         "median and spread; no speedup when the rounds disagree).",
     )
     seq_len: int = opt(512, cli=False)
-    decode_batch: int = opt(8, cli=False)
     decode_context: int | None = opt(None, cli=False)  # None: 512 on CPU, 2048 on a GPU
-    new_tokens: int = opt(16, cli=False)
-    recipe: str = opt(RECIPE, cli=False)
-    variants: tuple[Variant, ...] = opt(VARIANTS, cli=False)
     assets: Callable[[DemoOptions], DemoAssets] | None = opt(None, cli=False)
-    llamacpp: bool = opt(True, cli=False)
-    vllm: bool = opt(True, cli=False)
 
     def check(self, p: Problems) -> None:
         """Every problem with the options, and with the uptraining recipes and their overrides, at once:
@@ -100,21 +88,16 @@ class DemoOptions(PipelineOptions):
         steps' minutes."""
         super().check(p)
         f = p.flag
-        at_least(p, self, 1, "seq_len", "decode_batch", "new_tokens", "decode_rounds")
+        at_least(p, self, 1, "seq_len", "decode_rounds")
         at_least(p, self, 1, "eval_tokens", "decode_context")  # None: the machine's default
-        if self.new_tokens == 1:
-            p.add(f"{f('new_tokens')} must be at least 2, got {self.new_tokens}.")
         if not self.budget_scale > 0:
             p.add(f"{f('budget_scale')} must be positive, got {self.budget_scale}.")
         if self.dtype not in LOAD_DTYPES:
             p.add(f"{f('dtype')} {self.dtype!r} is unknown; choose one of {', '.join(LOAD_DTYPES)}.")
-        p.add(STARTS.unknown_in(tuple(v.start for v in self.variants), f("variants")))
-        if not any(v.uptrain for v in self.variants):
-            p.add(f"at least one of {f('variants')} must be uptrained.")
         if p:
             return
         placeholder = DemoAssets(Path("model"), Path("train.txt"), Path("validation.txt"), Path("test.txt"))
-        for name in dict.fromkeys(v.recipe or self.recipe for v in self.variants if v.uptrain):
+        for name in dict.fromkeys(v.recipe for v in VARIANTS if v.uptrain):
             try:
                 load_demo_recipe(self, placeholder, Path("student"), Path("teacher"), Path("out"), name)
             except GqakitError as e:
@@ -138,12 +121,11 @@ def load_demo_recipe(
     if not options.progress:
         paths.append("log.progress=false")
     recipe = load_recipe(recipe_name, [*paths, *options.recipe_sets])
-    if options.budget_scale != 1.0:
-        b = recipe.budget
-        if b.steps is not None:
-            b.steps = max(1, round(b.steps * options.budget_scale))
-        elif b.tokens is not None:
-            b.tokens = max(1, round(b.tokens * options.budget_scale))
-        else:
-            b.alpha = b.alpha * options.budget_scale
+    b = recipe.budget  # scaled by --budget-scale (1: as the recipe gives it)
+    if b.steps is not None:
+        b.steps = max(1, round(b.steps * options.budget_scale))
+    elif b.tokens is not None:
+        b.tokens = max(1, round(b.tokens * options.budget_scale))
+    else:
+        b.alpha = b.alpha * options.budget_scale
     return recipe

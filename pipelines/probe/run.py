@@ -8,6 +8,7 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from functools import partial
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,12 @@ import click
 import torch
 
 from gqakit.checkpoint import resolve_checkpoint
-from gqakit.cli_options import click_options, options_from, out_option
+from gqakit.cli_options import click_options, options_from
 from gqakit.convert import ConvertOptions, convert_checkpoint
 from gqakit.convert.calibrate import calibration_ids
 from gqakit.convert.options import check_groups
 from gqakit.errors import GqakitError
-from gqakit.eval import load_texts, perplexity
+from gqakit.eval import perplexity
 from gqakit.families import family_of, get_adapter
 from gqakit.family_parts import ArchAdapter, Retarget
 from gqakit.geometry import AttentionGeometry
@@ -29,6 +30,7 @@ from gqakit.pipelines.probe.options import ProbeOptions
 from gqakit.pipelines.probe.report import ProbeResult, ProbeRow, write_probe
 from gqakit.problems import check_options
 from gqakit.storage import writable_dir
+from gqakit.text import load_texts
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +111,7 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
         for g in options.groups:
             check_groups(geom, g)
         tokenizer = load_tokenizer(ckpt.path)
-        eval_data = Path(options.eval_data).expanduser()
-        eval_texts = load_texts(eval_data, options.text_field, option="--eval-data")
+        eval_texts = load_texts(Path(options.eval_data).expanduser(), option="--eval-data")
         error_ids = calibration_ids(
             tokenizer, eval_texts, options.error_tokens, options.seq_len, source="--eval-data"
         )
@@ -120,17 +121,17 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
             tokenizer=tokenizer,
             texts=eval_texts,
             seq_len=options.seq_len,
-            batch_size=options.batch_size,
+            batch_size=8,  # windows per forward pass
             max_tokens=options.eval_tokens,
             progress=False,
         )
         original = load(ckpt.path)
         t0 = time.perf_counter()
         base_ppl = float(measure(original).ppl)
-        rows = [ProbeRow(None, "original", "", base_ppl, 1.0, seconds=time.perf_counter() - t0)]
-        for g, method, grouping in options.combinations():
+        rows = [ProbeRow(None, "original", base_ppl, 1.0, seconds=time.perf_counter() - t0)]
+        for g, method in product(options.groups, options.methods):
             t0 = time.perf_counter()
-            opts = ConvertOptions(groups=g, method=method, grouping=grouping, device=options.device)
+            opts = ConvertOptions(groups=g, method=method, device=options.device)
             if opts.needs_text:
                 opts = replace(opts, calib_data=options.calib_data, calib_tokens=options.calib_tokens)
             with tempfile.TemporaryDirectory(prefix="gqakit-probe-") as tmp:
@@ -142,8 +143,8 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
             del converted
             seconds = time.perf_counter() - t0
             key_err, value_err = _mean_error(record, "key"), _mean_error(record, "value")
-            rows.append(ProbeRow(g, method, grouping, p, p / base_ppl, errs, key_err, value_err, seconds))
-            log.info("G=%d %s %s: perplexity %.2f", g, method, grouping, p)
+            rows.append(ProbeRow(g, method, p, p / base_ppl, errs, key_err, value_err, seconds))
+            log.info("G=%d %s: perplexity %.2f", g, method, p)
         settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(options).items()}
         result = ProbeResult(ckpt.origin, geom, rows, settings)
     if out_dir is not None:
@@ -154,11 +155,11 @@ def probe_checkpoint(src: str | Path, out_dir: str | Path | None, options: Probe
 @click.command("probe")
 @click.argument("src")
 @click_options(ProbeOptions)
-@out_option("probe", "Directory for probe.json, probe.md and probe.png.")
-def probe_cmd(src: str, out: Path, **kwargs: Any) -> None:
-    """Zero-training quality of SRC for each G x method x grouping: held-out perplexity and per-layer
+def probe_cmd(src: str, **kwargs: Any) -> None:
+    """Zero-training quality of SRC for each G x method: held-out perplexity and per-layer
     attention-output error, as a table, a JSON file and a plot. Pick G before spending compute."""
-    result = probe_checkpoint(src, out, options_from(ProbeOptions, kwargs))
+    options = options_from(ProbeOptions, kwargs)
+    result = probe_checkpoint(src, options.out, options)
     click.echo(f"{result.to_table()}\n\nKV bytes per GPU per token, bf16, with tensor parallelism (TP GPUs):")
     click.echo(result.tensor_parallel_table())
-    click.echo(f"wrote {out / 'probe.json'}, probe.md, probe.png")
+    click.echo(f"wrote {options.out / 'probe.json'}, probe.md, probe.png")

@@ -18,8 +18,6 @@ def eval_steps(total_steps: int, per_decade: int) -> list[int]:
     ``per_decade`` points per factor of ten (rounded to whole steps, duplicates dropped), so a curve
     has as much detail at 1k tokens as at 1M. Step 0 (the start) is evaluated separately.
     """
-    if total_steps < 1:
-        return []
     n = max(2, math.ceil(math.log10(total_steps) * per_decade) + 1)
     steps = {round(total_steps ** (i / (n - 1))) for i in range(n)}
     return sorted(s for s in steps | {1, total_steps} if 1 <= s <= total_steps)
@@ -48,21 +46,13 @@ class Reach:
         n = f"{self.tokens:,.0f}"
         return {"=": n, "<=": f"<= {n}", ">": f"> {n}"}[self.bound]
 
-    def as_dict(self) -> dict[str, float | str]:
-        return {"tokens": self.tokens, "bound": self.bound, "label": self.label()}
-
 
 def tokens_to_reach(curve: list[tuple[float, float]], threshold: float) -> Reach:
     """The first point where ``curve`` (ratio against tokens, sorted by tokens) falls to ``threshold``.
 
     Between two measured points the ratio is interpolated linearly in log tokens (the axis the curve is
     drawn on); at or below the threshold at 0 tokens is ``Reach(0, "=")``.
-
-    Raises:
-        ValueError: for an empty curve.
     """
-    if not curve:
-        raise ValueError("a recovery curve needs at least one point")
     (x0, r0) = curve[0]
     if r0 <= threshold:
         return Reach(x0, "=")
@@ -97,9 +87,6 @@ class Saving:
             return "n/a"
         return f"{self.factor:.1f}x" if self.bound == "=" else f">= {self.factor:.1f}x"
 
-    def as_dict(self) -> dict[str, float | str | None]:
-        return {"factor": self.factor, "bound": self.bound, "label": self.label()}
-
 
 def saving(start: Reach, reference: Reach) -> Saving:
     """The savings factor of ``start`` over ``reference`` at one threshold (see :class:`Saving`)."""
@@ -123,61 +110,22 @@ class Curve:
 
     Attributes:
         start: the start's name.
-        lr: its peak learning rate.
         points: ``(tokens, perplexity)``, the first at 0 tokens (the converted model itself).
         convert_s, train_s: compute time of its conversion and of its uptraining run (as first computed).
         reach: threshold -> the tokens it needed (:class:`~gqakit.pipelines.recovery.curves.Reach`).
-        swept: the start is uptrained at several rates, this curve being one of them.
     """
 
     start: str
-    lr: float
     points: list[tuple[int, float]]
     convert_s: float
     train_s: float
     reach: dict[float, Reach] = field(default_factory=dict)
-    swept: bool = False
-
-    @property
-    def label(self) -> str:
-        """The curve's name in tables: the start, and its rate where the start has several."""
-        return f"{self.start} @ {self.lr:g}" if self.swept else self.start
 
     def ratios(self, original: float) -> list[tuple[float, float]]:
         return [(t, p / original) for t, p in self.points]
 
 
-def best_rates(
-    reaches: dict[tuple[str, float], dict[float, Reach]],
-) -> dict[str, dict[float, tuple[Reach, float]]]:
-    """Per start and threshold, the fewest tokens any of its rates needed, and that rate.
-
-    A rate that got there beats one that did not; among those that did not, the longest run's bound
-    wins; a tie keeps the rate listed first. With one rate per start this is each start's own reach.
-
-    Args:
-        reaches: ``(start, lr)`` -> threshold -> :class:`Reach`, in the order the runs were listed.
-    """
-
-    def rank(reach: Reach) -> tuple[bool, float]:
-        return (not reach.reached, reach.tokens if reach.reached else -reach.tokens)
-
-    best: dict[str, dict[float, tuple[Reach, float]]] = {}
-    for (start, lr), by_t in reaches.items():
-        for t in THRESHOLDS:
-            held = best.setdefault(start, {}).get(t)
-            if held is None or rank(by_t[t]) < rank(held[0]):
-                best[start][t] = (by_t[t], lr)
-    return best
-
-
 def savings(curves: list[Curve]) -> dict[str, dict[float, Saving]]:
-    """Each start's savings factor over the first curve's start (the reference) at every threshold,
-    each start at its best measured rate there (:func:`best_rates`)."""
-    best = best_rates({(c.start, c.lr): c.reach for c in curves})
-    ref = best[curves[0].start]
-    return {
-        start: {t: saving(by_t[t][0], ref[t][0]) for t in THRESHOLDS}
-        for start, by_t in best.items()
-        if start != curves[0].start
-    }
+    """Each start's savings factor over the first curve's start (the reference) at every threshold."""
+    ref = curves[0].reach
+    return {c.start: {t: saving(c.reach[t], ref[t]) for t in THRESHOLDS} for c in curves[1:]}

@@ -1,9 +1,6 @@
-"""The options of ``gqakit recovery``: the source, the starts, the data and the uptraining runs.
-
-The runs' recipe (:func:`gqakit.pipelines.recovery.run.recipe_data`) has the defaults below; ``--set``
-changes any of its keys (``data.seq_len=128``, ``train.batch_size=16``, ``objective.kind=lm``,
-``train.precision=fp32``) and, as ``model.convert.*``, the starts' conversion settings.
-"""
+"""The options of ``gqakit recovery``: the source, the starts, the data and the uptraining runs, whose
+recipe (:func:`gqakit.pipelines.recovery.run.recipe_data`) has the defaults below; ``--set`` changes any
+of its keys and, as ``model.convert.*``, the starts' conversion settings (docs/recovery.md)."""
 
 from __future__ import annotations
 
@@ -15,14 +12,14 @@ import yaml
 
 from gqakit.cli_options import opt
 from gqakit.convert import ConvertOptions
-from gqakit.pipelines.starts import STARTS, STARTS_HELP, convert_options_for, split_sets
+from gqakit.pipelines.starts import STARTS, STARTS_HELP, convert_options_for
 from gqakit.pipelines.steps import PipelineOptions, at_least, out_field, work_dir_field
 from gqakit.pipelines.store import fingerprint
-from gqakit.problems import Problems, finite_positive, rate_problem
+from gqakit.problems import Problems, rate_problem
 from gqakit.text import text_file_problem
 from gqakit.uptrain.schedule import warmup_steps
 
-LR = 2e-4  # the uptraining rate every start shares unless --start-lr gives it its own
+LR = 2e-4  # the peak uptraining rate every start shares
 # the runs' recipe where --set does not change it: 256-token blocks, 4 per step, 8,192 held-out tokens
 SEQ_LEN, BATCH_SIZE, EVAL_TOKENS = 256, 4, 8192
 WARMUP_STEPS = 10  # linear warmup, at most half the run, then a constant rate
@@ -31,11 +28,7 @@ WARMUP_STEPS = 10  # linear warmup, at most half the run, then a constant rate
 @dataclass(kw_only=True)
 class RecoveryOptions(PipelineOptions):
     """Options of ``gqakit recovery`` (and the common ones of
-    :class:`~gqakit.pipelines.steps.PipelineOptions`).
-
-    ``start_lr`` gives a start its own rates, ``START=LR[,LR...]``: several rates for one start make one
-    run each, and the savings compare each start at its best measured rate per threshold.
-    """
+    :class:`~gqakit.pipelines.steps.PipelineOptions`)."""
 
     src: str = opt(help="The original checkpoint.")
     groups: int = opt(help="K/V heads after conversion (1 = MQA).")
@@ -50,7 +43,6 @@ class RecoveryOptions(PipelineOptions):
     )
     tokens: int = opt(200_000, "Uptraining tokens per start.")
     lr: float = opt(LR, "Peak learning rate.")
-    start_lr: tuple[str, ...] = opt((), cli=False)  # --start-lr, declared by the command (repeatable)
     evals_per_decade: int = opt(4, "Held-out evaluations per factor of ten tokens.")
     seed: int = opt(0, "Seed of the data order, the random start and the refinement.")
     out: Path = out_field("recovery-report", "Directory for recovery.png, report.md and results.json.")
@@ -86,24 +78,13 @@ class RecoveryOptions(PipelineOptions):
         """The warmup steps each run takes; what the report states."""
         return warmup_steps(self.warmup_fraction, self.steps)
 
-    def rates_of(self, start: str) -> tuple[float, ...]:
-        """The peak learning rates ``start`` is uptrained at, one run each: its own from ``start_lr``
-        (in the order given), else ``lr`` alone."""
-        own = [lr for name, rates in map(_rates, self.start_lr) if name == start for lr in rates]
-        return tuple(dict.fromkeys(own)) or (self.lr,)
-
-    def swept(self, start: str) -> bool:
-        """True when ``start`` is uptrained at more than one rate."""
-        return len(self.rates_of(start)) > 1
-
     def start_options(self, start: str, calibration: Path | str) -> ConvertOptions:
         """The ``gqakit convert`` options of ``start`` in this recovery run."""
-        settings = split_sets(self.sets)[0]
         return convert_options_for(
             start,
             self.groups,
             calib_data=str(calibration),
-            settings=settings,
+            sets=self.sets,
             device=self.device,
             seed=self.seed,
         )
@@ -126,47 +107,9 @@ class RecoveryOptions(PipelineOptions):
                 f"{f('tokens')} {self.tokens:,} is smaller than the first evaluation point, one step of "
                 f"{self.tokens_per_step:,} tokens; give at least {self.tokens_per_step:,}."
             )
-        self._check_rates(p)
+        p.add(rate_problem(f("lr"), self.lr, LR))
         if self.data is not None:
             p.add(text_file_problem(self.data, f("data")))
-
-    def _check_rates(self, p: Problems) -> None:
-        """Add to ``p`` what is wrong with ``lr`` and ``start_lr``: rates that are no finite positive
-        number, a start that is not run, a rate given twice to one start."""
-        f = p.flag
-        given: dict[str, list[float]] = {}
-        for item in self.start_lr:
-            try:
-                start, rates = _rates(item)
-            except ValueError:
-                p.add(
-                    f"{f('start_lr')} {item!r} must be START=LR or START=LR,LR,..., e.g. fast=1e-4 "
-                    "or fast=1e-4,4e-4."
-                )
-                continue
-            p.add(STARTS.unknown(start, f"{f('start_lr')} start", among=self.starts))
-            bad = next((lr for lr in rates if not finite_positive(lr)), None)
-            if bad is not None:
-                p.add(rate_problem(f"{f('start_lr')} {item!r}", bad, LR))
-            given.setdefault(start, []).extend(rates)
-        for start, rates in given.items():
-            twice = sorted({lr for lr in rates if rates.count(lr) > 1})
-            if twice:
-                # two runs at one rate would be the same run: a typo, or a pick by result
-                p.add(
-                    f"{f('start_lr')} gives {start} the rate {', '.join(f'{lr:g}' for lr in twice)} more "
-                    "than once; list each rate once."
-                )
-        p.add(rate_problem(f("lr"), self.lr, LR))
-
-
-def _rates(item: str) -> tuple[str, tuple[float, ...]]:
-    """``"fast=1e-4,4e-4"`` -> ``("fast", (1e-4, 4e-4))``; ValueError when it is not
-    START=NUMBER[,NUMBER...]."""
-    name, sep, values = item.partition("=")
-    if not sep:
-        raise ValueError(item)
-    return name.strip(), tuple(float(v) for v in values.split(","))
 
 
 @dataclass

@@ -21,9 +21,8 @@ from gqakit.models import load_tokenizer, max_positions
 from gqakit.pipelines.recovery.curves import THRESHOLDS, Curve, eval_steps, tokens_to_reach
 from gqakit.pipelines.recovery.options import BATCH_SIZE, EVAL_TOKENS, Inputs, RecoveryOptions
 from gqakit.pipelines.recovery.report import write_recovery_report
-from gqakit.pipelines.run_keys import train_once, weights_key
 from gqakit.pipelines.starts import conversion_key
-from gqakit.pipelines.steps import Steps, pipeline_run, set_option, wiki_splits
+from gqakit.pipelines.steps import Steps, pipeline_run, set_option, train_once, weights_key, wiki_splits
 from gqakit.pipelines.store import ResultStore, fingerprint
 from gqakit.problems import Problems, check_options
 from gqakit.storage import atomic_output_dir
@@ -68,8 +67,8 @@ def check_inputs(o: RecoveryOptions) -> Inputs:
     converted with, and calibration text too short for a start that refines."""
     # the recipe of a run, --set applied: a bad key or value is refused before SRC is fetched
     placeholder = Inputs(o.src, Path("train.txt"), Path("calibration.txt"), Path("heldout.txt"))
-    run_recipe(o, placeholder, "start", Path("out"), o.lr)
-    src = model_source(o.src, o.cache_dir, o.wheelhouse)
+    run_recipe(o, placeholder, "start", Path("out"))
+    src = model_source(o.src, o.cache_dir)
     if o.data is None:
         train, calibration, heldout = wiki_splits(o)
         inputs = Inputs(src, train, calibration, heldout)
@@ -118,7 +117,7 @@ def write_split(inputs: Inputs, o: RecoveryOptions, store: ResultStore) -> None:
     store.build_once(inputs.train.parent, key, build, name="data-split")
 
 
-def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: float) -> dict:
+def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path) -> dict:
     """The uptraining recipe of one start (and of the original's reference evaluation), before ``--set``."""
     return {
         "model": {"path": model},
@@ -126,13 +125,12 @@ def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: f
         "data": {
             "files": [str(inputs.train)],
             "val_files": [str(inputs.heldout)],
-            "txt_docs": "line",
             "seq_len": o.seq_len,
             "max_val_blocks": max(1, EVAL_TOKENS // o.seq_len),
         },
         "budget": {"steps": o.steps},
         "train": {
-            "lr": lr,
+            "lr": o.lr,
             "weight_decay": 0.0,  # a repair run: do not pull the weights towards zero
             # a fixed warmup, then constant: the point at N tokens is what a run stopped there gives
             "warmup_fraction": o.warmup_fraction,
@@ -144,31 +142,27 @@ def recipe_data(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: f
         "eval": {"every": 0, "at_start": True, "at_steps": eval_steps(o.steps, o.evals_per_decade)},
         "checkpoint": {"every": 25, "keep": 1},
         "speed": {"device": o.device},  # where the conversions run (auto: where accelerate puts it)
-        "log": {"every": 1, "progress": o.progress, "tensorboard": False},
+        "log": {"every": 1, "progress": o.progress},
         "output_dir": str(out),
         "seed": o.seed,
     }
 
 
-def run_recipe(o: RecoveryOptions, inputs: Inputs, model: str, out: Path, lr: float):
+def run_recipe(o: RecoveryOptions, inputs: Inputs, model: str, out: Path):
     """The recipe of one run: :func:`recipe_data` with ``--set`` applied and its precision resolved
     (``auto``: bf16 where the CPU or GPU has bf16 instructions, else fp32)."""
-    recipe = recipe_from_dict(recipe_data(o, inputs, model, out, lr), o.recipe_sets)
+    recipe = recipe_from_dict(recipe_data(o, inputs, model, out), o.recipe_sets)
     recipe.train.precision = resolve_precision(recipe.train.precision, o.device)
     return recipe
 
 
-def _fingerprint(src: str) -> str:
-    return fingerprint(src) if Path(src).exists() else src
-
-
 def original_ppl(o: RecoveryOptions, store: ResultStore, inputs: Inputs) -> float:
     """The original's held-out perplexity, measured as each run measures its points."""
-    recipe = run_recipe(o, inputs, inputs.src, Path("unused"), o.lr)
+    recipe = run_recipe(o, inputs, inputs.src, Path("unused"))
     r = recipe.to_dict()
     # keyed by what the evaluation reads, not by the uptraining's rate, length or seed
     key = {
-        "model": _fingerprint(inputs.src),
+        "model": fingerprint(inputs.src) if Path(inputs.src).exists() else inputs.src,  # or a hub id
         "data": r["data"],
         "texts": inputs.texts("heldout"),
         "precision": r["train"]["precision"],
@@ -188,7 +182,8 @@ def convert_start(
     """``src`` converted to ``start`` (cached); its directory and the conversion's compute time."""
     opts = o.start_options(start, inputs.calibration)
     dst = models / f"start-{start}"
-    key = {"source": _fingerprint(inputs.src), "options": conversion_key(opts)}
+    source = fingerprint(inputs.src) if Path(inputs.src).exists() else inputs.src
+    key = {"source": source, "options": conversion_key(opts)}
     if opts.needs_text:  # only a start that reads the calibration text depends on it
         key["texts"] = inputs.texts("calibration")
     name = "convert-" + start
@@ -196,21 +191,13 @@ def convert_start(
     return dst, float(store.time_of(name) or 0.0)
 
 
-def run_name(o: RecoveryOptions, start: str, lr: float) -> str:
-    """The name of one uptraining run's folder and cache entry: the start, and its rate where the start
-    has several (a start with one rate keeps the name, and the cache, of a run without a sweep)."""
-    return f"{start}-lr{lr:g}" if o.swept(start) else start
-
-
 def uptrain_start(
-    o: RecoveryOptions, store: ResultStore, inputs: Inputs, start: str, start_dir: Path, runs: Path, lr: float
+    o: RecoveryOptions, store: ResultStore, inputs: Inputs, start: str, start_dir: Path, runs: Path
 ) -> tuple[list[tuple[int, float]], float]:
-    """One uptraining run of ``start`` at peak rate ``lr``, evaluated on the held-out text at log-spaced
-    steps; cached, and resumed from its last checkpoint when it was killed. Returns the curve and the run's
-    compute time."""
-    name = run_name(o, start, lr)
-    out = runs / name
-    recipe = run_recipe(o, inputs, str(start_dir), out, lr)
+    """One uptraining run of ``start``, evaluated on the held-out text at log-spaced steps; cached, and
+    resumed from its last checkpoint when it was killed. Returns the curve and the run's compute time."""
+    out = runs / start
+    recipe = run_recipe(o, inputs, str(start_dir), out)
     key = {
         "start": fingerprint(start_dir),
         "recipe": weights_key(recipe.to_dict()),
@@ -219,7 +206,7 @@ def uptrain_start(
     # the same recipe names the same paths, which a rebuilt split or conversion reuses: resume only a run
     # started after the start and the texts it reads were written
     inputs_read = [start_dir, inputs.train, inputs.heldout]
-    summary, _ = train_once(store, "run-" + name, recipe, key, fresh=o.fresh, inputs=inputs_read)
+    summary, _ = train_once(store, "run-" + start, recipe, key, inputs=inputs_read)
     history = read_history(out)
     points = sorted({int(r["tokens"]): float(r["val_ppl"]) for r in history if "val_ppl" in r}.items())
     return points, float(summary["elapsed_s"])
@@ -238,58 +225,42 @@ def run_recovery(options: RecoveryOptions) -> RecoveryResult:
     o = check_options(options, "recovery")
     inputs = check_inputs(o)
     with pipeline_run(o) as (work, store):
-        return _recover(o, inputs, work, store)
-
-
-def _recover(o: RecoveryOptions, inputs: Inputs, work: Path, store: ResultStore) -> RecoveryResult:
-    """:func:`run_recovery` once its inputs are checked and it holds the working directory ``work``."""
-    steps = Steps(3 + len(o.starts), o.echo)
-    o.echo(
-        f"gqakit recovery: {o.src} -> {o.groups} K/V heads from {', '.join(o.starts)}; {o.steps} steps x "
-        f"{o.tokens_per_step:,} tokens = {o.steps * o.tokens_per_step:,} tokens per start; working "
-        f"directory {work}"
-    )
-    with steps.step("Inputs: the original checkpoint, the groups, and the text split three ways"):
-        if inputs.split:
-            write_split(inputs, o, store)
-    with steps.step("The original's held-out perplexity (the 1.0 line)"):
-        original = original_ppl(o, store, inputs)
-        steps.note(f"original: {original:,.3f}")
-    curves = []
-    for start in o.starts:
-        rates = o.rates_of(start)
-        at = f"lr {rates[0]:g}" if len(rates) == 1 else f"each of lr {', '.join(f'{lr:g}' for lr in rates)}"
-        with steps.step(f"Start {start!r}: convert, then uptrain {o.steps} steps at {at}"):
-            start_dir, convert_s = convert_start(o, store, inputs, start, work / "models")
-            for lr in rates:
-                points, train_s = uptrain_start(o, store, inputs, start, start_dir, work / "runs", lr)
-                curve = Curve(start, lr, points, convert_s, train_s, swept=len(rates) > 1)
+        steps = Steps(3 + len(o.starts), o.echo)
+        o.echo(
+            f"gqakit recovery: {o.src} -> {o.groups} K/V heads from {', '.join(o.starts)}; {o.steps} steps x "
+            f"{o.tokens_per_step:,} tokens = {o.steps * o.tokens_per_step:,} tokens per start; working "
+            f"directory {work}"
+        )
+        with steps.step("Inputs: the original checkpoint, the groups, and the text split three ways"):
+            if inputs.split:
+                write_split(inputs, o, store)
+        with steps.step("The original's held-out perplexity (the 1.0 line)"):
+            original = original_ppl(o, store, inputs)
+            steps.note(f"original: {original:,.3f}")
+        curves = []
+        for start in o.starts:
+            with steps.step(f"Start {start!r}: convert, then uptrain {o.steps} steps at lr {o.lr:g}"):
+                start_dir, convert_s = convert_start(o, store, inputs, start, work / "models")
+                points, train_s = uptrain_start(o, store, inputs, start, start_dir, work / "runs")
+                curve = Curve(start, points, convert_s, train_s)
                 curve.reach = {t: tokens_to_reach(curve.ratios(original), t) for t in THRESHOLDS}
                 steps.note(
-                    f"{curve.label}: {points[0][1]:,.2f} -> {points[-1][1]:,.2f} at {points[-1][0]:,} tokens "
+                    f"{start}: {points[0][1]:,.2f} -> {points[-1][1]:,.2f} at {points[-1][0]:,} tokens "
                     f"({points[-1][1] / original:.3f}x the original)"
                 )
                 curves.append(curve)
-    with steps.step("Report: recovery.png, report.md, results.json"):
-        recipe = run_recipe(o, inputs, "start", Path("out"), o.lr)
-        report, results_json, plot = write_recovery_report(
-            o, inputs, recipe, original, curves, steps.elapsed, store
-        )
-    o.echo(f"Report: {report}")
-    return RecoveryResult(original, curves, report, results_json, plot, steps.elapsed)
+        with steps.step("Report: recovery.png, report.md, results.json"):
+            recipe = run_recipe(o, inputs, "start", Path("out"))
+            report, results_json, plot = write_recovery_report(
+                o, inputs, recipe, original, curves, steps.elapsed, store
+            )
+        o.echo(f"Report: {report}")
+        return RecoveryResult(original, curves, report, results_json, plot, steps.elapsed)
 
 
 @click.command("recovery")
 @click.argument("src")
 @click_options(RecoveryOptions, skip=("src",))
-@click.option(
-    "--start-lr",
-    "start_lr",
-    multiple=True,
-    metavar="START=LR[,LR...]",
-    help="A start's own peak learning rates (repeatable), e.g. --start-lr mean=5e-4; several rates make "
-    "one run each and the savings take each start's best per threshold.",
-)
 @set_option(
     "Override the runs' recipe (repeatable), e.g. --set data.seq_len=128, --set objective.kind=lm; "
     "model.convert.calib_tokens=... and model.convert.refine_* change the starts that use them."

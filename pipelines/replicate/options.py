@@ -1,16 +1,5 @@
-"""What ``gqakit replicate`` runs: the model it pretrains, the arms it converts and uptrains, and its
-options.
-
-The arms, as in the GQA paper (Ainslie et al. 2023):
-
-* Fig. 4: MQA (G = 1) from every start (the paper's mean, first and random, and gqakit's calibrated
-  merge alone and as the ``fast`` preset, refined layer by layer), uptrained for each proportion alpha
-  of the pretraining tokens; the paper's three methods at the middle alpha over every seed (the headline
-  comparison);
-* Fig. 6 / Table 1: mean-pooled GQA at every G, uptrained at the largest alpha, beside MHA (G = H);
-* trained from scratch: an MQA, a GQA and an MHA model pretrained on the MHA model's tokens plus the
-  largest alpha's, the paper's same-budget comparison (the MHA one shows what the tokens alone buy).
-"""
+"""What ``gqakit replicate`` runs: the model it pretrains, the arms it converts and uptrains (the GQA
+paper's Fig. 4, 5 and 6 and its from-scratch comparison; docs/replicate.md), and its options."""
 
 from __future__ import annotations
 
@@ -22,8 +11,11 @@ from gqakit.cli_options import opt
 from gqakit.errors import GqakitError
 from gqakit.pipelines.starts import STARTS, STARTS_HELP
 from gqakit.pipelines.steps import PipelineOptions, at_least, out_field, work_dir_field
-from gqakit.problems import Problems, rate_problem
+from gqakit.problems import Problems
 from gqakit.uptrain import load_recipe
+
+UPTRAIN_LR = 5e-4  # the uptraining runs' peak rate (--set train.lr changes it); docs/replicate.md: why
+EVAL_TOKENS, DECODE_ROUNDS = 16384, 3  # test tokens scored per model; interleaved decode rounds per G
 
 
 @dataclass(frozen=True)
@@ -57,9 +49,9 @@ class ReplicateOptions(PipelineOptions):
 
     The fields without a flag are for Python callers and tests: the seeds of the headline comparison
     (Fig. 4's methods at the middle alpha), the K/V head counts of the G sweep (G = H, the MHA model
-    itself, is always shown), the model's shape, the pretraining run (the uptraining runs use the same
-    batch and schedule shape, at ``uptrain_lr``), the test tokens, the decode rounds and the corpus
-    (train, validation, test; None: the wiki-en asset).
+    itself, is always shown), the model's shape, the pretraining run (the uptraining runs use its batch
+    and schedule shape at :data:`UPTRAIN_LR`) and the corpus (train, validation, test; None: the wiki-en
+    asset).
     """
 
     out: Path = out_field("replicate-report", "Directory for report.md, results.json and the figures.")
@@ -81,10 +73,6 @@ class ReplicateOptions(PipelineOptions):
     shape: ModelShape = opt(factory=ModelShape, cli=False)
     pretrain_steps: int = opt(500, cli=False)
     batch_size: int = opt(16, cli=False)
-    lr: float = opt(2e-3, cli=False)
-    uptrain_lr: float = opt(5e-4, cli=False)  # docs/replicate.md: 2e-4, 5e-4 and 1e-3 measured
-    eval_tokens: int = opt(16384, cli=False)
-    decode_rounds: int = opt(3, cli=False)
     corpus: tuple[Path, Path, Path] | None = opt(None, cli=False)
 
     def check(self, p: Problems) -> None:
@@ -93,9 +81,6 @@ class ReplicateOptions(PipelineOptions):
         f = p.flag
         if not self.scale > 0:
             p.add(f"{f('scale')} must be positive, got {self.scale}.")
-        for name in ("lr", "uptrain_lr"):  # click reads inf and nan: they would fail after pretraining
-            default = type(self).__dataclass_fields__[name].default
-            p.add(rate_problem(f(name), getattr(self, name), default))
         if not self.seeds:
             p.add(f"{f('seeds')} needs at least one seed.")
         self._check_alphas(p)
@@ -108,7 +93,7 @@ class ReplicateOptions(PipelineOptions):
         if not self.starts:
             p.add(f"{f('starts')} needs at least one start: {', '.join(STARTS.names)}.")
         p.add(STARTS.unknown_in(self.starts, f("starts")))
-        at_least(p, self, 1, "pretrain_steps", "batch_size", "eval_tokens", "decode_rounds")
+        at_least(p, self, 1, "pretrain_steps", "batch_size")
         if not p and self.recipe_sets:  # a bad --set key or value, before any asset is fetched
             try:
                 load_recipe("replicate-mha", list(self.recipe_sets))
@@ -118,11 +103,7 @@ class ReplicateOptions(PipelineOptions):
     def _check_alphas(self, p: Problems) -> None:
         """Add to ``p`` what is wrong with :attr:`alphas`: each must be finite, they must increase from 0
         (the conversions alone: Fig. 4's starts and the first point of every Fig. 5 curve, which the report
-        measures everything against), and each above 0 must give at least one uptraining step.
-
-        Args:
-            p: the problems of these options.
-        """
+        measures everything against), and each above 0 must give at least one uptraining step."""
         flag, text = p.flag("alphas"), ",".join(map(str, self.alphas))
         finite = all(math.isfinite(a) for a in self.alphas)
         if not finite or any(a < 0 for a in self.alphas) or sorted(self.alphas) != list(self.alphas):

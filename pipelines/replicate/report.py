@@ -3,25 +3,17 @@ claim reproduced; ``report.md``, ``results.json`` and figures drawn like the pap
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gqakit import __version__
 from gqakit.convert.methods import PAPER_METHODS
-from gqakit.pipelines.replicate.options import ReplicateOptions
-from gqakit.pipelines.reporting import (
-    kv_label,
-    log_if_wide,
-    md_table,
-    pyplot,
-    save_figure,
-    wall_time,
-    write_report,
-)
-from gqakit.storage import make_dirs
+from gqakit.eval.plots import figure, log_axis
+from gqakit.eval.report import md_table
+from gqakit.pipelines.replicate.options import EVAL_TOKENS, ReplicateOptions
+from gqakit.pipelines.steps import kv_label, wall_time, write_report
+from gqakit.pipelines.store import ResultStore
 
 # Ainslie et al. 2023, Table 1 (T5, mean over the paper's summarization, translation and QA tasks; time
 # per sample on TPUv4): the paper's own figures, quoted beside ours.
@@ -86,39 +78,24 @@ def findings(o: ReplicateOptions, arms, decode: dict[int, dict[str, Any]]) -> di
 
 
 def write_replicate_report(
-    o: ReplicateOptions, arms, decode, elapsed_s: float, reused: int, compute_s: float
+    o: ReplicateOptions, arms, decode, elapsed_s: float, store: ResultStore
 ) -> tuple[Path, Path, list[Path]]:
-    """Write ``report.md``, ``results.json`` and the figures into ``o.out``; return their paths.
-
-    Args:
-        o: the run's options.
-        arms: every model of the report.
-        decode: decode time per G.
-        elapsed_s: this run's wall time.
-        reused: results it reused from the working directory.
-        compute_s: what the results shown took to compute, whichever run computed them.
-    """
-    out = Path(o.out).resolve()
-    make_dirs(out)
+    """Write ``report.md``, ``results.json`` and the figures of ``arms`` (every model of the report) and
+    ``decode`` (decode time per G) into ``o.out``; return their paths. The wall time states this run's
+    ``elapsed_s``, and what the results shown took to compute (``store``), whichever run computed them."""
     f = findings(o, arms, decode)
-    figures = [save_figure(fig, out / name) for name, fig in replicate_figures(o, f).items()]
+    compute_s = store.compute_time()
+    figures = replicate_figures(o, f)
     results = {
-        "gqakit": __version__,
-        "options": _options_json(o),
+        "options": {k: v for k, v in asdict(o).items() if k not in ("echo", "corpus")},
         "pretrain_tokens": o.pretrain_tokens,
         "arms": [asdict(a) for a in arms],
         "findings": f,
         "elapsed_s": round(elapsed_s, 1),
         "compute_s": round(compute_s, 1),
     }
-    took = wall_time(elapsed_s, reused, compute_s)
-    report, results_json = write_report(out, _markdown(o, f, took, figures), results)
-    return report, results_json, figures
-
-
-def _options_json(o: ReplicateOptions) -> dict[str, Any]:
-    d = {k: v for k, v in asdict(o).items() if k not in ("echo", "corpus")}
-    return json.loads(json.dumps(d, default=str))
+    took = wall_time(elapsed_s, store.reused, compute_s)
+    return write_report(Path(o.out).resolve(), _markdown(o, f, took, list(figures)), results, figures)
 
 
 def _in_paper_order(ppl: dict[str, float]) -> bool | None:
@@ -136,21 +113,14 @@ def _yes(ok: bool | None) -> str:
     return "reproduced" if ok else "**not reproduced** at this scale"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return md_table(header, rows).splitlines()
-
-
-def _markdown(o: ReplicateOptions, f, took: str, figures: list[Path]) -> str:
+def _markdown(o: ReplicateOptions, f, took: str, figures: list[str]) -> str:
     m, top, mid = o.model, max(o.alphas), o.middle_alpha
     f4, f5, f6 = f["fig4"], f["fig5"], f["fig6"]
     intro = (
-        f"A Llama-architecture model ({m.layers} layers, hidden {m.hidden}, {m.heads} query and {m.heads} "
-        f"K/V heads, vocabulary {m.vocab:,}: byte-level BPE on the train split) pretrained from random "
-        f"initialisation on {o.pretrain_tokens:,} tokens of wiki-en ({o.steps} steps, LM objective). Test "
-        f"perplexity on the first {o.eval_tokens:,} test tokens in {m.seq_len}-token windows. MHA: "
+        f"An MHA model ({m.heads} heads; its shape and every setting: results.json) pretrained here on "
+        f"{o.pretrain_tokens:,} tokens; test perplexity on the first {EVAL_TOKENS:,} test tokens. MHA: "
         f"**{f['mha_ppl']:.2f}**; MHA trained on as many more tokens as the largest alpha: "
-        f"**{f['mha_continued_ppl']:.2f}** (the reference of the uptrained arms). Took "
-        f"{took}."
+        f"**{f['mha_continued_ppl']:.2f}** (the reference of the uptrained arms). Took {took}."
     )
     lines = ["# gqakit replicate: the GQA paper's experiments on an MHA model trained here", "", intro, ""]
     lines += ["## Fig. 4: which start", "", f"Paper: {PAPER_CLAIMS['fig4']}", ""]
@@ -159,92 +129,61 @@ def _markdown(o: ReplicateOptions, f, took: str, figures: list[Path]) -> str:
         after = f4["alpha_mid"].get(meth, {})
         runs = ", ".join(f"{r:.2f}" for r in after.get("runs", []))
         rows.append([meth, f"{p0:,.2f}", f"{after.get('mean', float('nan')):,.2f} ({runs})"])
-    lines += _table(["method", "MQA, no uptraining", f"MQA, alpha {mid:g}: mean over seeds (each)"], rows)
+    lines.append(
+        md_table(["method", "MQA, no uptraining", f"MQA, alpha {mid:g}: mean over seeds (each)"], rows)
+    )
     lines += ["", f"mean < first < random (lower is better): with no uptraining {_yes(f4['ordered_at_0'])}; "
               f"after uptraining {_yes(f4['ordered_after'])}"
               + (" (an order needs two of mean, first and random in --starts)." if None in
                  (f4["ordered_at_0"], f4["ordered_after"]) else "."), ""]  # fmt: skip
     lines += ["## Fig. 5: how much uptraining", "", f"Paper: {PAPER_CLAIMS['fig5']}", ""]
     rows = [[meth] + [f"{c[a]:,.2f}" for a in o.alphas] for meth, c in f5["curves"].items()]
-    lines += _table(["MQA from", *(f"alpha {a:g}" for a in o.alphas)], rows)
+    lines.append(md_table(["MQA from", *(f"alpha {a:g}" for a in o.alphas)], rows))
     gains = ", ".join(f"{g:,.2f}" for g in f5["mean_gains"])
     lines += ["", f"Gains of mean pooling from one alpha to the next: {gains}; levelling off "
               f"{_yes(f5['levels_off'])}.", ""]  # fmt: skip
-    lines += [_recovered(o, f), ""] if "mean" in f5["curves"] else []
-    lines += [_start_against_mean(o, f5["curves"], meth) for meth in ("calibrated", "fast", "best")
-              if meth in f5["curves"] and "mean" in f5["curves"]]  # fmt: skip
-    lines += [""]
     lines += ["## Fig. 6 / Table 1: how many groups", "", f"Paper: {PAPER_CLAIMS['fig6']}", "",
               f"Mean pooling uptrained at alpha {top:g}. Decode: transformers, batch 8, on this machine; at "
               "this model size a decode step is bound by per-step overhead rather than bytes moved, so the "
               "KV column is what G buys here (llama.cpp on a real model: docs/llamacpp.md).", ""]  # fmt: skip
-    rows = [[f"MHA ({m.heads} K/V heads), as many tokens", f"{f['mha_continued_ppl']:,.2f}", "0%"]]
-    for g in sorted(f6["ppl"], reverse=True):
-        share = f6["share_of_mha_mqa_gap"][g]
-        rows.append([kv_label(g, m.heads), f"{f6['ppl'][g]:,.2f}",
-                     f"{100 * share:.0f}%" if share is not None else "-"])  # fmt: skip
-    for row, g in zip(rows, [m.heads, *sorted(f6["ppl"], reverse=True)], strict=True):
-        d = f6["decode"].get(g, {})
+    rows = []
+    for g in [m.heads, *sorted(f6["ppl"], reverse=True)]:  # MHA first: the model trained as many tokens
+        mha, d = g == m.heads, f6["decode"].get(g, {})
+        share = 0.0 if mha else f6["share_of_mha_mqa_gap"][g]
         ms = f"{d['ms_per_token']:.2f}" if d.get("ms_per_token") else "-"
-        row += [
-            ms + ("" if d.get("reliable", True) else " (unreliable)"),
-            f"{d.get('kv_bytes_per_token', 0):,}",
-        ]
-    lines += _table(
-        ["model", "perplexity", "share of the MHA-MQA gap", "decode ms/token", "KV bytes/token"], rows
-    )
+        rows.append(
+            [
+                f"MHA ({m.heads} K/V heads), as many tokens" if mha else kv_label(g, m.heads),
+                f"{f['mha_continued_ppl'] if mha else f6['ppl'][g]:,.2f}",
+                f"{100 * share:.0f}%" if share is not None else "-",
+                ms + ("" if d.get("reliable", True) else " (unreliable)"),
+                f"{d.get('kv_bytes_per_token', 0):,}",
+            ]
+        )
+    header = ["model", "perplexity", "share of the MHA-MQA gap", "decode ms/token", "KV bytes/token"]
+    lines.append(md_table(header, rows))
     lines += ["", "The paper's Table 1 (its numbers: T5 on TPUv4, average score of its tasks):", ""]
-    lines += _table(["model", "time per sample (s)", "average score"],
-                    [[n, f"{t}", f"{sc}"] for n, t, sc in PAPER_TABLE_1])  # fmt: skip
+    lines.append(md_table(["model", "time per sample (s)", "average score"],
+                    [[n, f"{t}", f"{sc}"] for n, t, sc in PAPER_TABLE_1]))  # fmt: skip
     lines += ["", "## Uptrained against trained from scratch", "", f"Paper: {PAPER_CLAIMS['scratch']}", ""]
     rows = [[f"{g} (MHA; continued, not converted)" if g == m.heads else f"{g}", f"{v['scratch']:,.2f}",
              f"{v['uptrained']:,.2f}" if v["uptrained"] else "-"]
             for g, v in sorted(f["scratch"].items())]  # fmt: skip
-    lines += _table(
-        ["K/V heads", "from scratch, same total tokens", f"uptrained from MHA, alpha {top:g}"], rows
+    lines.append(
+        md_table(["K/V heads", "from scratch, same total tokens", f"uptrained from MHA, alpha {top:g}"], rows)
     )
     total = o.pretrain_tokens + o.uptrain_steps(top) * o.tokens_per_step
     lines += ["", f"Uptrained better than from scratch: {_yes(f['scratch_reproduced'])}. The from-scratch "
-              f"models train {total:,} tokens in one schedule; the MHA model scores {f['mha_ppl']:,.2f} "
-              f"after its {o.pretrain_tokens:,} pretraining tokens. The MHA row separates what the tokens in "
-              "one schedule buy from what the number of K/V heads costs.", "",
-              "## Figures", "", *(f"![{p.stem}]({p.name})" for p in figures), "",
-              f"Every number: `results.json`. gqakit {__version__}."]  # fmt: skip
+              f"models train {total:,} tokens in one schedule; the MHA row separates what the tokens in one "
+              "schedule buy from what the number of K/V heads costs.", "",
+              "## Figures", "", *(f"![{Path(p).stem}]({p})" for p in figures)]  # fmt: skip
     return "\n".join(lines) + "\n"
-
-
-def _recovered(o: ReplicateOptions, f) -> str:
-    """How much of mean pooling's gap to the MHA reference each alpha closes."""
-    curve, ref = f["fig5"]["curves"]["mean"], f["mha_continued_ppl"]
-    start = curve[o.alphas[0]]
-    parts = [f"{100 * (start - curve[a]) / (start - ref):.0f}% at alpha {a:g}" for a in o.alphas[1:]]
-    return (
-        f"Mean pooling closes {', '.join(parts)} of its gap to the MHA reference "
-        f"({start:,.2f} -> {ref:,.2f})."
-        if parts and start != ref
-        else ""
-    )
-
-
-def _start_against_mean(o: ReplicateOptions, curves, meth: str) -> str:
-    """Where a start with no uptraining stands against the mean-pooled arms."""
-    p0 = curves[meth][o.alphas[0]]
-    reached = [a for a in o.alphas if curves["mean"][a] <= p0]
-    where = (
-        f"mean pooling needs alpha {reached[0]:g} to reach it"
-        if reached
-        else (f"better than mean pooling at every alpha up to {max(o.alphas):g}")
-    )
-    best = min(curves[meth], key=curves[meth].get)
-    p_best = curves[meth][best]
-    return f"- {meth}, no uptraining: {p0:,.2f} ({where}); its best: {p_best:,.2f} at alpha {best:g}."
 
 
 def replicate_figures(o: ReplicateOptions, f) -> dict[str, Any]:
     """The figures by file name: ``quality_vs_alpha.png`` (cf. the paper's Fig. 5) and ``groups.png``
     (Fig. 6); perplexities spanning ten times or more on a log axis."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure(figsize=(7, 4.5))
     values = [f["mha_ppl"], f["mha_continued_ppl"]]
     for meth, curve in f["fig5"]["curves"].items():
         ax.plot(list(curve), list(curve.values()), marker="o", label=f"MQA from {meth}")
@@ -258,9 +197,8 @@ def replicate_figures(o: ReplicateOptions, f) -> dict[str, Any]:
             v["scratch"], color=colors[i % 3], linestyle=":", label=f"{name} from scratch, same total tokens"
         )
         values.append(v["scratch"])
-    log = log_if_wide(ax, values)
+    log_axis(ax, values, "test perplexity, lower is better")
     ax.set_xlabel("uptraining proportion alpha (of the pretraining tokens)")
-    ax.set_ylabel("test perplexity" + (" (log scale)" if log else "") + ", lower is better")
     ax.set_title("Quality against uptraining (cf. the paper's Fig. 5)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -270,12 +208,9 @@ def replicate_figures(o: ReplicateOptions, f) -> dict[str, Any]:
     gs = sorted([heads, *f6["ppl"]])
     ppl = [f["mha_continued_ppl"] if g == heads else f6["ppl"][g] for g in gs]
     ms = [f6["decode"].get(g, {}).get("ms_per_token") or float("nan") for g in gs]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = figure(1, 2, figsize=(11, 4.2))
     axes[0].plot(gs, ppl, marker="o")
-    log = log_if_wide(axes[0], ppl)
-    axes[0].set_ylabel(
-        f"test perplexity (uptrained at alpha {max(o.alphas):g})" + (", log scale" if log else "")
-    )
+    log_axis(axes[0], ppl, f"test perplexity (uptrained at alpha {max(o.alphas):g})")
     axes[1].plot(gs, ms, marker="o", color="#c44e52")
     axes[1].set_ylabel("decode ms per token (batch 8)")
     axes[1].set_ylim(bottom=0)  # differences of a few percent are this machine's noise, not G

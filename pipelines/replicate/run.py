@@ -75,13 +75,13 @@ def _setup(
     with steps.step("Corpus: training, validation and test text"):
         corpus = tuple(map(Path, o.corpus)) if o.corpus is not None else wiki_splits(o)
         steps.note(f"{corpus[0].parent}")
-    ctx = Context(o, store, steps, work / "models", corpus)
+    ctx = Context(o, store, steps, work / "models", *corpus)
     with steps.step(f"Tokenizer: byte-level BPE, {m.vocab:,} tokens, trained on the train split"):
         tok = train_tokenizer(ctx)
     with steps.step(f"Pretrain the MHA model ({m.heads} query and {m.heads} K/V heads) from scratch"):
         init = init_model(ctx, tok, m.heads, seed=0)
         mha = ctx.models / MHA
-        summary = train_run(ctx, init, mha, o.steps, o.lr, seed=0, pretraining=o.pretrain_tokens)
+        summary = train_run(ctx, init, mha, o.steps, seed=0)
         _publish(ctx, mha, summary)
     return ctx, tok, Arm(MHA, "mha", m.heads, path=str(mha), uptrain=summary)
 
@@ -126,18 +126,13 @@ def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> Replicate
                 j.path = str(start_dir)
             else:
                 dst = ctx.models / j.name
-                steps_j = o.uptrain_steps(j.alpha)
-                j.uptrain = train_run(
-                    ctx, start_dir, dst, steps_j, o.uptrain_lr, j.seed, o.pretrain_tokens, True
-                )
+                j.uptrain = train_run(ctx, start_dir, dst, o.uptrain_steps(j.alpha), j.seed, uptraining=True)
                 j.path = str(dst)
             arms.append(j)
         top = max(o.alphas)
         if top > 0:  # MHA trained on as many more tokens: the fair reference for the uptrained arms
             dst = ctx.models / f"mha-continued-a{top:g}"
-            summary = train_run(
-                ctx, mha, dst, o.uptrain_steps(top), o.uptrain_lr, o.seeds[0], o.pretrain_tokens, True
-            )
+            summary = train_run(ctx, mha, dst, o.uptrain_steps(top), o.seeds[0], uptraining=True)
             arms.append(Arm(dst.name, "mha-continued", m.heads, alpha=top, path=str(dst), uptrain=summary))
         total = o.steps + o.uptrain_steps(top)
         # MQA and the largest GQA from scratch, and MHA too: what the same total tokens in one schedule
@@ -145,7 +140,7 @@ def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> Replicate
         for g in dict.fromkeys((1, max(o.groups), m.heads)):
             init_g = init_model(ctx, tok, g, seed=0)
             dst = ctx.models / f"scratch-g{g}"
-            summary = train_run(ctx, init_g, dst, total, o.lr, seed=0, pretraining=o.pretrain_tokens)
+            summary = train_run(ctx, init_g, dst, total, seed=0)
             arms.append(Arm(f"scratch-g{g}", "scratch", g, path=str(dst), uptrain=summary))
     with steps.step(f"Measure: test perplexity of {len(arms)} models, decode time per token at each G"):
         for a in arms:
@@ -154,10 +149,7 @@ def _replicate(o: ReplicateOptions, work: Path, store: ResultStore) -> Replicate
         by_g = {m.heads: mha, **{g: starts[("mean", g)] for g in o.groups}}
         decode = decode_times(ctx, by_g)
     with steps.step("Report"):
-        # what the results shown took to compute, whichever run computed them (each records its own)
-        report, results_json, figures = write_replicate_report(
-            o, arms, decode, steps.elapsed, store.reused, store.compute_time()
-        )
+        report, results_json, figures = write_replicate_report(o, arms, decode, steps.elapsed, store)
     o.echo(f"Report: {report}")
     return ReplicateResult(arms, decode, o.pretrain_tokens, report, results_json, figures, steps.elapsed)
 

@@ -1,7 +1,5 @@
 """The cached steps of ``gqakit replicate``: tokenizer, random initialisation, training runs, conversions,
-perplexity and decode time. Each is keyed by exactly what it depends on (settings and the fingerprints of
-the checkpoints it reads), so a second run reuses it and a changed setting reruns only what depends on it.
-"""
+perplexity and decode time, each keyed by its settings and the fingerprints of the checkpoints it reads."""
 
 from __future__ import annotations
 
@@ -18,10 +16,9 @@ from gqakit.eval import perplexity
 from gqakit.eval.decode import decode_rounds, round_stats
 from gqakit.geometry import AttentionGeometry
 from gqakit.models import device_name, load_causal_lm, load_tokenizer, resolve_device
-from gqakit.pipelines.replicate.options import ReplicateOptions
-from gqakit.pipelines.run_keys import train_once, weights_key
-from gqakit.pipelines.starts import conversion_key, convert_options_for, split_sets
-from gqakit.pipelines.steps import Steps
+from gqakit.pipelines.replicate.options import DECODE_ROUNDS, EVAL_TOKENS, UPTRAIN_LR, ReplicateOptions
+from gqakit.pipelines.starts import conversion_key, convert_options_for
+from gqakit.pipelines.steps import Steps, train_once, weights_key
 from gqakit.pipelines.store import ResultStore, fingerprint
 from gqakit.storage import atomic_output_dir
 from gqakit.text import load_texts
@@ -38,25 +35,9 @@ class Context:
     store: ResultStore
     steps: Steps
     models: Path
-    corpus: tuple[Path, Path, Path]
-
-    @property
-    def train(self) -> Path:
-        return self.corpus[0]
-
-    @property
-    def validation(self) -> Path:
-        return self.corpus[1]
-
-    @property
-    def test(self) -> Path:
-        return self.corpus[2]
-
-    @property
-    def device(self) -> str:
-        """The device ``o.device`` means on this machine (``auto``: ``cuda`` or ``cpu``): part of the key
-        of every perplexity, so a working directory moved between a CPU and a GPU measures again."""
-        return str(resolve_device(self.o.device))
+    train: Path
+    validation: Path
+    test: Path
 
 
 def train_tokenizer(ctx: Context) -> Path:
@@ -128,12 +109,11 @@ def init_model(ctx: Context, tokenizer: Path, kv_heads: int, seed: int) -> Path:
     return dst
 
 
-def recipe_data(
-    ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int, uptraining=False
-) -> dict[str, Any]:
+def recipe_data(ctx: Context, start: Path, out: Path, steps: int, seed: int, uptraining=False) -> dict:
     """The recipe of one run: ``recipes/replicate-mha.yaml`` (the LM objective on the train split,
-    warmup then cosine, checkpoints every 100 steps) with this run's start, steps, lr, seed and sizes, and
-    for an ``uptraining`` run the ``--set`` overrides."""
+    warmup then cosine, checkpoints every 100 steps) with this run's start, steps, seed and sizes; an
+    ``uptraining`` run at :data:`UPTRAIN_LR` with the ``--set`` overrides, a pretraining run at the recipe's
+    rate."""
     o = ctx.o
     recipe = load_recipe(
         "replicate-mha",
@@ -143,28 +123,24 @@ def recipe_data(
             f"data.val_files={json.dumps([str(ctx.validation)])}",
             f"data.seq_len={o.model.seq_len}",
             f"budget.steps={steps}",
-            f"budget.pretraining_tokens={pretraining}",
-            f"train.lr={lr}",
+            f"budget.pretraining_tokens={o.pretrain_tokens}",
             f"train.batch_size={o.batch_size}",
             f"log.progress={json.dumps(o.progress)}",
             f"output_dir={json.dumps(str(out))}",
             f"seed={seed}",
             f"speed.device={json.dumps(o.device)}",  # where the conversions and measurements run too
-            *(o.recipe_sets if uptraining else ()),
+            *([f"train.lr={UPTRAIN_LR}", *o.recipe_sets] if uptraining else ()),
         ],
     )
     return recipe.to_dict()
 
 
-def train_run(
-    ctx: Context, start: Path, out: Path, steps: int, lr: float, seed: int, pretraining: int, uptraining=False
-) -> dict:
+def train_run(ctx: Context, start: Path, out: Path, steps: int, seed: int, uptraining=False) -> dict:
     """Train ``start`` for ``steps`` steps into ``out`` with gqakit's loop; cached, resumed when killed
-    (:func:`~gqakit.pipelines.run_keys.train_once`: a run killed on one --device resumes on another)."""
-    data = recipe_data(ctx, start, out, steps, lr, seed, pretraining, uptraining)
-    recipe = recipe_from_dict(data)
+    (:func:`~gqakit.pipelines.steps.train_once`: a run killed on one --device resumes on another)."""
+    recipe = recipe_from_dict(recipe_data(ctx, start, out, steps, seed, uptraining))
     key = {"start": fingerprint(start), "recipe": weights_key(recipe.to_dict())}
-    summary, reused = train_once(ctx.store, "train-" + out.name, recipe, key, fresh=ctx.o.fresh)
+    summary, reused = train_once(ctx.store, "train-" + out.name, recipe, key)
     if reused:
         ctx.steps.note(f"reusing {out.name} ({summary['steps']} steps)")
     else:
@@ -178,8 +154,7 @@ def train_run(
 def convert_arm(ctx: Context, mha: Path, start: str, groups: int) -> Path:
     """``mha`` converted to ``groups`` K/V heads from ``start`` (a preset or a method)."""
     o = ctx.o
-    settings = split_sets(o.sets)[0]
-    opts = convert_options_for(start, groups, calib_data=str(ctx.train), settings=settings, device=o.device)
+    opts = convert_options_for(start, groups, calib_data=str(ctx.train), sets=o.sets, device=o.device)
     dst = ctx.models / f"start-g{groups}-{start}"
     key = {"source": fingerprint(mha), "options": conversion_key(opts)}
     ctx.store.build_once(dst, key, lambda: convert_checkpoint(mha, dst, opts, progress=o.progress))
@@ -187,12 +162,12 @@ def convert_arm(ctx: Context, mha: Path, start: str, groups: int) -> Path:
 
 
 def perplexity_of(ctx: Context, path: Path) -> float:
-    """Test perplexity of one checkpoint on the first ``eval_tokens`` test tokens (cached). Keyed by the
-    device's kind, not its model: float32 on two GPU models differs by rounding only (the report gives
-    two decimals), while a CPU and a GPU run other kernels."""
+    """Test perplexity of one checkpoint on the first :data:`EVAL_TOKENS` test tokens (cached). Keyed by the
+    device's kind (what ``auto`` means on this machine), not its model: float32 on two GPU models differs
+    by rounding only (the report gives two decimals), while a CPU and a GPU run other kernels."""
     key = {
-        "model": fingerprint(path), "test": fingerprint(ctx.test), "tokens": ctx.o.eval_tokens,
-        "device": ctx.device,
+        "model": fingerprint(path), "test": fingerprint(ctx.test), "tokens": EVAL_TOKENS,
+        "device": str(resolve_device(ctx.o.device)),
     }  # fmt: skip
 
     def measure() -> dict[str, float]:
@@ -203,7 +178,7 @@ def perplexity_of(ctx: Context, path: Path) -> float:
             load_tokenizer(path),
             texts,
             seq_len=ctx.o.model.seq_len,
-            max_tokens=ctx.o.eval_tokens,
+            max_tokens=EVAL_TOKENS,
             progress=False,
         )
         return {"ppl": res.ppl, "tokens": res.tokens}
@@ -217,12 +192,12 @@ def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any
     key = {str(g): fingerprint(p) for g, p in by_g.items()}
     # the device's model, not its kind: timings from one GPU (or CPU) are not another's, so a working
     # directory moved to another one times again
-    key |= {"rounds": ctx.o.decode_rounds, "device": device_name(resolve_device(ctx.o.device))}
+    key |= {"rounds": DECODE_ROUNDS, "device": device_name(resolve_device(ctx.o.device))}
     cached = ctx.store.get("decode", key)
     if cached is None:
         points = decode_rounds(
             list(by_g.values()), batch=8, context=ctx.o.model.seq_len - 16, new_tokens=16,
-            rounds=ctx.o.decode_rounds, dtype="float32", device=ctx.o.device,
+            rounds=DECODE_ROUNDS, dtype="float32", device=ctx.o.device,
         )  # fmt: skip
         cached = {str(g): [p.tokens_per_s for p in ps] for g, ps in zip(by_g, points, strict=True)}
         ctx.store.put("decode", key, cached)

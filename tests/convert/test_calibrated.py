@@ -139,11 +139,7 @@ def test_provenance_records_method_data_and_errors(tmp_path, calib_txt):
     opts = ConvertOptions(groups=2, method="calibrated", calib_data=str(calib_txt), calib_tokens=300)
     convert_checkpoint(src, tmp_path / "out", opts)
     prov = json.loads((tmp_path / "out" / "gqakit.json").read_text())
-    assert (
-        prov["method"] == "calibrated"
-        and prov["grouping"] == "contiguous"
-        and prov["key_merge"] == "calibrated"
-    )
+    assert prov["method"] == "calibrated" and prov["key_merge"] == "calibrated"
     assert prov["calibration"]["tokens"] == 300 and len(prov["calibration"]["sha256"]) == 64
     assert "queries" in prov["merge_objective"] and "o_proj" in prov["merge_objective"]
     assert prov["calibration"]["path"] == str(calib_txt.resolve())
@@ -281,7 +277,7 @@ def test_calibrated_without_data_is_a_clear_error(tiny_llama, tmp_path):
 
 
 def test_all_option_problems_are_reported_at_once(tiny_llama, tmp_path):
-    opts = ConvertOptions(groups=0, method="random", grouping="similarity", calib_tokens=0)
+    opts = ConvertOptions(groups=0, method="random", refine_steps=2, calib_tokens=0)
     with pytest.raises(GqakitError) as e:
         convert_checkpoint(tiny_llama, tmp_path / "o", opts)
     msg = str(e.value.message)
@@ -289,7 +285,7 @@ def test_all_option_problems_are_reported_at_once(tiny_llama, tmp_path):
         "--groups",
         "--calib-tokens",
         "--calib-data",
-        "--set grouping similarity cannot be combined with --method random",
+        "--refine-steps cannot start from --method random",
     ):
         assert fragment in msg, msg
 
@@ -316,18 +312,17 @@ def test_too_short_calibration_data(tiny_llama, tmp_path):
 
 
 def test_calib_data_without_a_use_is_rejected(tiny_llama, tmp_path, calib_txt):
-    used_by = "only used by --method calibrated, --set grouping similarity or --refine-steps"
+    used_by = "only used by --method calibrated or --refine-steps"
     with pytest.raises(GqakitError, match=used_by):
         convert_checkpoint(tiny_llama, tmp_path / "o", ConvertOptions(groups=2, calib_data=str(calib_txt)))
 
 
 def test_cli_calibrated_convert(tiny_llama, tmp_path, calib_txt):
-    extra = ("--calib-tokens", "256", "--set", "grouping=similarity")
-    res = _convert_calibrated(tiny_llama, tmp_path, calib_txt, groups=1, extra=extra)
+    res = _convert_calibrated(tiny_llama, tmp_path, calib_txt, groups=1, extra=("--calib-tokens", "256"))
     assert res.exit_code == 0, res.output
     assert "calibrated" in res.output
     prov = json.loads((tmp_path / "o" / "gqakit.json").read_text())
-    assert prov["grouping"] == "similarity" and prov["calibration"]["tokens"] == 256
+    assert prov["calibration"]["tokens"] == 256
 
 
 @pytest.mark.gpu

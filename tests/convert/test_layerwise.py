@@ -180,14 +180,15 @@ def test_finished_layers_of_another_conversion_are_not_reused(tmp_path, calib_tx
 
 
 def test_a_conversion_into_a_dst_another_one_is_writing_is_refused(tmp_path, calib_txt, monkeypatch):
-    from gqakit.convert.layerwise_resume import claim_layerwise, resume_dir
+    from gqakit.convert.layerwise_resume import resume_dir
+    from gqakit.locks import exclusive
 
     src = save_tiny_model(tmp_path / "src", "llama", heads=4, kv_heads=4, layers=2)
     opts = ConvertOptions(groups=2, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
     dst = tmp_path / "out"
     _killed_after_layer_0(src, dst, opts, monkeypatch)
     other = ConvertOptions(groups=1, method="calibrated", calib_data=str(calib_txt), calib_tokens=512)
-    with claim_layerwise(dst, False, src):  # as a running conversion holds it
+    with exclusive(tmp_path / ".out.lock", "held"):  # as a running conversion holds it
         with pytest.raises(GqakitError, match=r"Another conversion into .*out is running \(pid \d+ "):
             convert_checkpoint(src, dst, other)
         # the running conversion's finished layer is still there (another conversion would discard it)

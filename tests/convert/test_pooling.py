@@ -7,7 +7,7 @@ import torch
 from tiny_models import tiny_model
 
 from gqakit.convert import ADAPTERS, RegroupSpec, convert_state_dict
-from gqakit.convert.plan import regroup, regroup_fused_qkv, regroup_head_axis
+from gqakit.convert.plan import regroup, regroup_head_axis
 from gqakit.geometry import AttentionGeometry
 
 
@@ -49,7 +49,9 @@ def test_random_method_is_seeded_and_uses_init_std():
 def test_fused_qkv_pools_only_k_and_v_rows():
     heads, kv, d = 4, 4, 2
     t = torch.arange(float((heads + 2 * kv) * d)).reshape(-1, 1)
-    out = regroup_fused_qkv(t, heads, kv, 2, d)
+    phi3, geom = ADAPTERS["phi3"], AttentionGeometry("phi3", 1, 1, heads, kv, d)
+    name = phi3.tensor("qkv", 0)
+    out = convert_state_dict({name: t}, phi3, geom, RegroupSpec(2))[name]
     assert out.shape == ((heads + 2 * 2) * d, 1)
     assert torch.equal(out[: heads * d], t[: heads * d])
     k = t[heads * d : (heads + kv) * d]

@@ -52,7 +52,6 @@ def test_each_preset_is_one_row_of_settings():
 def test_an_explicit_field_beats_the_preset_which_beats_the_default():
     plain = ConvertOptions(2).resolved()
     assert (plain.preset, plain.method, plain.refine_steps) == ("mean", "mean", 0)
-    assert plain.grouping == "contiguous"
     fast = ConvertOptions(1, preset="fast", refine_steps=3, refine_lr=2e-3).resolved()
     assert (fast.method, fast.calib_tokens, fast.refine_steps) == ("calibrated", 4096, 3)
     assert fast.refine_lr == 2e-3
@@ -77,7 +76,6 @@ def test_a_preset_conversion_records_the_preset_and_its_resolved_settings(tiny_l
         "refine_target": "attention",
         "refine_lr": REFINE_LR,
         "refine_qk_lr": REFINE_QK_LR,
-        "grouping": "contiguous",
     }
     assert prov["refine"]["steps"] == 4 and prov["refine"]["seed"] == 3
     assert prov["calibration"]["tokens"] == 512
@@ -111,10 +109,12 @@ def test_set_errors_are_reported_together_with_the_other_problems(tiny_llama, tm
     res = _convert(
         str(tiny_llama), str(tmp_path / "o"), "-g", "0", "--set", "refine_targt=layer-corrective",
         "--set", "method=first", "--set", "seed", "--set", "seed=abc", "--set", "refine_target=window",
+        "--set", "grouping=similarity",
     )  # fmt: skip
     assert res.exit_code != 0
     out = " ".join(res.output.split())
-    assert "'refine_targt' is no setting." in out and "Known: refine_target, grouping, refine_lr" in out
+    assert "'refine_targt' is no setting." in out and "Known: refine_target, refine_lr" in out
+    assert "'grouping' is no setting." in out  # similarity grouping was removed
     assert 'Did you mean "refine_target"?' in out
     assert "--set 'method=first': method has an option of its own, --method." in out
     assert "--set 'seed' is not NAME=VALUE" in out

@@ -16,7 +16,7 @@ from gqakit.checkpoint import resolve_checkpoint
 from gqakit.cli import main
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint
 from gqakit.convert.decoder_stream import DecoderStream
-from gqakit.convert.refine import REFINE_LR, REFINE_TARGETS, RefineSettings, fit_block, token_weights
+from gqakit.convert.refine import REFINE_LR, REFINE_TARGETS, fit_block, token_weights
 from gqakit.errors import GqakitError
 from gqakit.pipelines.probe import attention_errors
 
@@ -168,7 +168,7 @@ def test_the_query_key_side_takes_its_own_rate_at_every_step(monkeypatch):
     torch.manual_seed(0)
     block = torch.nn.Linear(8, 8)
     data = [((torch.randn(4, 8),), {}, torch.randn(4, 8)) for _ in range(3)]
-    fit_block(block, data[:2], data[2:], RefineSettings(steps=20, lr=1e-3, qk_lr=3e-3), qk_params=["weight"])
+    fit_block(block, data[:2], data[2:], steps=20, lr=1e-3, qk_lr=3e-3, qk_params=["weight"])
     assert len(seen) == 20
     rest, qk = zip(*seen, strict=True)
     assert set(qk) == {3e-3} and set(rest) == {1e-3}
@@ -191,7 +191,7 @@ def test_the_per_token_loss_keeps_a_massive_token_from_owning_the_fit():
     for loss, weights in (("relative", None), ("per-token", [token_weights(t) for _, _, t in data])):
         torch.manual_seed(1)
         block = torch.nn.Linear(8, 8, bias=False)
-        fit_block(block, data[:4], data[4:], RefineSettings(steps=300, lr=3e-2), weights=weights)
+        fit_block(block, data[:4], data[4:], steps=300, lr=3e-2, weights=weights)
         (x,), _, y = data[4]
         with torch.no_grad():  # held-out relative error on the ordinary tokens
             ordinary[loss] = float((block(x)[:, 1:] - y[:, 1:]).pow(2).sum() / y[:, 1:].pow(2).sum())

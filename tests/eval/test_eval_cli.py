@@ -81,7 +81,7 @@ def not_causal(tmp_path):
         ("contexts_too_long", "--contexts 300 plus --new-tokens 32 is more than the 256 positions"),
         ("bad_grid", "--batch-sizes '1,two' is not a comma-separated list"),
         ("zero_grid", "--contexts '0,16' has non-positive values"),
-        ("unknown_task", "'helaswag'; closest: hellaswag"),
+        ("unknown_task", "'helaswag'. Did you mean \"hellaswag\"?"),
         ("nothing", "Nothing to evaluate"),
         ("bad_lm_eval_args", "'num_fewshots' is not an lm-eval option"),
     ],

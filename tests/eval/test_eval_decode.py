@@ -135,7 +135,7 @@ def test_falcon_eval_result_reports_the_weights_heads_and_the_cached_bytes(tmp_p
     env = environment(torch.device("cpu"), "gqakit eval falcon")
     report = render_markdown(EvalResults({"falcon": res}, None, opts, env), plots=[])
     assert "| falcon | 2/4 (cache: 4) |" in report
-    assert "transformers broadcasts Falcon-40B/180B's K/V heads to every query head" in report
+    assert "transformers repeats Falcon-40B/180B's K/V heads for each query head" in report
 
 
 def test_bytes_moved_and_bound(tiny_models):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from tiny_models import TINY_TEXT, save_tiny_model
 from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.eval import EvalOptions
+from gqakit.storage import fingerprint, source_folder
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_the_gguf_export_is_cached_by_the_checkpoints_files(tmp_path, cache, mon
     assert gguf_for(str(model), "f16") != first  # another weight type, another file
     save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2, seed=1)  # the checkpoint changes
     assert gguf_for(str(model), "f32") != first
-    assert all(p.parent == cache / "gguf" for p in (first,))
+    assert first.parent.parent == cache / "gguf"
     # a gqakit whose export writes another file for the same checkpoint does not reuse an older one's
     latest = gguf_for(str(model), "f32")
     monkeypatch.setattr(engine, "EXPORT_VERSION", engine.EXPORT_VERSION + 1)
@@ -113,12 +113,8 @@ def test_llamacpp_perplexity_equals_transformers(tmp_path, text, cache, kv_heads
 
 
 def _exports(cache) -> list[str]:
-    """The names of the exports in the cache (not their records, hidden lock files or temporary files)."""
-    return sorted(p.name for p in (cache / "gguf").glob("*.gguf") if not p.name.startswith("."))
-
-
-def _record(export):
-    return json.loads(export.with_name(export.name + ".source.json").read_text())
+    """The names of the exports in the cache (not the hidden lock files or temporary files)."""
+    return sorted(p.name for p in (cache / "gguf").glob("*/*.gguf") if not p.name.startswith("."))
 
 
 def test_the_export_of_a_checkpoint_before_it_changed_is_removed(tmp_path, cache, caplog):
@@ -130,34 +126,9 @@ def test_the_export_of_a_checkpoint_before_it_changed_is_removed(tmp_path, cache
     caplog.set_level(logging.INFO, logger=engine.__name__)
     new = engine.gguf_for(str(model), "f32")
     assert new != old and _exports(cache) == [new.name]  # one export for the checkpoint: the new one
-    assert not old.with_name(old.name + ".source.json").exists()  # nor its record
     assert f"removed {old} (" in caplog.text and " MiB)" in caplog.text
-    assert _record(new) == {
-        "host": socket.gethostname(),
-        "source": str(model.resolve()),
-        "fingerprint": engine.fingerprint(model),
-        "out_type": "f32",
-        "export": engine.EXPORT_VERSION,
-    }
     # no lock or temporary file left
-    assert [p.name for p in (cache / "gguf").glob(".*")] == []
-
-
-def test_a_reused_export_from_before_records_is_recorded_and_replaced_once_the_checkpoint_changes(
-    tmp_path, cache
-):
-    # an older gqakit's export of this version has no record: reused as it is, then replaced, not kept forever
-    from gqakit.eval import llamacpp_engine as engine
-
-    model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
-    old = engine.gguf_for(str(model), "f32")
-    old.with_name(old.name + ".source.json").unlink()  # as an older gqakit left it
-    stamp = old.stat().st_mtime_ns
-    assert engine.gguf_for(str(model), "f32") == old and old.stat().st_mtime_ns == stamp  # reused
-    assert _record(old)["source"] == str(model.resolve())
-    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
-    new = engine.gguf_for(str(model), "f32")
-    assert _exports(cache) == [new.name]
+    assert [p.name for p in (cache / "gguf").glob("*/.*")] == []
 
 
 def test_the_export_of_a_checkpoint_with_another_weight_type_is_kept(tmp_path, cache):
@@ -183,21 +154,16 @@ def test_the_export_of_another_checkpoint_with_the_same_name_is_kept(tmp_path, c
     assert _exports(cache) == sorted([theirs.name, mine.name])
 
 
-def test_a_superseded_export_another_process_is_writing_is_kept(tmp_path, cache, caplog):
+def test_an_export_being_written_is_kept(tmp_path, cache):
     from gqakit.eval.llamacpp_engine import gguf_for
-    from gqakit.locks import one_at_a_time
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
     old = gguf_for(str(model), "f32")
+    writing = old.with_name(f".{old.name}.x.partial")  # as atomic_write writes one
+    writing.write_bytes(b"")
     save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
-    caplog.set_level(logging.INFO, logger="gqakit.eval.llamacpp_engine")
-    with one_at_a_time(old.parent / f".{old.name}.lock", lambda owner: None):  # another process's
-        new = gguf_for(str(model), "f32")
-    assert _exports(cache) == sorted([old.name, new.name])
-    assert f"kept {old}" in caplog.text and "removed" not in caplog.text
-    save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=2)  # the next export removes both
-    newest = gguf_for(str(model), "f32")
-    assert _exports(cache) == [newest.name]
+    new = gguf_for(str(model), "f32")
+    assert _exports(cache) == [new.name] and writing.is_file()
 
 
 def test_a_newer_exporter_replaces_the_older_ones_export(tmp_path, cache, monkeypatch):
@@ -208,7 +174,6 @@ def test_a_newer_exporter_replaces_the_older_ones_export(tmp_path, cache, monkey
     monkeypatch.setattr(engine, "EXPORT_VERSION", engine.EXPORT_VERSION + 1)
     newer = engine.gguf_for(str(model), "f32")
     assert newer.name.endswith(f"-e{engine.EXPORT_VERSION}.gguf") and _exports(cache) == [newer.name]
-    assert _record(newer)["export"] == engine.EXPORT_VERSION
 
 
 def test_an_export_that_cannot_be_removed_is_reported_and_the_command_goes_on(
@@ -221,16 +186,18 @@ def test_an_export_that_cannot_be_removed_is_reported_and_the_command_goes_on(
     save_tiny_model(model, "llama", heads=4, kv_heads=2, seed=1)
     real = Path.unlink
 
+    gone = old.with_name(f".removing-{old.name}")
+
     def refuse(path, *args, **kwargs):
-        if path == old:
+        if path == gone:
             raise PermissionError(13, "Permission denied", str(path))
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(Path, "unlink", refuse)
     caplog.set_level(logging.WARNING, logger="gqakit.eval.llamacpp_engine")
     new = gguf_for(str(model), "f32")
-    assert new.is_file() and old.is_file() and f"could not remove {old}" in caplog.text
-    assert f"rm -f {old} {old}.source.json" in caplog.text
+    assert new.is_file() and gone.is_file() and f"could not remove {old}" in caplog.text
+    assert f"rm -rf {gone}" in caplog.text
 
 
 def test_a_command_while_another_exports_the_same_checkpoint_waits_and_reuses_its_export(
@@ -241,14 +208,15 @@ def test_a_command_while_another_exports_the_same_checkpoint_waits_and_reuses_it
     from gqakit.locks import one_at_a_time
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
-    dst = cache / "gguf" / f"m-{engine.fingerprint(model)}-f32-e{engine.EXPORT_VERSION}.gguf"
+    folder = source_folder("gguf", model.resolve(), "f32")
+    dst = folder / f"m-{fingerprint(model)}-f32-e{engine.EXPORT_VERSION}.gguf"
     dst.parent.mkdir(parents=True)
     exported: list[Path] = []
     monkeypatch.setattr(engine, "export_gguf", lambda *a, **k: exported.append(a[1]) or export_gguf(*a, **k))
     caplog.set_level(logging.WARNING, logger=engine.__name__)
     got: list[Path] = []
     waiter = threading.Thread(target=lambda: got.append(engine.gguf_for(str(model), "f32")))
-    with one_at_a_time(dst.parent / f".{dst.name}.lock", lambda owner: None):  # a first command's export
+    with one_at_a_time(folder / ".lock", lambda owner: None):  # a first command's export
         waiter.start()
         deadline = time.monotonic() + 30
         while "waiting for pid" not in caplog.text:  # the second command says it waits, and for whom
@@ -259,7 +227,7 @@ def test_a_command_while_another_exports_the_same_checkpoint_waits_and_reuses_it
     assert got == [dst] and exported == []  # exported once, by the first
 
 
-def test_a_failed_export_leaves_no_record_and_the_next_one_writes_it(tmp_path, cache, monkeypatch):
+def test_a_failed_export_leaves_nothing_and_the_next_one_writes_it(tmp_path, cache, monkeypatch):
     from gqakit.eval import llamacpp_engine as engine
 
     model = save_tiny_model(tmp_path / "m", "llama", heads=4, kv_heads=2)
@@ -267,9 +235,8 @@ def test_a_failed_export_leaves_no_record_and_the_next_one_writes_it(tmp_path, c
         m.setattr(engine, "export_gguf", lambda *a, **k: (_ for _ in ()).throw(GqakitError("no")))
         with pytest.raises(GqakitError):
             engine.gguf_for(str(model), "f32")
-    assert [p.name for p in (cache / "gguf").iterdir()] == []
-    export = engine.gguf_for(str(model), "f32")
-    assert _record(export)["fingerprint"] == engine.fingerprint(model)
+    assert list((cache / "gguf").glob("*/*")) == []
+    assert engine.gguf_for(str(model), "f32").is_file()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock")

@@ -117,8 +117,8 @@ def test_single_model_without_bench_still_reports(tiny_models, tmp_path, known_t
     )
     assert res.baseline is None and res.comparisons() == {}
     report = write_report(res, tmp_path)
-    assert (tmp_path / "kv_cache_mib.png").read_bytes().startswith(PNG)
-    assert not (tmp_path / "decode_tokens_per_s.png").exists()
+    assert (tmp_path / "perplexity.png").read_bytes().startswith(PNG)
+    assert {p.name for p in tmp_path.glob("*.png")} == {"perplexity.png"}  # no decode, no KV plot
     assert "| gqa | 2/4 |" in report.read_text()
 
 

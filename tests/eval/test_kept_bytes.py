@@ -4,7 +4,7 @@ The tokenizers are built here with ``tokenizers``: byte-level BPE (GPT-2's layou
 ByteLevel post-processor that trims offsets, and with a prefix space (RoBERTa's); SentencePiece-style BPE
 and Unigram with byte fallback and a Metaspace pre-tokenizer that puts ``▁`` in front of the text (Llama
 2's and Mistral's layout) or not (Gemma's); and a lowercasing byte-level BPE, whose pieces do not spell
-the text, for the offsets and ``decode`` way. The truth is read from the pieces with nothing of
+the text, for the ``decode`` way. The truth is read from the pieces with nothing of
 :mod:`gqakit.eval.kept_bytes`: a byte-level piece is one byte a character (transformers' own
 ``bytes_to_unicode``), a ``<0xNN>`` piece one byte, any other SentencePiece piece the UTF-8 of its text
 with ``▁`` a space, less the one space the tokenizer put in front, which is not in the text (lowercasing
@@ -166,11 +166,6 @@ _TOKENIZERS = {
         lambda: _byte_level(True, prefix_space=True),
         lambda t, s, i: _byte_level_truth(t, s, i, True),
     ),
-    # the pieces spell the lowercased text, not the text: kept_bytes goes by offsets or decode
-    "byte-level-lowercase-trim": (
-        lambda: _byte_level(True, lowercase=True),
-        lambda t, s, i: _byte_level_truth(t, s, i, False),
-    ),
     **{
         f"sp-bpe-{scheme}": (
             functools.partial(_sentencepiece_bpe, scheme),
@@ -188,88 +183,52 @@ _TOKENIZERS = {
 }
 
 
-def _mismatches(name: str, with_offsets: bool) -> list[tuple[str, int, int, int]]:
+def _mismatches(name: str) -> list[tuple[str, int, int, int]]:
     make, truth_of = _TOKENIZERS[name]
     tok = make()
     found = []
     for text in _TEXTS:
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
+        ids = tok(text, add_special_tokens=False)["input_ids"]
         truth = truth_of(tok, text, ids)
         assert sum(truth) == len(text.encode("utf-8")), (text, tok.convert_ids_to_tokens(ids))
-        offsets = enc["offset_mapping"] if with_offsets else None
         for k in range(1, len(ids) + 1):
-            got = kept_bytes(tok, text, ids, k, offsets)
+            got = kept_bytes(tok, text, ids, k)
             if got != sum(truth[:k]):
                 found.append((text, k, got, sum(truth[:k])))
     return found
 
 
-@pytest.mark.parametrize("with_offsets", [True, False], ids=["offsets", "decode"])
 @pytest.mark.parametrize("name", list(_TOKENIZERS))
-def test_kept_bytes_are_the_bytes_the_kept_tokens_stand_for(name, with_offsets):
+def test_kept_bytes_are_the_bytes_the_kept_tokens_stand_for(name):
     """Every cut of every text: kept_bytes is the bytes its tokens stand for, a split character's kept
     bytes included, the tokenizer's own leading space not."""
-    assert _mismatches(name, with_offsets) == []
+    assert _mismatches(name) == []
 
 
-@pytest.mark.parametrize("with_offsets", [True, False], ids=["offsets", "decode"])
-@pytest.mark.parametrize(
-    "make, text, pieces, kept",
-    [
-        # trim_offsets cuts ĊĠĠĠ's offsets to (1, 2), its newline: text[:2] left 3 spaces out
-        (
-            lambda: _byte_level(True),
-            "x\n    y",
-            ["x", "ĊĠĠĠ", "Ġ", "y"],
-            [1, 5, 6, 7],
-        ),
-        # the ▁ put in front of € has €'s offsets: the walk back to token 0 counted € whole (3 bytes)
-        (
-            lambda: _sentencepiece_bpe("first"),
-            "€uro",
-            ["▁", "<0xE2>", "<0x82>", "<0xAC>", "u", "r", "o"],
-            [0, 1, 2, 3, 4, 5, 6],
-        ),
-    ],
-    ids=["trim-offsets", "prepended-space"],
-)
-def test_the_cuts_once_miscounted(make, text, pieces, kept, with_offsets):
-    tok = make()
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"]
-    assert tok.convert_ids_to_tokens(ids) == pieces
-    offsets = enc["offset_mapping"] if with_offsets else None
-    assert [kept_bytes(tok, text, ids, k, offsets) for k in range(1, len(ids) + 1)] == kept
-
-
-def test_pieces_that_do_not_spell_the_text_go_by_offsets():
-    """The lowercasing tokenizer's pieces spell the text lowercased: its cuts are counted by offsets or
-    decode, which the property test above checks too."""
+def test_pieces_that_do_not_spell_the_text_go_by_decode():
+    """The lowercasing tokenizer's pieces spell the text lowercased: its cuts are counted by decode."""
     tok = _byte_level(True, lowercase=True)
     for text, spells in [("The Cache  日本", False), ("the cache  日本", True)]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert (spelled_bytes(tok, text, ids) is not None) == spells
+        assert kept_bytes(tok, text, ids, len(ids)) == len(text.encode())
 
 
 @pytest.mark.parametrize(
-    "added, text, kept",
+    "added, text",
     [
         # RoBERTa's <mask> takes in the space after it, then the pre-tokenizer puts one back in front of
         # "The": the pieces spell the text, but the space counts in the wrong token
-        ({"content": "<mask>", "rstrip": True, "special": True}, "<mask> The cache", 7),
+        ({"content": "<mask>", "rstrip": True, "special": True}, "<mask> The cache"),
         # a whitespace added token beside the space the pre-tokenizer adds in front of the text
-        ({"content": "  ", "normalized": False}, "  x", 2),
+        ({"content": "  ", "normalized": False}, "  x"),
     ],
     ids=["rstrip-token", "whitespace-token"],
 )
-def test_added_tokens_that_move_spaces_are_counted_by_offsets(added, text, kept):
+def test_added_tokens_that_move_spaces_are_not_read_from_their_pieces(added, text):
     from tokenizers import AddedToken
 
     tok = _byte_level.__wrapped__(False, prefix_space=True)  # a fresh one: tokens are added to it
     tok.add_tokens([AddedToken(**added)])
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
     assert spelled_bytes(tok, text, ids) is None
-    assert kept_bytes(tok, text, ids, 1, enc["offset_mapping"]) == kept
-    assert kept_bytes(tok, text, ids, len(ids), enc["offset_mapping"]) == len(text.encode())

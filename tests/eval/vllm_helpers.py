@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from gqakit.errors import GqakitError
-from gqakit.eval.vllm_engine import ENV_VAR, vllm_python
+from gqakit.eval.vllm_engine import require_vllm
 
 
 def real_vllm_python() -> str | None:
     """The interpreter with vLLM (``$GQAKIT_VLLM_PYTHON``, or this one when it imports vLLM), else None."""
     try:
-        return vllm_python(os.environ.get(ENV_VAR))
+        return require_vllm()
     except GqakitError:
         return None
 

@@ -127,36 +127,6 @@ def legacy_gemma3_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def save_gemma3_multimodal(path: Path, seed: int = 0, **text: Any) -> Path:
-    """A tiny multimodal Gemma 3 (``model_type: gemma3``: text model, SigLIP vision tower, projector)
-    with gqakit's tiny tokenizer; ``text`` overrides the text config's fields."""
-    import torch
-    from tiny_models import tiny_tokenizer
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    defaults = dict(
-        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
-        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    text = {**defaults, **text}
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
-    config = Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=380,
-        boi_token_index=381, eoi_token_index=382,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # norms start at 0 (gemma's 1 + w); perturb them so they are exercised
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    tiny_tokenizer(384).save_pretrained(path)
-    return path
-
-
 def ggml_to_hf_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """The inverse of ``hf_to_ggml_rotary``: GGUF llama rows back to Hugging Face's layout."""
     d = w.shape[0] // n_heads

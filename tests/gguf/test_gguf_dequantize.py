@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -15,12 +13,12 @@ import pytest
 from safetensors.torch import load_file
 
 import gqakit.gguf.dequantize as deq
-from gqakit import locks
+from gqakit import locks, storage
 from gqakit.convert.api import ConvertOptions, convert_checkpoint, inspect_checkpoint
 from gqakit.errors import GqakitError
 from gqakit.gguf.export import export_gguf
 from gqakit.locks import one_at_a_time
-from gqakit.storage import atomic_output_dir, cache_root
+from gqakit.storage import atomic_output_dir, cache_root, fingerprint, source_folder
 
 
 @pytest.fixture
@@ -38,17 +36,20 @@ def counted(monkeypatch, tmp_path):
     return calls
 
 
+def _copy_name(path: Path) -> str:
+    return f"{path.stem}-{fingerprint(path)}-r{deq.READER_VERSION}"
+
+
 def test_a_second_conversion_of_a_gguf_reuses_its_dequantized_copy(exported, tmp_path, counted):
     _, mha = exported("llama", "mha", "f32")
     first = convert_checkpoint(mha.path, tmp_path / "one", ConvertOptions(groups=2))
     assert counted == [mha.path]
     second = convert_checkpoint(mha.path, tmp_path / "two", ConvertOptions(groups=1))
     assert counted == [mha.path]  # the second conversion dequantized nothing
-    cached = sorted((tmp_path / "cache" / deq.CACHE).iterdir())
+    cached = sorted((tmp_path / "cache" / deq.CACHE).glob("*/*"))
     assert len(cached) == 1  # one copy, and no lock left beside it
     assert (cached[0] / "config.json").is_file()
     assert first.to_kv_heads == 2 and second.to_kv_heads == 1
-    assert not (first.dst / ".gqakit").exists()  # the copy's record of its source is not the model's
     # the other commands that read a .gguf open the same copy
     assert deq.dequantized_gguf(mha.path) == cached[0]
     export_gguf(mha.path, tmp_path / "again.gguf", "f32")
@@ -72,7 +73,7 @@ def _touch(path: Path, later_s: int = 1) -> None:
 
 def _copies() -> list[str]:
     """The names of the copies in the cache (not the hidden lock files and temporary folders)."""
-    return sorted(p.name for p in (cache_root() / deq.CACHE).iterdir() if not p.name.startswith("."))
+    return sorted(p.name for p in (cache_root() / deq.CACHE).glob("*/*") if not p.name.startswith("."))
 
 
 def test_a_changed_gguf_is_dequantized_again(exported, tmp_path, counted):
@@ -96,20 +97,12 @@ def test_the_copy_of_a_gguf_before_it_changed_is_removed(exported, tmp_path, cou
     new = deq.dequantized_gguf(gguf)
     assert _copies() == [new.name] and not old.exists()  # one copy for the file: the new one
     assert f"removed {old} (" in caplog.text and " MiB)" in caplog.text
-    record = json.loads((new / deq.SOURCE_RECORD).read_text())
-    host = socket.gethostname()
-    assert record == {
-        "source": str(gguf.resolve()),
-        "fingerprint": deq.fingerprint(gguf),
-        "reader": 3,
-        "host": host,
-    }
     # a later reader's copy of the same file replaces this reader's
     monkeypatch.setattr(deq, "READER_VERSION", deq.READER_VERSION + 1)
     newer = deq.dequantized_gguf(gguf)
     assert newer.name.endswith("-r4") and _copies() == [newer.name] and len(counted) == 3
     # no lock or temporary folder left
-    assert [p.name for p in (cache_root() / deq.CACHE).glob(".*")] == []
+    assert [p.name for p in (cache_root() / deq.CACHE).glob("*/.*")] == []
 
 
 def test_the_copy_of_another_gguf_with_the_same_name_is_kept(exported, tmp_path, counted):
@@ -124,19 +117,15 @@ def test_the_copy_of_another_gguf_with_the_same_name_is_kept(exported, tmp_path,
     assert deq.dequantized_gguf(there) == theirs and len(counted) == 3  # still cached
 
 
-def test_a_superseded_copy_another_process_is_writing_is_kept(exported, tmp_path, counted, caplog):
+def test_a_copy_being_written_is_kept(exported, tmp_path, counted):
     _, mha = exported("llama", "mha", "f32")
     gguf = _copy_of(mha.path, tmp_path / "model.gguf")
     old = deq.dequantized_gguf(gguf)
+    writing = old.with_name(f".{old.name}.partial")  # as atomic_output_dir writes one
+    writing.mkdir()
     _touch(gguf)
-    caplog.set_level(logging.INFO, logger="gqakit.gguf.dequantize")
-    with one_at_a_time(old.parent / f".{old.name}.lock", lambda owner: None):  # another process's
-        new = deq.dequantized_gguf(gguf)
-    assert _copies() == sorted([old.name, new.name]) and (old / "config.json").is_file()
-    assert f"kept {old}" in caplog.text and "removed" not in caplog.text
-    _touch(gguf)  # the next copy removes both
-    newest = deq.dequantized_gguf(gguf)
-    assert _copies() == [newest.name]
+    new = deq.dequantized_gguf(gguf)
+    assert _copies() == [new.name] and writing.is_dir()
 
 
 def test_a_copy_that_cannot_be_removed_is_reported_and_the_command_goes_on(
@@ -147,18 +136,18 @@ def test_a_copy_that_cannot_be_removed_is_reported_and_the_command_goes_on(
     old = deq.dequantized_gguf(gguf)
     _touch(gguf)
 
-    real = deq.shutil.rmtree
+    real = storage.shutil.rmtree
 
     def refuse(path, *args, **kwargs):
-        if Path(path) != old:
+        if Path(path).name != f".removing-{old.name}":
             return real(path, *args, **kwargs)
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(deq.shutil, "rmtree", refuse)
+    monkeypatch.setattr(storage.shutil, "rmtree", refuse)
     caplog.set_level(logging.WARNING, logger="gqakit.gguf.dequantize")
     new = deq.dequantized_gguf(gguf)
     assert (new / "config.json").is_file()
-    assert f"could not remove {old}" in caplog.text and f"rm -rf {old}" in caplog.text
+    assert f"could not remove {old}" in caplog.text and f"rm -rf {old.parent}/.removing-" in caplog.text
     assert not (old / "config.json").exists()  # what is left of it is never opened as a copy
 
 
@@ -166,12 +155,12 @@ def test_a_command_while_another_dequantizes_the_same_gguf_waits_and_reuses_its_
     exported, tmp_path, counted, caplog
 ):
     _, mha = exported("llama", "mha", "f32")
-    out = cache_root() / deq.CACHE / deq.cache_name(mha.path)
+    out = source_folder(deq.CACHE, mha.path.resolve()) / _copy_name(mha.path)
     out.parent.mkdir(parents=True)
     caplog.set_level(logging.WARNING, logger="gqakit.gguf.dequantize")
     got: list[Path] = []
     waiter = threading.Thread(target=lambda: got.append(deq.dequantized_gguf(mha.path)))
-    with one_at_a_time(out.parent / f".{out.name}.lock", lambda owner: None):  # a first command's copy
+    with one_at_a_time(out.parent / ".lock", lambda owner: None):  # a first command's copy
         waiter.start()
         for _ in range(300):
             if "waiting for pid" in caplog.text:
@@ -221,4 +210,4 @@ def test_a_cached_copy_is_handed_out_where_flock_fails(exported, tmp_path, count
     monkeypatch.setattr(locks.fcntl, "flock", flock)
     assert deq.dequantized_gguf(gguf) == copy and len(counted) == 1
     _touch(gguf)  # dequantized again, and the old copy removed, without the locks
-    assert deq.dequantized_gguf(gguf) != copy and len(counted) == 2 and _copies() == [deq.cache_name(gguf)]
+    assert deq.dequantized_gguf(gguf) != copy and len(counted) == 2 and _copies() == [_copy_name(gguf)]

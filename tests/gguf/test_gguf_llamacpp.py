@@ -138,7 +138,7 @@ def test_smollm2_f32_matches_transformers(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     r = export_gguf(SMOLLM, tmp_path / "smollm2.gguf", "f32")
-    assert r.warnings == [] and r.tokenizer == "gpt2/gpt-2"
+    assert r.tokenizer == "gpt2/gpt-2"
     text = "The quick brown fox jumps over the lazy dog. In 2024, 12345 people visited Paris!\n  Indented."
     ids = AutoTokenizer.from_pretrained(SMOLLM)(text)["input_ids"]
     ref = transformers_logits(SMOLLM, ids)

@@ -60,25 +60,6 @@ def test_the_model_read_back_is_the_model_exported(tmp_path: Path, case: str) ->
     torch.testing.assert_close(_logits(back), _logits(src), rtol=0, atol=0)
 
 
-LEGACY = [
-    ("phi3", {"partial_rotary_factor": 0.5}),
-    ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
-]
-
-
-@pytest.mark.parametrize("family,legacy", LEGACY)
-def test_a_config_in_transformers_4s_names_reads_back_whole(tmp_path: Path, family: str, legacy: dict):
-    """Hub configs still state rope_theta / rope_scaling / partial_rotary_factor at the top level, which
-    transformers 5 keeps in rope_parameters: the record is read the way the class reads it."""
-    src = make_checkpoint(tmp_path, family, 2)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
-    (src / "config.json").write_text(json.dumps({**cfg, **legacy}))
-    r = export_gguf(src, tmp_path / "m.gguf", "f32", progress=False)
-    back, _ = _read_back(r.path, tmp_path / "back")
-    torch.testing.assert_close(_logits(back), _logits(src), rtol=0, atol=0)
-
-
 @pytest.fixture
 def unrecorded(monkeypatch):
     """Exports write no config record, as llama.cpp's converter and earlier gqakit exports do not."""
@@ -103,8 +84,8 @@ def test_without_a_record_gemma_scales_attention_as_llama_cpp_does(
     tmp_path, unrecorded, family: str, layers: int, scalar: int
 ) -> None:
     src = make_checkpoint(tmp_path, family, 2, head_dim=32, layers=layers)
-    config, warnings = gguf_config(export_gguf(src, tmp_path / "m.gguf", "f32", progress=False).path)
-    assert config.query_pre_attn_scalar == scalar and warnings == []  # transformers alone: 256
+    config = gguf_config(export_gguf(src, tmp_path / "m.gguf", "f32", progress=False).path)
+    assert config.query_pre_attn_scalar == scalar  # transformers alone: 256
 
 
 def test_without_a_record_biases_llama_cannot_hold_are_refused(tmp_path, unrecorded) -> None:
@@ -115,23 +96,6 @@ def test_without_a_record_biases_llama_cannot_hold_are_refused(tmp_path, unrecor
     r = export_gguf(src, tmp_path / "m.gguf", "f32", progress=False)
     with pytest.raises(GqakitError, match="biases on attn_q, attn_k, attn_v but not.*attention_bias"):
         deq.dequantize_gguf(r.path, tmp_path / "back")
-
-
-def test_without_a_record_what_transformers_ignores_is_named(tmp_path, unrecorded, caplog) -> None:
-    src = make_checkpoint(tmp_path, "llama", 2, rope_parameters=LLAMA3_ROPE)
-    r = export_gguf(src, tmp_path / "m.gguf", "f32", progress=False)
-    caplog.set_level("WARNING", logger="gqakit.gguf.dequantize")
-    deq.dequantize_gguf(r.path, tmp_path / "back")
-    assert "no config recorded" in caplog.text and "rope_freqs tensor" in caplog.text
-
-
-def test_a_record_that_is_not_the_files_is_ignored(tmp_path: Path, monkeypatch) -> None:
-    real = export_mod.recorded_config
-    monkeypatch.setattr(export_mod, "recorded_config", lambda cfg: real({**cfg, "num_key_value_heads": 4}))
-    src = make_checkpoint(tmp_path, "gemma3_text", 2, query_pre_attn_scalar=64)
-    config, warnings = gguf_config(export_gguf(src, tmp_path / "m.gguf", "f32", progress=False).path)
-    assert config.num_key_value_heads == 2 and config.query_pre_attn_scalar == 16  # llama.cpp's scale
-    assert len(warnings) == 1 and "num_key_value_heads 4 (file: 2)" in warnings[0]
 
 
 def test_a_copy_dequantized_by_an_older_reader_is_not_reused(tmp_path: Path, monkeypatch) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from gguf_helpers import ggml_to_hf_rotary
 
-from gqakit.gguf.tensors import hf_to_ggml_rotary, plus_one
+from gqakit.gguf.export import hf_to_ggml_rotary, plus_one
 
 
 def test_one_head_by_hand() -> None:

@@ -35,12 +35,14 @@ def test_each_pipeline_lists_at_most_its_cap_of_options(command):
 
 def test_the_flags_are_the_options_fields():
     recovery = _options("recovery")
-    assert {"--groups", "--starts", "--tokens", "--lr", "--start-lr", "--set", "--work-dir"} <= set(recovery)
+    assert {"--groups", "--starts", "--tokens", "--lr", "--set", "--work-dir"} <= set(recovery)
+    assert "--start-lr" not in recovery
     for gone in ("--refine-steps", "--refine-target", "--calib-tokens", "--seq-len", "--objective"):
         assert gone not in recovery  # given as --set model.convert.* / recipe keys instead
     assert {"--budget-scale", "--eval-tokens", "--decode-rounds", "--set", "--out"} <= set(_options("demo"))
     assert {"--scale", "--alphas", "--starts", "--set", "--pretrain-only"} <= set(_options("replicate"))
-    assert {"--groups", "--methods", "--grouping", "--eval-data", "--calib-data"} <= set(_options("probe"))
+    assert {"--groups", "--methods", "--eval-data", "--calib-data"} <= set(_options("probe"))
+    assert "--grouping" not in _options("probe")
 
 
 def test_defaults_come_from_the_dataclasses():

@@ -29,32 +29,27 @@ def test_probe_writes_table_json_and_plot(tmp_path, texts):
     out = tmp_path / "probe"
     opts = ProbeOptions(
         groups=(1, 2), eval_data=str(held_out), methods=("mean", "first", "calibrated"),
-        groupings=("contiguous", "similarity"), calib_data=str(calib), calib_tokens=256, eval_tokens=200,
-        error_tokens=128, seq_len=64,
+        calib_data=str(calib), calib_tokens=256, eval_tokens=200, error_tokens=128, seq_len=64,
     )  # fmt: skip
     result = probe_checkpoint(src, out, opts)
-    assert "| G | method | grouping | perplexity" in result.to_table()
+    assert "| G | method | perplexity" in result.to_table()
     data = json.loads((out / "probe.json").read_text())
     rows = data["rows"]
     assert rows[0]["method"] == "original" and rows[0]["ppl_ratio"] == 1.0
-    # 2 G x (3 contiguous + 3 similarity) combinations, after the original
-    assert len(rows) == 1 + 2 * 6
+    # 2 G x 3 methods, after the original
+    assert len(rows) == 1 + 2 * 3
     for r in rows[1:]:
         # every converted layer's attention differs from the original's (G < 4 K/V heads of random weights)
         assert len(r["attn_error"]) == 2 and all(e > 0 for e in r["attn_error"]), r
         assert r["ppl"] > 0
         # the K/V reconstruction errors come with the conversions that fit merges on calibration text
-        fitted = r["method"] == "calibrated" or r["grouping"] == "similarity"
-        assert (r["key_error"] is not None) == fitted, r
+        assert (r["key_error"] is not None) == (r["method"] == "calibrated"), r
     # fewer K/V heads lose more: each method's mean attention error grows from G = 2 to G = 1
-    by = {(r["groups"], r["method"], r["grouping"]): r["mean_attn_error"] for r in rows[1:]}
-    assert all(by[(1, m, g)] > by[(2, m, g)] for (_, m, g) in by), by
-    for grouping in ("contiguous", "similarity"):  # the calibrated merge beats mean pooling
-        cal = [r for r in rows if r["method"] == "calibrated" and r["grouping"] == grouping]
-        mean = [r for r in rows if r["method"] == "mean" and r["grouping"] == grouping]
-        assert all(c["mean_attn_error"] < m["mean_attn_error"] for c, m in zip(cal, mean, strict=True))
-        if grouping == "similarity":  # the merges fitted on calibration text: their K/V errors too
-            assert all(c["value_error"] <= m["value_error"] for c, m in zip(cal, mean, strict=True))
+    by = {(r["groups"], r["method"]): r["mean_attn_error"] for r in rows[1:]}
+    assert all(by[(1, m)] > by[(2, m)] for (_, m) in by), by
+    cal = [r for r in rows if r["method"] == "calibrated"]  # the calibrated merge beats mean pooling
+    mean = [r for r in rows if r["method"] == "mean"]
+    assert all(c["mean_attn_error"] < m["mean_attn_error"] for c, m in zip(cal, mean, strict=True))
     assert (out / "probe.md").read_text().count("\n|") >= 14
     # the KV cache per GPU under tensor parallelism, at the original's G and each G probed
     tp = data["tensor_parallel"]

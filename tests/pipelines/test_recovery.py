@@ -18,7 +18,6 @@ from gqakit.errors import GqakitError
 from gqakit.pipelines.recovery.curves import (
     Reach,
     Saving,
-    best_rates,
     eval_steps,
     saving,
     tokens_to_reach,
@@ -63,18 +62,6 @@ def test_savings_are_exact_lower_bounds_or_not_applicable():
     assert saving(Reach(100, "="), Reach(128, "<=")) == Saving(None, "n/a")
 
 
-def test_best_rates_take_each_threshold_from_the_run_that_got_there_first():
-    fast = {2.0: Reach(100, "="), 1.5: Reach(300, "="), 1.2: Reach(900, "="), 1.1: Reach(5000, ">"),
-            1.05: Reach(5000, ">")}  # fmt: skip
-    slow = {2.0: Reach(200, "="), 1.5: Reach(600, "="), 1.2: Reach(2000, "="), 1.1: Reach(4000, "="),
-            1.05: Reach(5000, ">")}  # fmt: skip
-    best = best_rates({("refined", 4e-4): fast, ("refined", 1e-4): slow, ("mean", 2e-4): slow})
-    assert best["refined"][1.2] == (Reach(900, "="), 4e-4)  # the fast rate is there first
-    assert best["refined"][1.1] == (Reach(4000, "="), 1e-4)  # but levels off: the slow one gets there
-    assert best["refined"][1.05] == (Reach(5000, ">"), 4e-4)  # neither: a tie keeps the rate listed first
-    assert best["mean"][2.0] == (Reach(200, "="), 2e-4)
-
-
 # ------------------------------------------------------------------------------------ the pipeline
 
 
@@ -108,7 +95,7 @@ def options(tiny, tmp_path: Path, messages: list[str], *more_sets: str, **kw) ->
 def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_path, capfd, caplog):
     messages: list[str] = []
     with caplog.at_level(logging.INFO, logger="gqakit"):
-        first = run_recovery(options(tiny, tmp_path, messages, start_lr=("random=5e-3",)))
+        first = run_recovery(options(tiny, tmp_path, messages))
     # one line per step (and its results): no bars (progress=False), no library chatter, no log line
     # repeating a step, on the terminal or in the log
     assert capfd.readouterr().err == ""
@@ -127,27 +114,22 @@ def test_recovery_measures_each_start_and_a_rerun_reuses_everything(tiny, tmp_pa
         ratio = curve["points"][-1]["ratio"]
         assert ratio == pytest.approx(ppl[-1] / results["original_ppl"])
         assert set(curve["reach"]) == {"2", "1.5", "1.2", "1.1", "1.05"}
-    assert results["starts"]["random"]["lr"] == 5e-3 and results["starts"]["mean"]["lr"] == 1e-2
+    assert {s["lr"] for s in results["starts"].values()} == {1e-2}
     assert set(results["savings"]) == {"random", "fast"}
     # the start's own perplexity is the converted model's; mean pooling's is worse than the original's
     assert results["starts"]["mean"]["points"][0]["ratio"] > 1
     assert first.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = first.report.read_text()
-    assert "| start | lr | at 0 tokens | at 1,024 tokens | 2x | 1.5x | 1.2x | 1.1x | 1.05x |" in report
-    assert "## Savings over mean" in report and "random at its own" not in report
+    assert "| start | at 0 tokens | at 1,024 tokens | 2x | 1.5x | 1.2x | 1.1x | 1.05x |" in report
+    assert "## Savings over mean" in report
 
     # A rerun with only progress and echo changed computes nothing and reports the first run's time.
     again: list[str] = []
-    second = run_recovery(options(tiny, tmp_path, again, "checkpoint.every=5", start_lr=("random=5e-3",)))
+    second = run_recovery(options(tiny, tmp_path, again, "checkpoint.every=5"))
     assert json.loads(second.results_json.read_text())["starts"] == results["starts"]
     assert second.elapsed_s < first.elapsed_s / 3
     figures = [ln for ln in second.report.read_text().splitlines() if "runs took" in ln]
     assert figures == [ln for ln in first.report.read_text().splitlines() if "runs took" in ln]
-
-    # A changed learning rate reruns that start only: its conversion is reused.
-    third = run_recovery(options(tiny, tmp_path, [], start_lr=("random=2e-3",)))
-    after = json.loads(third.results_json.read_text())["starts"]
-    assert after["mean"] == results["starts"]["mean"] and after["random"] != results["starts"]["random"]
 
     # Another shared rate or length reruns the uptraining, not the original's evaluation.
     original = tmp_path / "work" / "results" / "original.json"
@@ -219,38 +201,6 @@ def test_the_warmup_is_ten_steps_or_half_a_shorter_run(tiny, tmp_path):
     assert json.loads(result.results_json.read_text())["settings"]["warmup_steps_run"] == 2
 
 
-def test_several_rates_for_a_start_run_once_each_and_the_savings_take_its_best(tiny, tmp_path):
-    opts = options(tiny, tmp_path, [], starts=("mean", "random"), start_lr=("random=5e-3,2e-2",))
-    first = run_recovery(opts)
-    results = json.loads(first.results_json.read_text())
-    assert list(results["starts"]) == ["mean", "random @ 0.005", "random @ 0.02"]
-    assert [(s["start"], s["lr"]) for s in results["starts"].values()] == [
-        ("mean", 1e-2), ("random", 5e-3), ("random", 2e-2)
-    ]  # fmt: skip
-    runs = tmp_path / "work" / "runs"
-    assert sorted(p.name for p in runs.iterdir()) == ["mean", "random-lr0.005", "random-lr0.02"]
-    a, b = results["starts"]["random @ 0.005"], results["starts"]["random @ 0.02"]
-    assert a["points"][0] == b["points"][0]  # one conversion, two runs
-    assert a["points"][-1] != b["points"][-1]
-    for t in ("2", "1.5", "1.2", "1.1", "1.05"):
-        reached = [r["reach"][t] for r in (a, b) if r["reach"][t]["bound"] != ">"]
-        best = results["best_rates"]["random"][t]
-        if reached:  # the savings take the rate that needed the fewest tokens
-            assert best["tokens"] == min(r["tokens"] for r in reached)
-        ref = results["starts"]["mean"]["reach"][t]
-        assert results["savings"]["random"][t] == saving(Reach(best["tokens"], best["bound"]), Reach(
-            ref["tokens"], ref["bound"])).as_dict()  # fmt: skip
-    report = first.report.read_text()
-    assert "| random @ 0.02 | 0.02 |" in report and "Each start at its best measured rate" in report
-    assert "uptrained once per rate" in report
-
-    # A rerun reuses both runs.
-    again = run_recovery(
-        options(tiny, tmp_path, [], starts=("mean", "random"), start_lr=("random=5e-3,2e-2",))
-    )
-    assert again.elapsed_s < first.elapsed_s / 3
-
-
 def test_a_killed_run_resumes_from_its_checkpoint(tiny, tmp_path, monkeypatch):
     from gqakit.uptrain import train
 
@@ -289,13 +239,13 @@ def test_device_cpu_on_a_gpu_machine_evaluates_and_uptrains_on_the_cpu(tiny, tmp
 
 def test_the_uptraining_recipe_names_the_device_and_its_cache_key_does_not(tiny, tmp_path):
     from gqakit.pipelines.recovery.run import Inputs, run_recipe
-    from gqakit.pipelines.run_keys import weights_key
+    from gqakit.pipelines.steps import weights_key
 
     inputs = Inputs(str(tiny["src"]), tiny["data"], tiny["data"], tiny["data"])
     keys = []
     for device in ("cpu", "cuda", "auto"):
         o = options(tiny, tmp_path, [], device=device)
-        recipe = run_recipe(o, inputs, str(tiny["src"]), tmp_path / "out", 1e-2)
+        recipe = run_recipe(o, inputs, str(tiny["src"]), tmp_path / "out")
         assert recipe.speed.device == device  # "auto": where accelerate puts it
         keys.append(weights_key(recipe.to_dict()))
     assert keys[0] == keys[1] == keys[2]  # runs cached before the device was passed stay valid
@@ -317,8 +267,6 @@ def _cli(tiny, tmp_path, *args: str):
         (["--groups", "1", "--set", "train.lr=fast"], "train.lr"),
         (["--groups", "1", "--tokens", "100"], "--tokens 100 is smaller than the first evaluation point"),
         (["--groups", "3"], "--groups 3 does not divide the 4 K/V heads of this checkpoint. Valid --groups"),
-        (["--groups", "1", "--start-lr", "mean"], "--start-lr 'mean' must be START=LR"),
-        (["--groups", "1", "--start-lr", "first=1e-3"], "--start-lr start 'first' is unknown"),
         (
             ["--groups", "1", "--lr", "inf"],
             "--lr must be a finite learning rate above 0, got inf; e.g. 0.0002 (the default).",
@@ -326,16 +274,6 @@ def _cli(tiny, tmp_path, *args: str):
         (
             ["--groups", "1", "--lr", "nan"],
             "--lr must be a finite learning rate above 0, got nan; e.g. 0.0002 (the default).",
-        ),
-        (
-            ["--groups", "1", "--start-lr", "mean=inf"],
-            "--start-lr 'mean=inf' must be a finite learning rate above 0, got inf; e.g. 0.0002 "
-            "(the default).",
-        ),
-        (
-            ["--groups", "1", "--start-lr", "fast=1e-4,nan"],
-            "--start-lr 'fast=1e-4,nan' must be a finite learning rate above 0, got nan; e.g. 0.0002 "
-            "(the default).",
         ),
     ],
 )
@@ -371,27 +309,11 @@ def test_a_working_directory_another_run_holds_is_refused_before_any_work(tiny, 
 def test_options_from_python_name_the_flags():
     with pytest.raises(GqakitError, match="--tokens 10 is smaller"):
         check_options(RecoveryOptions(src="x", groups=1, tokens=10), "recovery")
-    assert RecoveryOptions(src="x", groups=1, start_lr=("fast=1e-4",)).rates_of("fast") == (1e-4,)
-    sweep = RecoveryOptions(src="x", groups=1, lr=2e-4, start_lr=("fast=1e-4,4e-4", "fast=8e-4"))
-    assert sweep.rates_of("fast") == (1e-4, 4e-4, 8e-4) and sweep.rates_of("mean") == (2e-4,)
-    assert sweep.swept("fast") and not sweep.swept("mean")
     with pytest.raises(GqakitError) as e:
-        check_options(
-            RecoveryOptions(src="x", groups=1, start_lr=("fast=1e-4,4e-4", "fast=1e-4", "mean=1e-3,-1")),
-            "recovery",
-        )
-    assert "--start-lr gives fast the rate 0.0001 more than once; list each rate once." in e.value.message
-    bad = "--start-lr 'mean=1e-3,-1' must be a finite learning rate above 0, got -1.0; e.g. 0.0002 (the "
-    bad += "default)."
-    assert bad in e.value.message
-    with pytest.raises(GqakitError) as e:  # every non-finite rate at once, each by its flag
-        inf = float("inf")
-        check_options(RecoveryOptions(src="x", groups=1, lr=inf, start_lr=("mean=inf",)), "recovery")
+        check_options(RecoveryOptions(src="x", groups=1, lr=float("inf")), "recovery")
     assert (
         "--lr must be a finite learning rate above 0, got inf; e.g. 0.0002 (the default)." in e.value.message
     )
-    bad = "--start-lr 'mean=inf' must be a finite learning rate above 0, got inf; e.g. 0.0002 (the default)."
-    assert bad in e.value.message
 
 
 def test_a_start_a_retargeted_family_cannot_take_is_refused_before_any_conversion(tiny, tmp_path):
@@ -451,7 +373,7 @@ def test_a_killed_run_resumes_under_another_device_or_from_an_older_recipe(tmp_p
     import time
 
     import gqakit.pipelines.recovery.run as rec
-    from gqakit.pipelines import run_keys
+    from gqakit.pipelines import steps as run_keys
     from gqakit.pipelines.recovery.run import Inputs
     from gqakit.pipelines.store import ResultStore
 
@@ -461,9 +383,9 @@ def test_a_killed_run_resumes_under_another_device_or_from_an_older_recipe(tmp_p
     inputs = Inputs(str(src), text, text, text)
     o = RecoveryOptions(src=str(src), groups=2, tokens=2048, sets=("data.seq_len=32",), device="auto")
     runs = tmp_path / "runs"
-    out = runs / rec.run_name(o, "mean", o.lr)
+    out = runs / "mean"
     (out / "checkpoints" / "step-00000010").mkdir(parents=True)
-    recipe = rec.run_recipe(o, inputs, str(src), out, o.lr)
+    recipe = rec.run_recipe(o, inputs, str(src), out)
     recipe.speed.device = written or "auto"
     saved = recipe.to_yaml()
     if written is None:  # as a gqakit before speed.device wrote it
@@ -480,5 +402,5 @@ def test_a_killed_run_resumes_under_another_device_or_from_an_older_recipe(tmp_p
 
     monkeypatch.setattr(run_keys, "uptrain", uptrain)
     with pytest.raises(KeyboardInterrupt):
-        rec.uptrain_start(o, ResultStore(tmp_path / "results"), inputs, "mean", src, runs, o.lr)
+        rec.uptrain_start(o, ResultStore(tmp_path / "results"), inputs, "mean", src, runs)
     assert calls == [(True, False)]

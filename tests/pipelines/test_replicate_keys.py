@@ -36,7 +36,7 @@ def measure(tmp_path, monkeypatch):
         train, "decode_rounds", lambda paths, **k: runs.append("decode") or [[point] for _ in paths]
     )
     o = ReplicateOptions(device="auto", echo=lambda m: None)
-    ctx = train.Context(o, ResultStore(tmp_path / "results"), Steps(1, o.echo), tmp_path, (test,) * 3)
+    ctx = train.Context(o, ResultStore(tmp_path / "results"), Steps(1, o.echo), tmp_path, *(test,) * 3)
 
     def measured() -> list[str]:
         runs.clear()
@@ -85,34 +85,34 @@ def test_a_device_name_says_the_model_and_for_a_cpu_the_cpus_it_may_use(monkeypa
 
 
 def test_a_run_killed_under_progress_bars_resumes_without_them(tmp_path):
-    from gqakit.pipelines.run_keys import NOT_WEIGHTS, same_run
+    from gqakit.pipelines.steps import same_run
     from gqakit.uptrain import recipe_from_dict
 
     def recipe(progress: bool, lr: float = 1e-3, device: str = "auto"):
-        o = ReplicateOptions(progress=progress, device=device)
-        ctx = train.Context(o, None, None, tmp_path, (tmp_path / "t.txt",) * 3)  # type: ignore[arg-type]
-        return recipe_from_dict(train.recipe_data(ctx, tmp_path / "start", tmp_path / "out", 10, lr, 0, 100))
+        o = ReplicateOptions(progress=progress, device=device, sets=(f"train.lr={lr}",))
+        ctx = train.Context(o, None, None, tmp_path, *(tmp_path / "t.txt",) * 3)  # type: ignore[arg-type]
+        return recipe_from_dict(train.recipe_data(ctx, tmp_path / "start", tmp_path / "out", 10, 0, True))
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "recipe.yaml").write_text(recipe(True).to_yaml())
-    assert same_run(out, recipe(False), NOT_WEIGHTS)
-    assert not same_run(out, recipe(False, lr=2e-3), NOT_WEIGHTS)
+    assert same_run(out, recipe(False))
+    assert not same_run(out, recipe(False, lr=2e-3))
     # killed under another --device, or written before recipes held speed.device: resumed, not restarted
-    assert same_run(out, recipe(False, device="cpu"), NOT_WEIGHTS)
+    assert same_run(out, recipe(False, device="cpu"))
     (out / "recipe.yaml").write_text(recipe(True).to_yaml().replace("  device: auto\n", ""))
-    assert same_run(out, recipe(False), NOT_WEIGHTS)
+    assert same_run(out, recipe(False))
 
 
 def test_the_training_recipe_names_the_device_and_its_cache_key_does_not(tmp_path):
-    from gqakit.pipelines.run_keys import weights_key
+    from gqakit.pipelines.steps import weights_key
     from gqakit.uptrain import recipe_from_dict
 
     keys = []
     texts = (tmp_path / "t.txt",) * 3
     for device in ("cpu", "cuda", "auto"):
-        ctx = train.Context(ReplicateOptions(device=device), None, None, tmp_path, texts)  # type: ignore[arg-type]
-        data = train.recipe_data(ctx, tmp_path / "start", tmp_path / "out", 10, 1e-3, 0, 100)
+        ctx = train.Context(ReplicateOptions(device=device), None, None, tmp_path, *texts)  # type: ignore[arg-type]
+        data = train.recipe_data(ctx, tmp_path / "start", tmp_path / "out", 10, 0)
         assert recipe_from_dict(data).speed.device == device  # "auto": where accelerate puts it
         keys.append(weights_key(data))
     assert keys[0] == keys[1] == keys[2]

@@ -7,11 +7,12 @@ import pytest
 
 from gqakit.convert import PRESETS, ConvertOptions
 from gqakit.errors import GqakitError
-from gqakit.pipelines.starts import STARTS, conversion_key, convert_options_for, split_sets
+from gqakit.pipelines.starts import CONVERT, STARTS, conversion_key, convert_options_for, split_sets
 
 
 def _opts(start: str, **settings) -> ConvertOptions:
-    return convert_options_for(start, 1, calib_data="calib.txt", settings=settings)
+    sets = [f"{CONVERT}{k}={v}" for k, v in settings.items()]
+    return convert_options_for(start, 1, calib_data="calib.txt", sets=sets)
 
 
 def test_the_starts_are_the_presets_then_the_other_methods():
@@ -48,7 +49,7 @@ def test_a_setting_goes_to_the_starts_that_use_it():
 
 def test_a_preset_keys_as_the_settings_it_stands_for():
     same = convert_options_for(
-        "calibrated", 1, calib_data="calib.txt", settings={"refine_steps": 200}
+        "calibrated", 1, calib_data="calib.txt", sets=[f"{CONVERT}refine_steps=200"]
     )  # a method start takes no refinement: the same settings as fast only through the preset
     assert conversion_key(same) != conversion_key(_opts("fast"))
     explicit = ConvertOptions(1, method="calibrated", calib_data="calib.txt", refine_steps=200, force=True)

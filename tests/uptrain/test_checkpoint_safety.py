@@ -20,7 +20,7 @@ from gqakit.uptrain.train import uptrain
 READ = {
     "model.safetensors": "model.safetensors is not a safetensors file of this model",
     "optimizer.pt": "optimizer.pt is not plain optimizer state \\(UnpicklingError",
-    "rng_state_0.json": "rng_state_0.json is not JSON",
+    "rng_state_0.pt": "rng_state_0.pt is not plain RNG state \\(UnpicklingError",
     "trainer_state.json": "trainer_state.json cannot be read",
 }
 # What accelerate's save_state writes and load_state unpickles (gqakit before pickle-free checkpoints):
@@ -111,13 +111,13 @@ def test_a_planted_pickle_is_refused_or_ignored_never_executed(interrupted, asse
 
 def test_a_checkpoint_in_accelerates_pickle_format_is_refused_unread(interrupted, assets, tmp_path):
     run, ckpt = _copy(interrupted, tmp_path)
-    for name in ("optimizer.pt", "rng_state_0.json"):
+    for name in ("optimizer.pt", "rng_state_0.pt"):
         (ckpt / name).unlink()
     marker = tmp_path / "pwned"
     for name in ("optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"):
         with open(ckpt / name, "wb") as fh:
             pickle.dump(_Plant(marker), fh)
-    with pytest.raises(GqakitError, match="lacks rng_state_0.json, optimizer.pt: it is incomplete"):
+    with pytest.raises(GqakitError, match="lacks rng_state_0.pt, optimizer.pt: it is incomplete"):
         uptrain(_recipe(assets, run), resume=True)
     assert not marker.exists()
 
@@ -130,7 +130,7 @@ def test_a_checkpoint_in_accelerates_pickle_format_is_refused_unread(interrupted
     ids=["a-list", "missing-counters", "a-string-step", "a-negative-step"],
 )  # fmt: skip
 def test_a_training_state_that_is_not_plain_counters_is_refused(tmp_path, record):
-    from gqakit.uptrain.state_io import read_checkpoint_record
+    from gqakit.uptrain.checkpoints import read_checkpoint_record
 
     (tmp_path / "trainer_state.json").write_text(json.dumps(record))
     with pytest.raises(GqakitError, match="is not a gqakit training state .* start over without --resume"):

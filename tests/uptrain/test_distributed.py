@@ -68,7 +68,7 @@ def test_two_processes_match_one_with_the_same_global_batch(recipe, assets, tmp_
     prov = json.loads((two_dir / "gqakit.json").read_text())
     assert prov["processes"] == 2 and prov["distributed_type"] == "MULTI_CPU"
     ckpt = next((two_dir / "checkpoints").iterdir())
-    assert {p.name for p in ckpt.glob("rng_state_*.json")} == {"rng_state_0.json", "rng_state_1.json"}
+    assert {p.name for p in ckpt.glob("rng_state_*.pt")} == {"rng_state_0.pt", "rng_state_1.pt"}
     assert prov["tokens"] == one.tokens
 
     loss_one = [h["loss"] for h in read_history(one.output_dir) if "loss" in h]
@@ -100,12 +100,12 @@ def test_two_processes_match_one_with_the_same_global_batch(recipe, assets, tmp_
 
 
 def test_both_processes_stop_when_another_run_holds_the_run_directory(assets, tmp_path):
-    from gqakit.uptrain.checkpoints import hold_run_dir
+    from gqakit.uptrain.setup import run_dir
 
-    with hold_run_dir(tmp_path / "held"):  # as a run under way holds it
+    with run_dir(tmp_path / "held", False, False, lambda: None):  # as a run under way holds it
         held = f"output_dir={tmp_path / 'held'}"
         proc = _launch_two([f"model.path={assets['mha']}", f"data.files=[{assets['train']}]", held])
     assert proc.returncode != 0
     assert "held is in use by another run (pid" in proc.stderr, proc.stderr[-3000:]
     assert "budget:" not in proc.stderr  # neither process started training
-    assert not (tmp_path / "held").exists()
+    assert not any((tmp_path / "held").iterdir())  # nothing written into it

@@ -14,7 +14,7 @@ from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gqakit.errors import GqakitError
-from gqakit.uptrain import read_history, setup, train, uptrain
+from gqakit.uptrain import read_history, train, uptrain
 
 
 def _weights(path):
@@ -115,9 +115,9 @@ def test_runs_of_different_precision_in_one_process(recipe, tmp_path):
     assert json.loads((res.output_dir / "gqakit.json").read_text())["precision"] == "bf16"
 
 
-@pytest.mark.parametrize("mode, trained", [("kv", (".k_proj.", ".v_proj.")), ("attention", (".self_attn.",))])
-def test_frozen_parameters_stay_bitwise_equal(recipe, mode, trained):
-    res = uptrain(recipe("budget.steps=5", f"train.trainable={mode}", "train.weight_decay=0.5"))
+def test_frozen_parameters_stay_bitwise_equal(recipe):
+    trained = (".self_attn.",)
+    res = uptrain(recipe("budget.steps=5", "train.trainable=attention", "train.weight_decay=0.5"))
     before, after = _weights(res.output_dir / "work" / "converted"), _weights(res.output_dir)
     assert before.keys() == after.keys()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
@@ -178,35 +178,6 @@ def test_non_finite_steps_are_skipped_then_rolled_back(recipe, poison_loss):
     assert events == [{"step": 5, "event": "rollback", "checkpoint": "step-00000005", "lr_scale": 0.5}]
     # steps 6-9 ran twice; the history keeps the second, as after a resume
     assert [h["step"] for h in hist if "loss" in h] == list(range(1, 13))
-    assert all(torch.isfinite(t).all() for t in _weights(res.output_dir).values())
-
-
-def test_a_non_finite_step_under_fp16_is_skipped_and_the_scaler_backs_off(recipe, monkeypatch, poison_loss):
-    """CUDA fp16 simulated on CPU: accelerate's GradScaler on the CPU device, one non-finite loss. The
-    skipped step must still update the scaler, or the next step's unscale_() raises."""
-    import gqakit.uptrain.preflight as preflight
-
-    monkeypatch.setattr(preflight, "precision_problem", lambda precision, device_type: None)
-    make, scalers = setup.make_accelerator, []
-
-    def with_scaler(recipe, out):
-        acc = make(recipe, out)
-        # what Accelerator(mixed_precision="fp16") makes on a CUDA device
-        acc.scaler = torch.amp.GradScaler("cpu")
-        acc.native_amp = True
-        scalers.append(acc.scaler)
-        return acc
-
-    monkeypatch.setattr(setup, "make_accelerator", with_scaler)
-    poison_loss({3}, float("inf"))
-    res = uptrain(
-        recipe(
-            "train.precision=fp16", "budget.steps=5", "checkpoint.every=0", "eval.every=0",
-            "eval.at_start=false", "speed.fused_loss=false", "model.convert=null",
-        )
-    )  # fmt: skip
-    assert res.steps == 5 and res.skipped_steps == 1 and res.rollbacks == 0
-    assert scalers[0].get_scale() == 2.0**15  # the overflow halved the initial 2**16 once
     assert all(torch.isfinite(t).all() for t in _weights(res.output_dir).values())
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gqakit.uptrain.objectives import Objective, distill_kl, lm_loss, lm_loss_per_sequence
+from gqakit.uptrain.objectives import Objective, distill_kl, lm_loss_per_sequence
 
 
 def test_kl_is_exactly_zero_for_equal_logits_and_positive_otherwise():
@@ -29,7 +29,7 @@ def test_lm_loss_is_next_token_cross_entropy():
     logits[0, 0, 2] = 100.0  # position 0 confidently predicts token 2
     ids = torch.tensor([[0, 2, 1]])
     # position 0 -> 2 (right, ~0 loss), position 1 -> 1 (uniform, log 4)
-    assert lm_loss(logits, ids).item() == pytest.approx(math.log(4) / 2, rel=1e-5)
+    assert lm_loss_per_sequence(logits, ids).mean().item() == pytest.approx(math.log(4) / 2, rel=1e-5)
     assert lm_loss_per_sequence(logits, ids).shape == (1,)
 
 

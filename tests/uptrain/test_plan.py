@@ -10,7 +10,7 @@ import yaml
 from click.testing import CliRunner
 
 from gqakit.uptrain.cli import uptrain_cmd
-from gqakit.uptrain.plan import FIXED, GPUS, MFU, plan
+from gqakit.uptrain.plan import FIXED, GPU_FLOPS, MFU, plan
 from gqakit.uptrain.recipe import RECIPES_DIR, load_recipe
 
 # A llama of known shape: hidden 64, 4 query heads of 16, 4 K/V heads (2 after recipes/tiny.yaml's
@@ -55,7 +55,7 @@ def _rows(p) -> dict[str, int]:
 
 
 def test_one_cpu_process_matches_hand_arithmetic(config_only, tmp_path):
-    rows = _rows(plan(_recipe(config_only, tmp_path, "speed.device=cpu"), None, "h100"))
+    rows = _rows(plan(_recipe(config_only, tmp_path, "speed.device=cpu"), None))
     assert rows["parameters"] == 4 * PARAMS
     assert rows["gradients"] == 4 * PARAMS
     assert rows["optimizer state"] == 8 * PARAMS
@@ -71,7 +71,7 @@ def test_one_cpu_process_matches_hand_arithmetic(config_only, tmp_path):
 def test_fsdp_shards_parameters_gradients_optimizer_and_the_teacher(config_only, tmp_path):
     recipe = _recipe(config_only, tmp_path, "objective.kind=distill", "speed.device=cpu")
     fsdp = yaml.safe_load((RECIPES_DIR / "accelerate" / "fsdp-cpu.yaml").read_text())  # 2 processes
-    rows = _rows(plan(recipe, fsdp, "h100"))
+    rows = _rows(plan(recipe, fsdp))
     assert rows["parameters"] == 4 * PARAMS // 2
     assert rows["gradients"] == 4 * PARAMS // 2
     assert rows["optimizer state"] == 8 * PARAMS // 2
@@ -82,14 +82,12 @@ def test_fsdp_shards_parameters_gradients_optimizer_and_the_teacher(config_only,
     assert rows["FSDP: units gathered"] == (PARAMS - 2 * 36_992 + 2 * 36_992) * 8
 
     ddp = {**fsdp, "distributed_type": "MULTI_GPU"}  # the same 2 CPU processes, replicated
-    rows = _rows(plan(recipe, ddp, "h100"))
+    rows = _rows(plan(recipe, ddp))
     assert rows["parameters"] == 4 * PARAMS and rows["teacher"] == 4 * TEACHER
 
 
 def test_gradient_checkpointing_keeps_each_layers_input(config_only, tmp_path):
-    p = plan(
-        _recipe(config_only, tmp_path, "speed.device=cpu", "train.gradient_checkpointing=true"), None, "h100"
-    )
+    p = plan(_recipe(config_only, tmp_path, "speed.device=cpu", "train.gradient_checkpointing=true"), None)
     assert _rows(p)["activations"] == TOKENS * (4 * 64 * 2 + LAYER)
     without = f"{TOKENS * 2 * LAYER / 2**30:.2f} GiB"
     assert "without checkpointing: activations" in p.to_text() and without in p.to_text()
@@ -97,14 +95,16 @@ def test_gradient_checkpointing_keeps_each_layers_input(config_only, tmp_path):
 
 def test_gpu_hours_at_the_measured_mfu(config_only, tmp_path):
     # a GPU in one process: compile + fused loss on (auto), so the "compiled" MFU
-    text = plan(_recipe(config_only, tmp_path), None, "h100", tokens=10**14).to_text()
-    hours = 10**14 * 6 * PARAMS / (GPUS["h100"].peak_flops * MFU[("compiled", "lm")]) / 3600
+    tokens = ("budget.steps=null", "budget.tokens=1e14")  # 781,250,000,000 steps of 4 x 32 tokens
+    text = plan(_recipe(config_only, tmp_path, *tokens), None).to_text()
+    hours = 10**14 * 6 * PARAMS / (GPU_FLOPS * MFU[("compiled", "lm")]) / 3600
     assert f"{hours:,.1f} GPU-hours" in text and "36.7% MFU" in text
-    assert "100,000,000,000,000 (--tokens)" in text
-    distill = plan(_recipe(config_only, tmp_path, "objective.kind=distill"), None, "h100", tokens=10**14)
-    hours = (
-        10**14 * (6 * PARAMS + 2 * TEACHER) / (GPUS["h100"].peak_flops * MFU[("compiled", "distill")]) / 3600
-    )
+    assert "781,250,000,000 steps = 100,000,000,000,000 tokens" in text
+    # --tokens costs a token count (e.g. a threshold from gqakit recovery) instead of the budget
+    given = plan(_recipe(config_only, tmp_path), None, tokens=10**14).to_text()
+    assert f"{hours:,.1f} GPU-hours" in given and "100,000,000,000,000 (--tokens)" in given
+    distill = plan(_recipe(config_only, tmp_path, "objective.kind=distill", *tokens), None)
+    hours = 10**14 * (6 * PARAMS + 2 * TEACHER) / (GPU_FLOPS * MFU[("compiled", "distill")]) / 3600
     assert f"{hours:,.1f} GPU-hours" in distill.to_text()
 
 
@@ -146,7 +146,7 @@ def test_the_7b_command_reads_only_config_json_and_writes_nothing(tmp_path):
     assert params == 5_933_109_248
     assert f"{4 * params / 8 / 2**30:>10.2f} GiB" in res.output.splitlines()[0]
     assert "total per process" in res.output and "NVIDIA H100 80GB HBM3" in res.output
-    assert "2,000,000,000 (--tokens)" in res.output and "on 8 GPU(s)" in res.output
+    assert "tokens: 2,000,000,000 (--tokens)" in res.output and "on 8 GPU(s)" in res.output
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no output_dir, nothing else
 
 
