@@ -156,6 +156,12 @@ def writable_dir(
     return out
 
 
+def partial_dir(dst: Path) -> Path:
+    """The temporary directory :func:`atomic_output_dir` writes ``dst`` into (other processes of a
+    distributed run write their parts there while the main process holds it)."""
+    return dst.with_name(f".{dst.name}.partial")
+
+
 @contextmanager
 def atomic_output_dir(dst: Path, force: bool = False, src: Path | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of ``dst`` (``.NAME.partial``; :func:`check_output_dir` first) to write
@@ -168,7 +174,7 @@ def atomic_output_dir(dst: Path, force: bool = False, src: Path | None = None) -
     with ``kill -9`` left, which cannot clean up after itself: it is removed.
     """
     dst = check_output_dir(dst, force, src)
-    tmp, old = dst.with_name(f".{dst.name}.partial"), dst.with_name(f".{dst.name}.old")
+    tmp, old = partial_dir(dst), dst.with_name(f".{dst.name}.old")
     busy = f"Output {dst} is being written by another command ({OWNER}): wait for it, or choose another path."
     with ExitStack() as held:
         try:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.distributed.tensor import DTensor
 
 from gqakit.errors import GqakitError
-from gqakit.storage import atomic_output_dir, write_text
+from gqakit.storage import atomic_output_dir, partial_dir, write_text
 
 log = logging.getLogger("gqakit.uptrain")
 
@@ -177,7 +177,7 @@ def save_checkpoint(run: Any) -> None:
     dst = root / f"step-{step:08d}"
     with atomic_output_dir(dst, force=True) if acc.is_main_process else contextlib.nullcontext():
         acc.wait_for_everyone()
-        tmp = dst.with_name(f".{dst.name}.partial")  # the temporary directory atomic_output_dir made
+        tmp = partial_dir(dst)
         if _sharded(model):  # every rank its own shards, as plain tensors
             save_file({k: _local(v) for k, v in model.state_dict().items()}, str(tmp / model_file))
             state = optimizer.state_dict()
