@@ -1,6 +1,6 @@
 """Execute a conversion plan shard by shard, tensor by tensor.
 
-Output shards mirror the input shards. Unchanged
+Output shards mirror the input shards (``pytorch_model*.bin`` become ``model*.safetensors``). Unchanged
 tensors are copied as bytes; a changed one is computed and written before the next is touched, so peak
 memory is one tensor. Every output file is laid out from the plan first, so tensors can be written in
 any order (the layer-wise path writes each layer as soon as it is done).
@@ -18,6 +18,13 @@ from gqakit.checkpoint import SAFE_INDEX, Checkpoint, TensorReader
 from gqakit.console import progress as progress_bar
 from gqakit.convert.plan import OutputTensor, execute
 from gqakit.safetensors_io import SafetensorsWriter, TensorSpec
+
+
+def output_shard_name(input_name: str) -> str:
+    """``pytorch_model-00001-of-00002.bin`` -> ``model-00001-of-00002.safetensors``; others unchanged."""
+    if input_name.endswith(".bin"):
+        return input_name.replace("pytorch_model", "model", 1)[: -len(".bin")] + ".safetensors"
+    return input_name
 
 
 class PlanWriter:
@@ -46,7 +53,7 @@ class PlanWriter:
         for out in plan:
             by_shard[reader.shard_of(out.sources[0])].append(out)
         self.total = sum(TensorSpec(o.name, o.dtype, o.shape).nbytes for o in plan)
-        by_file = {f: outs for f, outs in by_shard.items() if outs}
+        by_file = {output_shard_name(f): outs for f, outs in by_shard.items() if outs}
         self.files = list(by_file)
         self._file_of = {o.name: f for f, outs in by_file.items() for o in outs}
         self._writers = {

@@ -1,5 +1,6 @@
 """Reading Hugging Face model checkpoints, shared by every command: naming a model (:func:`model_source`),
-reading its tensors one at a time from safetensors shards, and copying the files that are not weights.
+reading its tensors one at a time from safetensors or legacy ``.bin`` shards, and copying the files that
+are not weights.
 Nothing here knows about attention: that lives in ``gqakit.convert``.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zipfile
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -17,8 +19,9 @@ from typing import Any, BinaryIO
 import torch
 
 from gqakit.assets import ASSETS, BUILT, MODEL_ASSETS, fetch_asset, read_manifest
+from gqakit.dtypes import safetensors_name
 from gqakit.errors import GqakitError, did_you_mean
-from gqakit.safetensors_io import SafetensorsFile
+from gqakit.safetensors_io import SafetensorsFile, check_finite
 from gqakit.text import read_text_file
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -28,8 +31,8 @@ _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpac
 # The records of the run that made a checkpoint (gqakit uptrain's metrics and recipe, HF Trainer's state)
 # describe that run, not a model converted or trained from it: a copy would replace the new run's own.
 _RUN_RECORDS = {"metrics.jsonl", "recipe.yaml", "trainer_state.json"}
-_BIN_INDEX = "pytorch_model.bin.index.json"  # beside safetensors in many hub repositories: not copied
-_NOT_COPIED_NAMES = {SAFE_INDEX, _BIN_INDEX, "config.json", "gqakit.json", "README.md", *_RUN_RECORDS}
+BIN_INDEX = "pytorch_model.bin.index.json"
+_NOT_COPIED_NAMES = {SAFE_INDEX, BIN_INDEX, "config.json", "gqakit.json", "README.md", *_RUN_RECORDS}
 
 
 @dataclass
@@ -53,7 +56,7 @@ class Checkpoint:
     # directory), whose files the provenance hashes; None for the user's own
     derived_from: Checkpoint | None = field(default=None, repr=False)
     _infos: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict, repr=False)
-    format: str = "safetensors"  # the weights' format, the only one read
+    format: str = "safetensors"  # the weights' format: "safetensors" or "bin"
 
     @property
     def model_type(self) -> str:
@@ -77,11 +80,13 @@ class TensorReader:
         self.ckpt = ckpt
         self._where = {n: s.file for s in ckpt.shards for n in s.names}
         self._safe: dict[str, SafetensorsFile] = {}
+        self._bin: dict[str, dict[str, torch.Tensor]] = {}
 
     def close(self) -> None:
         for f in self._safe.values():
             f.close()
         self._safe.clear()
+        self._bin.clear()
 
     def shard_of(self, name: str) -> str:
         return self._where[name]
@@ -91,13 +96,33 @@ class TensorReader:
             self._safe[shard_file] = SafetensorsFile(self.ckpt.path / shard_file)
         return self._safe[shard_file]
 
+    def _bin_dict(self, shard_file: str) -> dict[str, torch.Tensor]:
+        if shard_file not in self._bin:
+            path = self.ckpt.path / shard_file
+            try:
+                # mmap keeps the shard on disk; weights_only refuses pickled code. torch can mmap only the
+                # zip format (torch >= 1.6): a legacy (pre-zip) file is read into memory, as transformers
+                # reads it.
+                mmap = zipfile.is_zipfile(path)
+                self._bin[shard_file] = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+            except Exception as e:  # torch raises many types for a bad pickle
+                raise GqakitError(f"{path} could not be read as a PyTorch checkpoint: {e}") from None
+        return self._bin[shard_file]
+
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        t = self.safetensors_file(self._where[name]).tensors[name]
-        return t.dtype, t.shape
+        shard = self._where[name]
+        if self.ckpt.format == "safetensors":
+            t = self.safetensors_file(shard).tensors[name]
+            return t.dtype, t.shape
+        v = self._bin_dict(shard)[name]
+        return safetensors_name(v.dtype), tuple(v.shape)
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, decoded; a floating one that holds NaN/Inf is refused with its name."""
-        return self.safetensors_file(self._where[name]).read(name)
+        shard = self._where[name]
+        if self.ckpt.format == "safetensors":
+            return self.safetensors_file(shard).read(name)
+        return check_finite(name, self._bin_dict(shard)[name].clone(), self.ckpt.path / shard)
 
     def copy_raw(self, name: str, out: BinaryIO) -> None:
         """Copy a safetensors tensor's bytes straight into ``out`` unchanged (a floating one checked for
@@ -153,18 +178,24 @@ def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
     path = Path(path)
     config = read_config(path, model_type=True)
     if (path / SAFE_INDEX).is_file():
-        shards, index = _index_shards(path, SAFE_INDEX), path / SAFE_INDEX
+        fmt, shards, index = "safetensors", _index_shards(path, SAFE_INDEX), path / SAFE_INDEX
     elif (path / "model.safetensors").is_file():
-        shards, index = [Shard("model.safetensors", [])], None
-    elif any(path.glob("pytorch_model*.bin")):
-        raise GqakitError(
-            f"{path} holds legacy PyTorch .bin weights (pytorch_model*.bin), which gqakit does not read: "
-            "load the model with transformers and re-save it with save_pretrained(DIR) (safetensors)."
-        )
+        fmt, shards, index = "safetensors", [Shard("model.safetensors", [])], None
+    elif (path / BIN_INDEX).is_file():
+        fmt, shards, index = "bin", _index_shards(path, BIN_INDEX), path / BIN_INDEX
+    elif (path / "pytorch_model.bin").is_file():
+        fmt, shards, index = "bin", [Shard("pytorch_model.bin", [])], None
     else:
-        raise GqakitError(f"{path} has a config.json but no weights (model.safetensors or {SAFE_INDEX}).")
-    ckpt = Checkpoint(path, config, shards, index, origin or str(path))
+        raise GqakitError(
+            f"{path} has a config.json but no weights (model.safetensors, {SAFE_INDEX}, "
+            "pytorch_model.bin or its index)."
+        )
+    ckpt = Checkpoint(path, config, shards, index, origin or str(path), format=fmt)
     with ckpt.reader() as reader:
+        if fmt == "bin":
+            if index is None:
+                shards[0].names = list(reader._bin_dict(shards[0].file))  # the file's order
+            return ckpt
         for shard in shards:
             found = reader.safetensors_file(shard.file).tensors  # validates the header now
             if index is None:

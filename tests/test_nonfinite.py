@@ -69,6 +69,19 @@ def test_convert_refuses_nan_in_a_tensor_it_copies_unchanged(tmp_path):
     assert _nothing_at(dst)
 
 
+def test_convert_refuses_a_nan_k_proj_in_a_pytorch_bin(tmp_path):
+    src = save_tiny_model(tmp_path / "src", "llama", heads=8, kv_heads=4)
+    tensors = {k: v.clone() for k, v in checkpoint_tensors(src).items()}
+    tensors[K_PROJ].view(-1)[:3] = float("nan")
+    (src / "model.safetensors").unlink()
+    torch.save(tensors, src / "pytorch_model.bin")
+    dst = tmp_path / "out"
+    _assert_refused(
+        _run("convert", src, dst, "--groups", "2", "--no-progress"), K_PROJ, tensors[K_PROJ].numel()
+    )
+    assert _nothing_at(dst)
+
+
 def test_expand_refuses_a_nan_k_proj(gqa, tmp_path):
     src, total = gqa
     dst = tmp_path / "mha"

@@ -12,7 +12,6 @@ from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM
 
 from gqakit.convert import ADAPTERS, ConvertOptions, convert_checkpoint, expand_checkpoint, inspect_checkpoint
-from gqakit.errors import GqakitError
 from gqakit.safetensors_io import SafetensorsFile
 
 IDS = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -84,11 +83,25 @@ def test_sharded_input_gives_sharded_output_with_valid_index(tmp_path):
     assert _load(tmp_path / "out").config.num_key_value_heads == 2
 
 
-def test_legacy_bin_input_is_refused_with_the_fix(tmp_path):
+# zip_format False: the pre-zip format torch.save wrote before torch 1.6, which transformers still loads
+# (and torch cannot memory-map).
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_legacy_bin_input(tmp_path, zip_format):
     model_dir = save_tiny_model(tmp_path / "st", "llama", heads=4, kv_heads=4)
-    (model_dir / "model.safetensors").rename(model_dir / "pytorch_model.bin")
-    with pytest.raises(GqakitError, match=r"legacy PyTorch \.bin weights .* re-save it with save_pretrained"):
-        convert_checkpoint(model_dir, tmp_path / "out", ConvertOptions(groups=4))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sd = _load(model_dir).state_dict()
+    torch.save(
+        {k: v.contiguous() for k, v in sd.items()},
+        bin_dir / "pytorch_model.bin",
+        _use_new_zipfile_serialization=zip_format,
+    )
+    for f in model_dir.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (bin_dir / f.name).write_bytes(f.read_bytes())
+    convert_checkpoint(bin_dir, tmp_path / "out", ConvertOptions(groups=4))
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    torch.testing.assert_close(_logits(tmp_path / "out"), _logits(model_dir), rtol=0, atol=0)
 
 
 def test_bf16_stays_bf16_and_dtype_option_casts(tmp_path):
