@@ -66,7 +66,10 @@ def parse_lm_eval_args(text: str | None, flag: str = "--lm-eval-args") -> LmEval
     out = LmEvalArgs()
     if not text or not text.strip():
         return out
-    tokens = shlex.split(text if "--" in text or "{" in text else text.replace(",", " "))
+    try:
+        tokens = shlex.split(text if "--" in text or "{" in text else text.replace(",", " "))
+    except ValueError as e:  # an unclosed quote
+        raise GqakitError(f"{flag}: cannot read {text!r}: {e}.") from None
     # deferred: lm-eval takes seconds to import
     import lm_eval
 
@@ -135,7 +138,7 @@ def task_manager(tasks: list[str] | tuple[str, ...] = (), args: LmEvalArgs | Non
 def check_tasks(tasks: list[str] | tuple[str, ...], args: LmEvalArgs | None = None) -> None:
     """Raise a GqakitError naming lm-eval's closest task names for every task it does not know."""
     tm = task_manager(tasks, args)
-    unknown = [t for t in tasks if t not in set(tm.all_tasks) and not t.endswith((".yaml", ".yml"))]
+    unknown = [t for t in tasks if t not in tm.all_tasks and not t.endswith((".yaml", ".yml"))]
     if unknown:
         named = " ".join(f"{t!r}.{did_you_mean(t, tm.all_tasks)}" for t in unknown)
         raise GqakitError(

@@ -207,7 +207,8 @@ def open_checkpoint_dir(path: Path, origin: str | None = None) -> Checkpoint:
                         f"{path / shard.file} lacks {len(absent)} tensor(s) that the index puts there "
                         f"(first: {absent[0]!r}). The shard is corrupt or from another model."
                     )
-                shard.names = [n for n in found if n in set(shard.names)]
+                listed = set(shard.names)  # once, not per tensor
+                shard.names = [n for n in found if n in listed]
     return ckpt
 
 

@@ -49,7 +49,10 @@ def read_launch(config: dict[str, Any] | None, speed_device: str) -> tuple[int, 
     """The processes, distribution (accelerate's NO, MULTI_GPU, MULTI_CPU, FSDP) and device (cpu or cuda)
     of an accelerate config (None: one process)."""
     config = config or {}
-    processes = int(config.get("num_processes") or 1)
+    try:
+        processes = int(n := config.get("num_processes") or 1)
+    except (TypeError, ValueError):
+        raise GqakitError(f"--accelerate-config: num_processes {n!r} is not a whole number.") from None
     kind = str(config.get("distributed_type") or "NO").upper()
     cpu = truthy(config.get("use_cpu")) or speed_device == "cpu"
     if cpu and kind == "MULTI_GPU":

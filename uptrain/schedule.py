@@ -15,9 +15,7 @@ class Budget:
 
     steps: int
     tokens_per_step: int  # batch_size * grad_accum * processes * seq_len
-    pretraining_tokens: int | None = (
-        None  # the model's original pretraining tokens, when the recipe states them
-    )
+    pretraining_tokens: int | None = None  # the model's original pretraining tokens, if the recipe states
 
     def tokens(self, step: int | None = None) -> int:
         """Tokens trained after ``step`` steps (default: the whole budget)."""

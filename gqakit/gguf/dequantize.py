@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 CACHE = "gguf-dequantized"  # the folder under the cache root
 # Part of every cached copy's name: raised whenever a copy's contents change for the same file, so an
-# older gqakit's copy is not reused (2: configs restored by gqakit.gguf.header).
+# older gqakit's copy is not reused (2: configs restored by gqakit.gguf.header; 3: a record per copy).
 READER_VERSION = 3
 log = logging.getLogger(__name__)
 

@@ -88,8 +88,7 @@ class DemoOptions(PipelineOptions):
         steps' minutes."""
         super().check(p)
         f = p.flag
-        at_least(p, self, 1, "seq_len", "decode_rounds")
-        at_least(p, self, 1, "eval_tokens", "decode_context")  # None: the machine's default
+        at_least(p, self, 1, "seq_len", "decode_rounds", "eval_tokens", "decode_context")  # None: the default
         if not self.budget_scale > 0:
             p.add(f"{f('budget_scale')} must be positive, got {self.budget_scale}.")
         if self.dtype not in LOAD_DTYPES:

@@ -193,14 +193,15 @@ def decode_times(ctx: Context, by_g: dict[int, Path]) -> dict[int, dict[str, Any
     # the device's model, not its kind: timings from one GPU (or CPU) are not another's, so a working
     # directory moved to another one times again
     key |= {"rounds": DECODE_ROUNDS, "device": device_name(resolve_device(ctx.o.device))}
-    cached = ctx.store.get("decode", key)
-    if cached is None:
+
+    def measure() -> dict[str, list[float | None]]:
         points = decode_rounds(
             list(by_g.values()), batch=8, context=ctx.o.model.seq_len - 16, new_tokens=16,
             rounds=DECODE_ROUNDS, dtype="float32", device=ctx.o.device,
         )  # fmt: skip
-        cached = {str(g): [p.tokens_per_s for p in ps] for g, ps in zip(by_g, points, strict=True)}
-        ctx.store.put("decode", key, cached)
+        return {str(g): [p.tokens_per_s for p in ps] for g, ps in zip(by_g, points, strict=True)}
+
+    cached = ctx.store.value("decode", key, measure)
     out = {}
     for g, path in by_g.items():
         stats = round_stats(cached[str(g)])

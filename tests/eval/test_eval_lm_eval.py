@@ -151,6 +151,7 @@ def test_parse_lm_eval_args_both_styles():
         ("fewshot", "cannot read 'fewshot'"),
         # JSON needs the shell's quotes around it, as on lm-eval's command line
         ('--metadata {"ppl_file": "x.txt"}', "a JSON value in quotes"),
+        ("--num_fewshot '5", "No closing quotation"),  # a message, not shlex's traceback
     ],
 )
 def test_parse_lm_eval_args_errors(text, message):

@@ -155,3 +155,11 @@ def test_the_recipe_is_validated_first(config_only):
         uptrain_cmd, [str(RECIPES_DIR / "tiny.yaml"), f"model.path={config_only}", "train.lr=-1", "--plan"]
     )
     assert res.exit_code != 0 and "train.lr" in res.output
+
+
+def test_a_launch_config_with_a_bad_process_count_is_one_message(tmp_path):
+    config = tmp_path / "acc.yaml"
+    config.write_text("distributed_type: FSDP\nnum_processes: two\n")
+    res = CliRunner().invoke(uptrain_cmd, ["tiny", "--plan", "--accelerate-config", str(config)])
+    assert res.exit_code != 0 and "num_processes 'two' is not a whole number" in res.output
+    assert not isinstance(res.exception, ValueError)
